@@ -1,0 +1,31 @@
+"""The native module builds, imports and computes CRC-32C correctly."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+
+tmrun_native = pytest.importorskip("tmrun_native")
+
+
+def test_crc32c_known_vector() -> None:
+    # The standard CRC-32C check value of "123456789".
+    assert tmrun_native.crc32c(b"123456789") == 0xE3069283
+
+
+def test_crc32c_is_incremental_and_differs_from_crc32() -> None:
+    data = bytes(range(256)) * 37 + b"tail"
+    whole = tmrun_native.crc32c(data)
+    for cut in (0, 1, 7, 8, 9, 1000, len(data)):
+        assert tmrun_native.crc32c(data[cut:], tmrun_native.crc32c(data[:cut])) == whole
+    assert whole != zlib.crc32(data)
+
+
+def test_crc32c_accepts_buffers() -> None:
+    import torch
+
+    tensor = torch.arange(1000, dtype=torch.float32)
+    raw = tensor.numpy().tobytes()
+    assert tmrun_native.crc32c(memoryview(tensor.numpy())) == tmrun_native.crc32c(raw)
+    assert tmrun_native.crc32c(b"") == 0

@@ -1,0 +1,25 @@
+// Python bindings of the tmrun native library.
+#include <pybind11/pybind11.h>
+
+#include "tmrun/checksum.h"
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(tmrun_native, m) {
+  m.doc() = "tmrun native communicator and helpers";
+  m.attr("__version__") = "0.1.0";
+  m.def(
+      "crc32c",
+      [](py::buffer data, uint32_t crc) {
+        py::buffer_info info = data.request();
+        if (info.ndim > 1 && !PyBuffer_IsContiguous(info.view(), 'C')) {
+          throw py::value_error("crc32c needs a C-contiguous buffer");
+        }
+        const size_t nbytes = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
+        py::gil_scoped_release release;
+        return tmrun::crc32c(crc, info.ptr, nbytes);
+      },
+      py::arg("data"), py::arg("crc") = 0u,
+      "CRC-32C of a contiguous buffer (bytes, bytearray, memoryview, numpy array); "
+      "pass a previous result as `crc` to extend it.");
+}
