@@ -1,0 +1,202 @@
+"""``tmrun``: torchrun's command line (every option, both spellings) plus tmrun's options.
+
+The parser is torch's own ``torch.distributed.run.get_args_parser()``, extended: so the options,
+defaults and meanings are exactly torchrun's for the installed torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import uuid
+from collections.abc import Sequence
+from typing import NoReturn
+
+from tmrun.cli.slurm import HostlistError, slurm_defaults
+from tmrun.console import fail
+
+
+class UsageError(Exception):
+    """A mistake on the command line: reported as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from torch.distributed.run import get_args_parser
+
+    torch_parser = get_args_parser()
+    parser = _Parser(
+        prog="tmrun",
+        description="torchrun with warm standby members: every torchrun option works, plus the tmrun options below.",
+        formatter_class=torch_parser.formatter_class,
+        allow_abbrev=False,
+    )
+    # Re-home torch's actions (same option strings, defaults and help) into our parser,
+    # optionals first so tmrun's options can sit before the positional script.
+    for action in torch_parser._actions:  # noqa: SLF001 - argparse has no public iterator
+        if isinstance(action, argparse._HelpAction):  # noqa: SLF001
+            continue
+        if action.option_strings:
+            parser._add_action(action)  # noqa: SLF001
+    group = parser.add_argument_group("tmrun")
+    group.add_argument(
+        "--standby",
+        type=int,
+        default=0,
+        metavar="N",
+        help="Spare members kept warm: standby nodes (the agents beyond --nnodes) when the job spans "
+        "nodes, standby worker processes on a single node. Default 0.",
+    )
+    for action in torch_parser._actions:  # noqa: SLF001
+        if not action.option_strings:
+            parser._add_action(action)  # noqa: SLF001
+    return parser
+
+
+def explicit_dests(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
+    """Destinations of the options written on the command line (before the script)."""
+    by_option = {opt: a.dest for a in parser._actions for opt in a.option_strings}  # noqa: SLF001
+    given: set[str] = set()
+    for token in argv:
+        if not token.startswith("-"):
+            break
+        name = token.split("=", 1)[0]
+        if name in by_option:
+            given.add(by_option[name])
+    return given
+
+
+def _apply_slurm(args: argparse.Namespace, given: set[str]) -> None:
+    try:
+        defaults = slurm_defaults(os.environ)
+    except (HostlistError, ValueError) as exc:
+        raise UsageError(f"cannot read the SLURM environment: {exc}") from None
+    if defaults is None:
+        return
+    if "nnodes" not in given:
+        active = defaults.nnodes_total - args.standby
+        if active < 1:
+            raise UsageError(
+                f"the SLURM step has {defaults.nnodes_total} node(s): too few for --standby {args.standby} plus one active node"
+            )
+        args.nnodes = str(active)
+    if "rdzv_endpoint" not in given and "standalone" not in given:
+        args.rdzv_endpoint = f"{defaults.first_host}:{defaults.rdzv_port}"
+    if "rdzv_id" not in given:
+        args.rdzv_id = defaults.run_id
+    if "node_rank" not in given:
+        args.node_rank = defaults.node_rank
+    if "master_addr" not in given:
+        args.master_addr = defaults.first_host
+
+
+def _apply_defaults(args: argparse.Namespace, given: set[str]) -> None:
+    if "rdzv_backend" not in given:
+        args.rdzv_backend = "tmrun"
+    if args.standalone:
+        args.rdzv_backend = "tmrun"
+        args.rdzv_endpoint = "localhost:0"
+        args.rdzv_id = str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+    if args.rdzv_backend == "tmrun" and not args.rdzv_endpoint:
+        single = _max_nodes(args.nnodes) == 1
+        args.rdzv_endpoint = "localhost:0" if single else f"{args.master_addr}:{args.master_port}"
+        if single and args.rdzv_id == "none":
+            args.rdzv_id = str(uuid.uuid4())
+    if args.standby and "max_restarts" not in given:
+        args.max_restarts = 3  # a standby is only useful if a failure may be recovered
+    if args.rdzv_backend == "tmrun" and args.node_rank:
+        args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf, f"node_rank={args.node_rank}"]))
+
+
+def _max_nodes(nnodes: str) -> int:
+    parts = nnodes.split(":")
+    if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
+        raise UsageError(f"--nnodes {nnodes!r} is not a number or MIN:MAX")
+    low, high = int(parts[0]), int(parts[-1])
+    if low < 1 or high < low:
+        raise UsageError(f"--nnodes {nnodes!r} needs 1 <= MIN <= MAX")
+    return high
+
+
+def _validate(args: argparse.Namespace) -> None:
+    if args.standby < 0:
+        raise UsageError(f"--standby must be 0 or more, got {args.standby}")
+    if args.standby and args.rdzv_backend != "tmrun":
+        raise UsageError(f"--standby needs the tmrun rendezvous backend, not {args.rdzv_backend!r}")
+    _max_nodes(args.nnodes)
+    nproc = str(args.nproc_per_node)
+    if nproc.lstrip("-").isdigit() and int(nproc) < 1:
+        raise UsageError(f"--nproc-per-node must be at least 1, got {nproc}")
+    if args.max_restarts < 0:
+        raise UsageError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
+    if args.monitor_interval <= 0:
+        raise UsageError(f"--monitor-interval must be positive, got {args.monitor_interval}")
+    script = args.training_script
+    if args.no_python:
+        if args.module:
+            raise UsageError("--no-python and --module cannot be used together")
+        if shutil.which(script) is None and not os.path.isfile(script):
+            raise UsageError(f"program {script!r} not found")
+    elif not args.module and not os.path.isfile(script):
+        raise UsageError(f"training script {script!r} not found")
+    if args.rdzv_backend == "tmrun":
+        from tmrun.rendezvous.endpoint import EndpointError, parse_endpoint
+
+        try:
+            parse_endpoint(args.rdzv_endpoint, 29400)
+        except EndpointError as exc:
+            raise UsageError(str(exc)) from None
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(list(argv))
+    given = explicit_dests(parser, argv)
+    _apply_slurm(args, given)
+    _apply_defaults(args, given)
+    _validate(args)
+    return args
+
+
+def run(argv: Sequence[str]) -> int:
+    args = parse(argv)
+    from torch.distributed.run import config_from_args
+
+    from tmrun.launcher.launch import TmrunOptions, launch
+
+    try:
+        config, entrypoint, entry_args = config_from_args(args)
+    except (ValueError, RuntimeError, AssertionError) as exc:
+        raise UsageError(str(exc)) from None
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    return launch(config, entrypoint, entry_args, TmrunOptions(standby=args.standby))
+
+
+def main(argv: Sequence[str] | None = None) -> NoReturn:
+    from tmrun.launcher.launch import LaunchError
+    from tmrun.rendezvous.endpoint import EndpointError
+
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        code = run(argv)
+    except UsageError as exc:
+        fail(str(exc))
+        code = 2
+    except (LaunchError, EndpointError) as exc:
+        fail(str(exc))
+        code = 1
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""The leader: the only writer of the job's membership.
+
+It runs as a thread of the agent that hosts the rendezvous store (that process outlives its
+workers). It admits nodes, forms the first group, and on a failure publishes a new epoch in
+which a standby takes the failed node's group rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from torch.distributed import Store
+
+from tmrun.console import say
+from tmrun.control import planner
+from tmrun.control.events import record_event
+from tmrun.control.liveness import LivenessMonitor
+from tmrun.control.planner import FailureReport, GroupLimits
+from tmrun.rendezvous import keys
+from tmrun.rendezvous.state import Membership, Phase
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LeaderConfig:
+    run_id: str
+    limits: GroupLimits
+    last_call_timeout: float  # elastic: how long to wait for more than min_nodes
+    join_timeout: float  # how long to wait for min_nodes, or for a lost rank's replacement
+    failure_settle: float  # how long to wait for a root cause after a plain worker exception
+    heartbeat_timeout: float
+    poll_interval: float = 0.02
+
+
+@dataclass
+class _Pending:
+    first_seen: float
+    reports: list[FailureReport] = field(default_factory=list)
+
+
+class Leader:
+    def __init__(self, store: Store, config: LeaderConfig) -> None:
+        self._store = store
+        self._config = config
+        self._membership = Membership()
+        self._known_nodes = 0
+        self._hints: dict[int, int] = {}  # node id -> preferred group rank (SLURM node rank)
+        self._joined: list[int] = []  # forming: nodes in join order
+        self._enough_since: float | None = None
+        self._started = time.monotonic()
+        self._hole_since: float | None = None
+        self._failures_seen = 0
+        self._pending: _Pending | None = None
+        self._lost: dict[int, str] = {}
+        self._stop = threading.Event()
+        self._monitor = LivenessMonitor(config.run_id, config.heartbeat_timeout)
+        self._thread = threading.Thread(target=self._run, name="tmrun-leader", daemon=True)
+        self.error: BaseException | None = None
+
+    @property
+    def liveness_port(self) -> int:
+        return self._monitor.port
+
+    def start(self, advertise_host: str) -> None:
+        self._store.set(keys.LIVENESS_ADDR, f"{advertise_host}:{self._monitor.port}")
+        self._publish(self._membership)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        self._monitor.close()
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._monitor.poll(self._config.poll_interval, self._on_lost)
+                if self._membership.is_closed():
+                    continue
+                if self._store.check([keys.CLOSED]):
+                    self._close_from_store()
+                    continue
+                self._admit_new_nodes()
+                self._collect_failures()
+                self._handle_lost()
+                if self._membership.phase is Phase.FORMING:
+                    self._maybe_form()
+                else:
+                    self._maybe_replace()
+                    self._check_hole()
+        except Exception as exc:  # the store went away or a bug: the job cannot continue
+            if not self._stop.is_set():
+                log.error("tmrun leader stopped: %s", exc)
+                self.error = exc
+
+    def _publish(self, membership: Membership) -> None:
+        self._membership = membership
+        self._store.set(keys.STATE, membership.to_json())
+        self._store.add(keys.STATE_VERSION, 1)
+
+    def _event(self, kind: str, detail: str) -> None:
+        say(f"{kind}: {detail}")
+        record_event(self._store, kind, self._membership.epoch, detail)
+
+    def _on_lost(self, node_id: int, why: str) -> None:
+        self._lost[node_id] = why
+
+    # -- joins ----------------------------------------------------------------------------
+
+    def _admit_new_nodes(self) -> None:
+        count = self._store.add(keys.NODE_SEQ, 0)
+        while self._known_nodes < count:
+            node_id = self._known_nodes
+            if not self._store.check([keys.node_info(node_id)]):
+                return  # registered its id but not its info yet; next round
+            info = json.loads(self._store.get(keys.node_info(node_id)))
+            self._known_nodes += 1
+            hint = info.get("node_rank_hint")
+            if isinstance(hint, int) and hint >= 0:
+                self._hints[node_id] = hint
+            if node_id in self._lost:
+                continue
+            if self._membership.phase is Phase.FORMING:
+                self._joined.append(node_id)
+                self._event("join", f"node {node_id} ({info.get('host')}) joined")
+            else:
+                admitted = planner.admit_node(self._membership, node_id, self._config.limits)
+                self._publish(admitted)
+                self._event("join", admitted.reason)
+
+    def _maybe_form(self) -> None:
+        limits = self._config.limits
+        now = time.monotonic()
+        joined = sorted(self._joined, key=lambda n: (self._hints.get(n, 1 << 30), self._joined.index(n)))
+        if len(joined) >= limits.min_nodes:
+            if self._enough_since is None:
+                self._enough_since = now
+            ready = (
+                len(joined) >= limits.max_nodes
+                or now - self._enough_since >= self._config.last_call_timeout
+            )
+            if ready:
+                formed = planner.form_group(self._membership, joined, limits)
+                self._publish(formed)
+                self._event("formed", formed.reason)
+        elif now - self._started > self._config.join_timeout:
+            self._fail(f"only {len(joined)} of {limits.min_nodes} nodes joined within {self._config.join_timeout:g} s")
+
+    # -- failures -------------------------------------------------------------------------
+
+    def _collect_failures(self) -> None:
+        count = self._store.add(keys.FAIL_SEQ, 0)
+        while self._failures_seen < count:
+            key = keys.failure(self._failures_seen)
+            if not self._store.check([key]):
+                return
+            data = json.loads(self._store.get(key))
+            self._failures_seen += 1
+            report = FailureReport(
+                node_id=int(data["node_id"]),
+                epoch=int(data["epoch"]),
+                by_signal=bool(data["by_signal"]),
+                detail=str(data.get("detail", "")),
+            )
+            if report.epoch != self._membership.epoch:
+                self._event("stale", f"refused a failure report of node {report.node_id} from epoch {report.epoch}")
+                continue
+            self._add_pending(report)
+
+    def _add_pending(self, report: FailureReport) -> None:
+        if self._pending is None:
+            self._pending = _Pending(first_seen=time.monotonic())
+        self._pending.reports.append(report)
+
+    def _handle_lost(self) -> None:
+        if not self._lost:
+            return
+        lost, self._lost = self._lost, {}
+        for node_id, why in lost.items():
+            if node_id in self._membership.dead:
+                continue
+            role = self._membership.role_of(node_id)
+            self._event("lost", f"node {node_id} ({role}): {why}")
+            if self._membership.phase is Phase.FORMING:
+                if node_id in self._joined:
+                    self._joined.remove(node_id)
+            elif role == "active":
+                self._add_pending(
+                    FailureReport(node_id, self._membership.epoch, by_signal=False, node_dead=True, detail=why)
+                )
+            elif role == "standby":
+                self._publish(planner.drop_standby(self._membership, node_id))
+
+    def _maybe_replace(self) -> None:
+        pending = self._pending
+        if pending is None:
+            return
+        certain = any(r.by_signal or r.node_dead for r in pending.reports)
+        if not certain and time.monotonic() - pending.first_seen < self._config.failure_settle:
+            return
+        self._pending = None
+        culprits = planner.blame(pending.reports)
+        dead = {r.node_id for r in pending.reports if r.node_dead}
+        plan = planner.replace_failed(self._membership, culprits, dead, self._config.limits)
+        causes = "; ".join(f"node {r.node_id}: {r.detail}" for r in pending.reports if r.node_id in culprits)
+        self._publish(plan)
+        self._event("failure", causes)
+        self._event("replace", f"epoch {plan.epoch}: {plan.reason}")
+        if planner.HOLE in plan.active and self._hole_since is None:
+            self._hole_since = time.monotonic()
+
+    def _check_hole(self) -> None:
+        if planner.HOLE not in self._membership.active:
+            self._hole_since = None
+            return
+        if self._hole_since is not None and time.monotonic() - self._hole_since > self._config.join_timeout:
+            self._fail(f"no node replaced the lost group rank within {self._config.join_timeout:g} s")
+
+    # -- closing --------------------------------------------------------------------------
+
+    def _fail(self, reason: str) -> None:
+        payload = json.dumps({"phase": Phase.FAILED.value, "reason": reason})
+        self._store.compare_set(keys.CLOSED, "", payload)
+        self._close_from_store()
+
+    def _close_from_store(self) -> None:
+        data = json.loads(self._store.get(keys.CLOSED))
+        closed = planner.close(self._membership, Phase(data["phase"]), str(data["reason"]))
+        self._publish(closed)
+        self._event("closed", f"{closed.phase.value}: {closed.reason}")

@@ -1,0 +1,1 @@
+"""The tmrun agent and the launch sequence around it."""

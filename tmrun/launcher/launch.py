@@ -1,0 +1,121 @@
+"""The launch sequence: rendezvous handler, worker spec, TmrunAgent, and the outcome."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.elastic.agent.server.api import WorkerSpec
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousError, RendezvousParameters
+from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+from torch.distributed.launcher.api import LaunchConfig
+
+from tmrun.console import say
+from tmrun.launcher.agent import TmrunAgent
+from tmrun.launcher.runfile import remove_runfile, write_runfile
+from tmrun.rendezvous import register_tmrun_backend
+from tmrun.rendezvous.handler import TmrunRendezvousHandler
+from tmrun.rendezvous.state import Phase
+
+log = logging.getLogger(__name__)
+
+
+class LaunchError(RuntimeError):
+    """The job could not start or continue, for a reason the user can read in one line."""
+
+
+@dataclass(frozen=True)
+class TmrunOptions:
+    standby: int  # spare members: nodes when the job spans nodes, worker processes on one node
+
+
+def launch(config: LaunchConfig, entrypoint: str, args: list[Any], options: TmrunOptions) -> int:
+    """Run the job on this node; return the process exit code."""
+    register_tmrun_backend()
+    single_node = config.max_nodes == 1
+    rdzv_configs = dict(config.rdzv_configs)
+    if config.rdzv_backend == "tmrun":
+        rdzv_configs["standby"] = 0 if single_node else options.standby
+    params = RendezvousParameters(
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=config.run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        local_addr=config.local_addr,
+        **rdzv_configs,
+    )
+    try:
+        handler = rdzv_registry.get_rendezvous_handler(params)
+    except (ValueError, RendezvousError) as exc:
+        raise LaunchError(str(exc)) from None
+    tmrun_handler = handler if isinstance(handler, TmrunRendezvousHandler) else None
+    spec = WorkerSpec(
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        entrypoint=entrypoint,
+        args=tuple(args),
+        rdzv_handler=handler,
+        max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval,
+        local_addr=config.local_addr,
+        event_log_handler=config.event_log_handler,
+        numa_options=config.numa_options,
+        duplicate_stdout_filters=config.duplicate_stdout_filters,
+        duplicate_stderr_filters=config.duplicate_stderr_filters,
+        virtual_local_rank=config.virtual_local_rank,
+    )
+    agent = TmrunAgent(
+        spec,
+        config.logs_specs,  # type: ignore[arg-type]
+        start_method=config.start_method,
+        monitor_interval=config.monitor_interval,
+        standby_workers=options.standby if single_node else 0,
+        log_line_prefix_template=config.log_line_prefix_template,
+        shutdown_timeout=int(config.shutdown_timeout),
+    )
+    runfile = None
+    if tmrun_handler is not None and tmrun_handler.is_host:
+        runfile = write_runfile(config.run_id, str(tmrun_handler.endpoint))
+        say(f"rendezvous store at {tmrun_handler.endpoint} (run id {config.run_id})")
+    try:
+        return _run(agent, tmrun_handler)
+    finally:
+        if tmrun_handler is not None:
+            tmrun_handler.leave()
+        else:
+            handler.shutdown()
+        if runfile is not None:
+            remove_runfile(runfile)
+
+
+def _run(agent: TmrunAgent, handler: TmrunRendezvousHandler | None) -> int:
+    try:
+        result = agent.run()
+    except RendezvousClosedError as exc:
+        closed = handler.closed_reason() if handler is not None else None
+        if closed is not None and closed[0] is Phase.SUCCEEDED:
+            say("the job finished; this standby member leaves")
+            return 0
+        raise LaunchError(str(exc)) from None
+    except SignalException as exc:
+        say(f"received {exc.sigval.name}; workers stopped")
+        if handler is not None:
+            handler.close(Phase.FAILED, f"an agent received {exc.sigval.name}")
+        return 128 + int(exc.sigval)
+    except RendezvousError as exc:
+        raise LaunchError(f"rendezvous failed: {exc}") from None
+    if result.is_failed():
+        failures = result.failures or {}
+        summary = "; ".join(
+            f"rank {rank} exit code {f.exitcode}" + (f" ({f.signal_name()})" if f.exitcode < 0 else "")
+            for rank, f in sorted(failures.items())
+        )
+        if handler is not None:
+            handler.close(Phase.FAILED, f"workers failed with no restarts left: {summary}")
+        raise LaunchError(f"workers failed and no restarts are left: {summary}")
+    if handler is not None:
+        handler.close(Phase.SUCCEEDED, "workers finished")
+    return 0

@@ -1,0 +1,93 @@
+"""Single-node standby members: warm worker processes kept beside the active workers.
+
+A standby process imports torch ahead of time (the bulk of a cold start) and then waits.
+Scripts that use the tmrun worker API are promoted in place; for a plain torchrun script the
+standby only stands ready. The pool starts them, reports them, and stops them cleanly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+from tmrun.console import say
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StandbyMember:
+    index: int
+    process: subprocess.Popen[bytes]
+    ready_file: str
+
+    @property
+    def ready(self) -> bool:
+        return os.path.exists(self.ready_file)
+
+    def describe(self) -> dict[str, object]:
+        state = "exited" if self.process.poll() is not None else ("ready" if self.ready else "warming")
+        return {"index": self.index, "pid": self.process.pid, "state": state}
+
+
+class StandbyPool:
+    def __init__(self, size: int, run_id: str, log_dir: str | None) -> None:
+        self._size = size
+        self._run_id = run_id
+        self._members: list[StandbyMember] = []
+        self._dir = tempfile.mkdtemp(prefix="tmrun-standby-")
+        self._log_dir = log_dir
+
+    @property
+    def members(self) -> list[StandbyMember]:
+        return list(self._members)
+
+    def fill(self) -> None:
+        """Start standby processes until the pool holds ``size`` live members."""
+        self._members = [m for m in self._members if m.process.poll() is None]
+        while len(self._members) < self._size:
+            index = max((m.index for m in self._members), default=-1) + 1
+            self._members.append(self._start(index))
+
+    def _start(self, index: int) -> StandbyMember:
+        ready_file = os.path.join(self._dir, f"standby-{index}.ready")
+        env = dict(os.environ)
+        env.update(
+            {
+                "TMRUN_ROLE": "standby",
+                "TMRUN_STANDBY_INDEX": str(index),
+                "TMRUN_STANDBY_READY_FILE": ready_file,
+                "TMRUN_RUN_ID": self._run_id,
+                "TMRUN_AGENT_PID": str(os.getpid()),
+            }
+        )
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tmrun.launcher.standby_worker"],
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+        say(f"standby worker {index} started (pid {process.pid})")
+        return StandbyMember(index, process, ready_file)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        for member in self._members:
+            if member.process.poll() is None:
+                member.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for member in self._members:
+            remaining = max(0.0, deadline - time.monotonic())
+            try:
+                member.process.wait(timeout=remaining)
+            except subprocess.TimeoutExpired:
+                member.process.kill()
+                member.process.wait(timeout=5)
+        self._members = []
+        for name in os.listdir(self._dir):
+            os.unlink(os.path.join(self._dir, name))
+        os.rmdir(self._dir)

@@ -1,0 +1,273 @@
+"""The "tmrun" rendezvous handler: epochs, active and standby nodes, one leader.
+
+Every agent registers as a node. The agent that hosts the store runs the leader, which decides
+membership; the others only read it. ``next_rendezvous`` returns when this node holds a group
+rank in an epoch newer than the one it last ran; a standby node waits inside it until promoted.
+Each epoch gets its own key prefix, so no restart ever reads an address an earlier one wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+from torch.distributed import PrefixStore, Store
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
+)
+
+from tmrun.console import say
+from tmrun.control.leader import Leader, LeaderConfig
+from tmrun.control.liveness import LivenessBeacon
+from tmrun.control.planner import GroupLimits
+from tmrun.rendezvous import keys
+from tmrun.rendezvous.endpoint import Endpoint, open_store, parse_endpoint
+from tmrun.rendezvous.state import Membership, Phase
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 29400
+BACKEND_NAME = "tmrun"
+
+
+class RendezvousConfigError(ValueError):
+    """A rendezvous option is invalid (reported to the user as one line)."""
+
+
+@dataclass(frozen=True)
+class TmrunRendezvousConfig:
+    endpoint: Endpoint
+    run_id: str
+    limits: GroupLimits
+    node_rank_hint: int
+    local_addr: str | None
+    join_timeout: float
+    last_call_timeout: float
+    failure_settle: float
+    heartbeat_interval: float
+    heartbeat_timeout: float
+    connect_timeout: float
+    read_timeout: float
+    close_grace: float
+
+    @classmethod
+    def from_parameters(cls, params: RendezvousParameters) -> TmrunRendezvousConfig:
+        def number(key: str, default: float) -> float:
+            raw = params.get(key, default)
+            try:
+                value = float(raw)
+            except (TypeError, ValueError):
+                raise RendezvousConfigError(f"rendezvous option {key}={raw!r} is not a number") from None
+            if value < 0:
+                raise RendezvousConfigError(f"rendezvous option {key}={raw!r} must not be negative")
+            return value
+
+        standby = int(number("standby", 0))
+        if params.min_nodes < 1 or params.max_nodes < params.min_nodes:
+            raise RendezvousConfigError(f"invalid node counts {params.min_nodes}:{params.max_nodes}")
+        return cls(
+            endpoint=parse_endpoint(params.endpoint or f"localhost:{DEFAULT_PORT}", DEFAULT_PORT),
+            run_id=params.run_id,
+            limits=GroupLimits(params.min_nodes, params.max_nodes, standby),
+            node_rank_hint=int(number("node_rank", -1)) if params.get("node_rank") not in (None, "", "-1") else -1,
+            local_addr=params.local_addr,
+            join_timeout=number("join_timeout", 600),
+            last_call_timeout=number("last_call_timeout", 30),
+            failure_settle=number("failure_settle", 0.25),
+            heartbeat_interval=number("heartbeat_interval", 1.0),
+            heartbeat_timeout=number("heartbeat_timeout", 10.0),
+            connect_timeout=number("connect_timeout", 60),
+            read_timeout=number("read_timeout", 60),
+            close_grace=number("close_grace", 10),
+        )
+
+
+class TmrunRendezvousHandler(RendezvousHandler):
+    def __init__(self, config: TmrunRendezvousConfig) -> None:
+        self.config = config
+        store, self.is_host, port = open_store(
+            config.endpoint, connect_timeout=config.connect_timeout, op_timeout=config.read_timeout
+        )
+        self.endpoint = Endpoint(config.endpoint.host, port)
+        self._tcp_store = store
+        self.store: Store = PrefixStore(keys.job_prefix(config.run_id), store)
+        self.node_id: int | None = None
+        self.epoch = 0
+        self.membership = Membership()
+        self._state_version = -1
+        self._leader: Leader | None = None
+        self._beacon: LivenessBeacon | None = None
+        self._left = False
+        if self.is_host:
+            self._start_leader()
+
+    # -- RendezvousHandler ----------------------------------------------------------------
+
+    def get_backend(self) -> str:
+        return BACKEND_NAME
+
+    @property
+    def use_agent_store(self) -> bool:
+        # Workers get a fresh store per epoch (on group rank 0), never the agents' store.
+        return False
+
+    def get_run_id(self) -> str:
+        return self.config.run_id
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        if self.node_id is None:
+            self._register()
+        started = time.monotonic()
+        announced_standby = False
+        while True:
+            membership = self._read_membership()
+            if membership.is_closed():
+                raise RendezvousClosedError(f"job {membership.phase.value}: {membership.reason}")
+            assert self.node_id is not None
+            if self.node_id in membership.dead:
+                raise RendezvousClosedError(f"node {self.node_id} was declared dead by the leader")
+            rank = membership.group_rank_of(self.node_id)
+            if rank is not None and membership.epoch > self.epoch:
+                self.epoch = membership.epoch
+                return self._rendezvous_info(membership, rank)
+            if self.node_id in membership.standby and not announced_standby:
+                say(f"node {self.node_id} is a standby (epoch {membership.epoch}); waiting to be promoted")
+                announced_standby = True
+            if rank is not None:
+                announced_standby = False
+            if membership.phase is Phase.FORMING and time.monotonic() - started > self.config.join_timeout + 5:
+                raise RendezvousTimeoutError("the group did not form in time")
+            self._check_leader()
+            time.sleep(0.1 if self.node_id in membership.standby else 0.02)
+
+    def is_closed(self) -> bool:
+        return self.store.check([keys.CLOSED])
+
+    def set_closed(self) -> None:
+        self.close(Phase.SUCCEEDED, "closed")
+
+    def num_nodes_waiting(self) -> int:
+        """Non-zero when the active group changed since this node's workers started."""
+        membership = self._read_membership()
+        if membership.is_closed():
+            raise RendezvousClosedError(f"job {membership.phase.value}: {membership.reason}")
+        self._check_leader()
+        return 1 if membership.epoch > self.epoch else 0
+
+    def shutdown(self) -> bool:
+        self.leave()
+        return True
+
+    # -- tmrun additions --------------------------------------------------------------------
+
+    def close(self, phase: Phase, reason: str) -> None:
+        """Close the job for everyone (first closer wins)."""
+        payload = json.dumps({"phase": phase.value, "reason": reason})
+        self.store.compare_set(keys.CLOSED, "", payload)
+
+    def closed_reason(self) -> tuple[Phase, str] | None:
+        if not self.store.check([keys.CLOSED]):
+            return None
+        data = json.loads(self.store.get(keys.CLOSED))
+        return Phase(data["phase"]), str(data["reason"])
+
+    def report_failure(self, by_signal: bool, detail: str) -> None:
+        """Tell the leader that a worker of this node failed in the current epoch."""
+        seq = self.store.add(keys.FAIL_SEQ, 1) - 1
+        report = {"node_id": self.node_id, "epoch": self.epoch, "by_signal": by_signal, "detail": detail}
+        self.store.set(keys.failure(seq), json.dumps(report))
+
+    def publish_workers(self, info: dict[str, object]) -> None:
+        if self.node_id is not None:
+            self.store.set(keys.node_workers(self.node_id), json.dumps(info))
+
+    def leave(self) -> None:
+        """Say goodbye; the host keeps the store up (bounded) until every live node has left."""
+        if self._left:
+            return
+        self._left = True
+        if self._beacon is not None:
+            self._beacon.close()
+        try:
+            if self.node_id is not None:
+                self.store.add(keys.LEFT, 1)
+            if self.is_host:
+                self._wait_for_others()
+        except Exception as exc:  # the store is gone: nothing left to coordinate
+            log.debug("leave: %s", exc)
+        if self._leader is not None:
+            self._leader.stop()
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _start_leader(self) -> None:
+        leader_store = PrefixStore(keys.job_prefix(self.config.run_id), self._tcp_store.clone())
+        leader_config = LeaderConfig(
+            run_id=self.config.run_id,
+            limits=self.config.limits,
+            last_call_timeout=self.config.last_call_timeout,
+            join_timeout=self.config.join_timeout,
+            failure_settle=self.config.failure_settle,
+            heartbeat_timeout=self.config.heartbeat_timeout,
+        )
+        self._leader = Leader(leader_store, leader_config)
+        advertise = self.config.endpoint.host
+        if advertise in ("localhost", "0.0.0.0", ""):
+            advertise = "127.0.0.1"
+        self._leader.start(advertise)
+        self.store.set(
+            keys.LEADER_INFO,
+            json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "endpoint": str(self.endpoint)}),
+        )
+
+    def _register(self) -> None:
+        self.node_id = self.store.add(keys.NODE_SEQ, 1) - 1
+        info = {
+            "host": socket.gethostname(),
+            "addr": self.config.local_addr or socket.getfqdn(),
+            "pid": os.getpid(),
+            "node_rank_hint": self.config.node_rank_hint,
+            "time": time.time(),
+        }
+        self.store.set(keys.node_info(self.node_id), json.dumps(info))
+        host, port = self.store.get(keys.LIVENESS_ADDR).decode().rsplit(":", 1)
+        self._beacon = LivenessBeacon(host, int(port), self.config.run_id, self.node_id, self.config.heartbeat_interval)
+
+    def _read_membership(self) -> Membership:
+        version = self.store.add(keys.STATE_VERSION, 0)
+        if version != self._state_version:
+            self.membership = Membership.from_json(self.store.get(keys.STATE))
+            self._state_version = version
+        return self.membership
+
+    def _check_leader(self) -> None:
+        if self._leader is not None and self._leader.error is not None:
+            raise RendezvousClosedError(f"the tmrun leader failed: {self._leader.error}")
+
+    def _rendezvous_info(self, membership: Membership, rank: int) -> RendezvousInfo:
+        epoch_store = PrefixStore(keys.epoch_prefix(membership.epoch), self.store)
+        bootstrap = RendezvousStoreInfo.build(rank, epoch_store, local_addr=self.config.local_addr)
+        say(f"node {self.node_id} runs group rank {rank} of {len(membership.active)} in epoch {membership.epoch}")
+        return RendezvousInfo(epoch_store, rank, len(membership.active), bootstrap)
+
+    def _wait_for_others(self) -> None:
+        deadline = time.monotonic() + self.config.close_grace
+        while time.monotonic() < deadline:
+            registered = self.store.add(keys.NODE_SEQ, 0)
+            gone = len(self._read_membership().dead)
+            if self.store.add(keys.LEFT, 0) + gone >= registered:
+                return
+            time.sleep(0.05)
+
+
+def create_handler(params: RendezvousParameters) -> TmrunRendezvousHandler:
+    return TmrunRendezvousHandler(TmrunRendezvousConfig.from_parameters(params))

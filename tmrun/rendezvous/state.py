@@ -1,0 +1,73 @@
+"""Membership of a tmrun job: which node holds which group rank, who stands by.
+
+The leader is the only writer of :class:`Membership`; every other process reads it.  Every
+change of the active group bumps ``epoch``; a message that names an older epoch is stale.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+
+
+class Phase(str, Enum):
+    """Life cycle of a job's membership."""
+
+    FORMING = "forming"  # waiting for the first min_nodes agents
+    RUNNING = "running"  # an active group exists for ``epoch``
+    SUCCEEDED = "succeeded"  # the workers finished; standbys may leave
+    FAILED = "failed"  # the job gave up; everyone leaves
+
+
+CLOSED_PHASES = frozenset({Phase.SUCCEEDED, Phase.FAILED})
+
+
+@dataclass
+class Membership:
+    """The leader's view of the job, published in the store as JSON."""
+
+    epoch: int = 0
+    phase: Phase = Phase.FORMING
+    active: list[int] = field(default_factory=list)  # group rank -> node id
+    standby: list[int] = field(default_factory=list)  # node ids, promotion order
+    dead: list[int] = field(default_factory=list)  # node ids known to be gone
+    reason: str = ""  # why the last change happened (for logs and status)
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["phase"] = self.phase.value
+        return json.dumps(data, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Membership:
+        if isinstance(text, bytes):
+            text = text.decode()
+        data = json.loads(text)
+        return cls(
+            epoch=int(data["epoch"]),
+            phase=Phase(data["phase"]),
+            active=[int(n) for n in data["active"]],
+            standby=[int(n) for n in data["standby"]],
+            dead=[int(n) for n in data["dead"]],
+            reason=str(data.get("reason", "")),
+        )
+
+    def group_rank_of(self, node_id: int) -> int | None:
+        """The node's group rank, or None when it is not active."""
+        try:
+            return self.active.index(node_id)
+        except ValueError:
+            return None
+
+    def is_closed(self) -> bool:
+        return self.phase in CLOSED_PHASES
+
+    def role_of(self, node_id: int) -> str:
+        if node_id in self.dead:
+            return "dead"
+        if node_id in self.active:
+            return "active"
+        if node_id in self.standby:
+            return "standby"
+        return "waiting"
