@@ -59,17 +59,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def explicit_dests(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
-    """Destinations of the options written on the command line (before the script)."""
-    by_option = {opt: a.dest for a in parser._actions for opt in a.option_strings}  # noqa: SLF001
-    given: set[str] = set()
-    for token in argv:
-        if not token.startswith("-"):
-            break
-        name = token.split("=", 1)[0]
-        if name in by_option:
-            given.add(by_option[name])
-    return given
+_UNSET = object()
+
+
+def explicit_dests(argv: Sequence[str]) -> set[str]:
+    """Destinations of the options written on the command line (so SLURM defaults never
+    override them): parse again with every default replaced by a marker."""
+    probe = build_parser()
+    for action in probe._actions:  # noqa: SLF001
+        if action.option_strings:
+            action.default = _UNSET
+    parsed = vars(probe.parse_args(list(argv)))
+    return {dest for dest, value in parsed.items() if value is not _UNSET}
 
 
 def _apply_slurm(args: argparse.Namespace, given: set[str]) -> None:
@@ -159,7 +160,7 @@ def _validate(args: argparse.Namespace) -> None:
 def parse(argv: Sequence[str]) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(list(argv))
-    given = explicit_dests(parser, argv)
+    given = explicit_dests(argv)
     _apply_slurm(args, given)
     _apply_defaults(args, given)
     _validate(args)

@@ -18,6 +18,7 @@ log = logging.getLogger(__name__)
 
 HELLO = b"TMRUN-LIVE1 "
 MAX_HELLO = 256
+GOODBYE = b"!"
 
 
 @dataclass
@@ -26,6 +27,7 @@ class _Peer:
     buffer: bytes = b""
     node_id: int | None = None
     last_seen: float = 0.0
+    leaving: bool = False  # said goodbye: its EOF is a departure, not a loss
 
 
 class LivenessMonitor:
@@ -83,9 +85,11 @@ class LivenessMonitor:
             data, reason = b"", f"connection error: {exc.strerror}"
         else:
             reason = "agent process exited (connection closed)"
+        if GOODBYE in data:
+            peer.leaving = True
         if not data:
             self._drop(peer)
-            if peer.node_id is not None:
+            if peer.node_id is not None and not peer.leaving:
                 on_lost(peer.node_id, reason)
             return
         peer.last_seen = time.monotonic()
@@ -138,6 +142,11 @@ class LivenessBeacon:
                 return  # the leader is gone; store calls will report it
 
     def close(self) -> None:
+        """Leave on purpose: the leader will not count this node as lost."""
         self._stop.set()
         self._thread.join(timeout=2 * self._interval + 1)
+        try:
+            self._sock.sendall(GOODBYE)
+        except OSError:
+            pass
         self._sock.close()

@@ -85,6 +85,8 @@ class TmrunAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         self._wait_for_exit(self._wait_interval)
+        if self._standby_pool is not None and self._standby_pool.changed():
+            self._publish(worker_group, self._pcontext.pids() if self._pcontext else {})
         result = super()._monitor_workers(worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             self._report_failure(result)

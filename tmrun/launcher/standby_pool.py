@@ -43,10 +43,19 @@ class StandbyPool:
         self._members: list[StandbyMember] = []
         self._dir = tempfile.mkdtemp(prefix="tmrun-standby-")
         self._log_dir = log_dir
+        self._last_states: list[str] = []
 
     @property
     def members(self) -> list[StandbyMember]:
         return list(self._members)
+
+    def changed(self) -> bool:
+        """True once after any member changed state (warming, ready, exited)."""
+        states = [str(m.describe()["state"]) for m in self._members]
+        if states == self._last_states:
+            return False
+        self._last_states = states
+        return True
 
     def fill(self) -> None:
         """Start standby processes until the pool holds ``size`` live members."""

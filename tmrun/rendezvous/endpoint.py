@@ -75,13 +75,15 @@ def is_local_host(host: str) -> bool:
 
 
 def open_store(
-    endpoint: Endpoint, *, connect_timeout: float, op_timeout: float
+    endpoint: Endpoint, *, connect_timeout: float, op_timeout: float, may_host: bool = True
 ) -> tuple[TCPStore, bool, int]:
     """Host the store when the endpoint is this machine and its port is free, else connect.
 
     Returns (store, hosted_here, port). A port of 0 always hosts (standalone).
     """
-    if is_local_host(endpoint.host):
+    if endpoint.port == 0 and not may_host:
+        raise EndpointError("port 0 means 'host the store here', which is_host=false forbids")
+    if may_host and is_local_host(endpoint.host):
         try:
             store = TCPStore(
                 endpoint.host,

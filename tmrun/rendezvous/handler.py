@@ -58,6 +58,7 @@ class TmrunRendezvousConfig:
     connect_timeout: float
     read_timeout: float
     close_grace: float
+    may_host: bool  # rdzv-conf is_host (as torch's c10d backend): false = always a client
 
     @classmethod
     def from_parameters(cls, params: RendezvousParameters) -> TmrunRendezvousConfig:
@@ -88,6 +89,7 @@ class TmrunRendezvousConfig:
             connect_timeout=number("connect_timeout", 60),
             read_timeout=number("read_timeout", 60),
             close_grace=number("close_grace", 10),
+            may_host=str(params.get("is_host", "auto")).lower() not in ("0", "false", "no"),
         )
 
 
@@ -95,7 +97,10 @@ class TmrunRendezvousHandler(RendezvousHandler):
     def __init__(self, config: TmrunRendezvousConfig) -> None:
         self.config = config
         store, self.is_host, port = open_store(
-            config.endpoint, connect_timeout=config.connect_timeout, op_timeout=config.read_timeout
+            config.endpoint,
+            connect_timeout=config.connect_timeout,
+            op_timeout=config.read_timeout,
+            may_host=config.may_host,
         )
         self.endpoint = Endpoint(config.endpoint.host, port)
         self._tcp_store = store

@@ -1,0 +1,102 @@
+"""Process helpers for tests: free ports, bounded waits, and killing only what we started."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+EXAMPLES = ROOT / "examples"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def tmrun_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "tmrun.cli.main", *args]
+
+
+def torchrun_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *args]
+
+
+TAG_VAR = "TMRUN_TEST_TAG"
+
+
+def start(cmd: Sequence[str], log: Path | None = None, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Start a command tagged through its environment: every descendant (torch puts workers in
+    sessions of their own) inherits the tag, so the test finds and kills exactly what it started."""
+    out = open(log, "wb") if log else subprocess.PIPE
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    full_env[TAG_VAR] = uuid.uuid4().hex
+    proc = subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT, env=full_env)
+    proc.tag = full_env[TAG_VAR]  # type: ignore[attr-defined]
+    return proc
+
+
+def tagged_pids(tag: str) -> list[int]:
+    pids = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if proc.environ().get(TAG_VAR) == tag and proc.status() != psutil.STATUS_ZOMBIE:
+                pids.append(proc.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return pids
+
+
+def kill_tree(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL every process this test started (found by its tag, by PID), then reap."""
+    for pid in tagged_pids(proc.tag):  # type: ignore[attr-defined]
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def leftovers(proc: subprocess.Popen[bytes], grace: float = 5.0) -> list[int]:
+    """Processes of this test still alive after ``grace`` seconds (orphans reparent to init)."""
+    wait_until(lambda: not tagged_pids(proc.tag), grace)  # type: ignore[attr-defined]
+    return tagged_pids(proc.tag)  # type: ignore[attr-defined]
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
+
+
+def run(cmd: Sequence[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run to completion (bounded); on timeout kill the whole session and fail."""
+    proc = start(cmd, env=env)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        raise AssertionError(f"command did not finish within {timeout} s: {' '.join(cmd)}") from None
+    left = leftovers(proc)
+    if left:
+        kill_tree(proc)
+        raise AssertionError(f"processes left behind: {left}")
+    return subprocess.CompletedProcess(list(cmd), proc.returncode, out.decode(errors="replace"), "")

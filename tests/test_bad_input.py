@@ -1,0 +1,64 @@
+"""User mistakes: one clear line, a non-zero exit, no traceback, nothing left running."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import EXAMPLES, free_port, run, tmrun_cmd
+from tmrun.cli.main import main
+
+SCRIPT = str(EXAMPLES / "train_checkpoint.py")
+
+CASES = {
+    "unknown option": (["--no-such-option", SCRIPT], "unrecognized arguments"),
+    "missing script": (["--standalone", "/nonexistent/train.py"], "not found"),
+    "zero processes": (["--standalone", "--nproc-per-node", "0", SCRIPT], "--nproc-per-node"),
+    "zero processes, underscore spelling": (["--standalone", "--nproc_per_node=0", SCRIPT], "--nproc-per-node"),
+    "negative standby": (["--standalone", "--standby", "-1", SCRIPT], "--standby"),
+    "bad nnodes": (["--nnodes", "3:1", SCRIPT], "--nnodes"),
+    "malformed endpoint": (["--nnodes", "2", "--rdzv-endpoint", "host:notaport", SCRIPT], "malformed rendezvous endpoint"),
+    "port out of range": (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:70000", SCRIPT], "out of range"),
+    "standby with static backend": (["--nnodes", "2", "--rdzv-backend", "static", "--standby", "1", SCRIPT], "tmrun rendezvous backend"),
+    "no script": (["--standalone"], "required"),
+    "module and no-python": (["--standalone", "--no-python", "-m", "json.tool"], "--no-python"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bad_input_is_one_clear_line(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    args, expected = CASES[name]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    lines = [line for line in (captured.out + captured.err).splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("tmrun: error:") and expected in lines[0]
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--no-such-option", SCRIPT], "unrecognized arguments"),
+        (["--standalone", "/nonexistent/train.py"], "not found"),
+        (["--nnodes", "2", "--rdzv-endpoint", "no-such-host.invalid:29400", SCRIPT], "cannot resolve"),
+    ],
+)
+def test_bad_input_from_the_shell(args: list[str], expected: str) -> None:
+    result = run(tmrun_cmd(*args), timeout=60)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stdout
+    error_lines = [line for line in result.stdout.splitlines() if line.startswith("tmrun: error:")]
+    assert len(error_lines) == 1 and expected in error_lines[0], result.stdout
+
+
+def test_unreachable_endpoint_fails_within_connect_timeout() -> None:
+    port = free_port()  # nothing listens there once the probe socket is closed
+    args = [
+        "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+        "--rdzv-conf", "is_host=false,connect_timeout=2", SCRIPT, "--ckpt-dir", "/tmp",
+    ]  # fmt: skip
+    result = run(tmrun_cmd(*args), timeout=60)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stdout
+    assert f"tmrun: error: cannot reach the rendezvous endpoint 127.0.0.1:{port} within 2 s" in result.stdout
