@@ -1,0 +1,152 @@
+"""The tmrun rendezvous handler and its leader, in one process over a real TCPStore."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousInfo, RendezvousParameters
+
+from tests.helpers import free_port, wait_until
+from tmrun.control.events import read_events
+from tmrun.rendezvous import register_tmrun_backend
+from tmrun.rendezvous.handler import TmrunRendezvousHandler, create_handler
+from tmrun.rendezvous.state import Phase
+
+
+def _params(port: int, nnodes: int, standby: int, **conf: object) -> RendezvousParameters:
+    return RendezvousParameters(
+        backend="tmrun",
+        endpoint=f"127.0.0.1:{port}",
+        run_id="unit",
+        min_nodes=nnodes,
+        max_nodes=nnodes,
+        standby=standby,
+        heartbeat_interval=0.2,
+        close_grace=2,
+        **conf,
+    )
+
+
+class Node:
+    """A handler whose next_rendezvous runs on a thread (a standby blocks there)."""
+
+    def __init__(self, handler: TmrunRendezvousHandler) -> None:
+        self.handler = handler
+        self.result: RendezvousInfo | None = None
+        self.error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def rendezvous(self) -> None:
+        self.result, self.error = None, None
+
+        def target() -> None:
+            try:
+                self.result = self.handler.next_rendezvous()
+            except BaseException as exc:  # noqa: BLE001 - handed to the test
+                self.error = exc
+
+        self._thread = threading.Thread(target=target, daemon=True)
+        self._thread.start()
+
+    def wait(self, timeout: float = 10) -> RendezvousInfo:
+        assert self._thread is not None
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "next_rendezvous did not return"
+        if self.error:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+    @property
+    def waiting(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+
+@pytest.fixture
+def three_nodes() -> Iterator[list[Node]]:
+    port = free_port()
+    nodes = [Node(create_handler(_params(port, 2, 1))) for _ in range(3)]
+    yield nodes
+    nodes[0].handler.close(Phase.SUCCEEDED, "test over")
+    for node in reversed(nodes):
+        node.handler.leave()
+
+
+def test_registered_in_torchs_registry() -> None:
+    from torch.distributed.elastic.rendezvous.registry import handler_registry
+
+    register_tmrun_backend()
+    handler = handler_registry.create_handler(_params(0, 1, 0, last_call_timeout=0))
+    try:
+        assert handler.get_backend() == "tmrun" and not handler.use_agent_store
+        info = handler.next_rendezvous()
+        assert (info.rank, info.world_size) == (0, 1)
+    finally:
+        handler.shutdown()
+
+
+def test_standby_takes_over_and_epochs_advance(three_nodes: list[Node]) -> None:
+    a, b, spare = three_nodes
+    assert a.handler.is_host and not b.handler.is_host
+    a.rendezvous()
+    assert wait_until(lambda: a.handler.node_id is not None, 5)
+    b.rendezvous()
+    ranks = {a.wait().rank, b.wait().rank}
+    assert ranks == {0, 1}
+    spare.rendezvous()
+    assert wait_until(lambda: spare.handler.node_id in a.handler._read_membership().standby, 5)
+    # A standby joining never restarts the active group (no torchrun-style livelock).
+    assert a.handler.num_nodes_waiting() == 0 and spare.waiting
+    b_rank = b.result.rank  # type: ignore[union-attr]
+
+    b.handler.report_failure(by_signal=True, detail="rank 1 signal SIGKILL")
+    assert wait_until(lambda: a.handler.num_nodes_waiting() == 1, 5)
+    a.rendezvous()  # the survivor re-rendezvouses (its agent restarts its workers)
+    promoted = spare.wait()
+    assert promoted.rank == b_rank and spare.handler.epoch == 2
+    survivor = a.wait()
+    assert survivor.rank == 1 - b_rank and a.handler.epoch == 2
+    # Each epoch has its own key space, so the workers' master port is fresh.
+    assert survivor.bootstrap_store_info.master_port == promoted.bootstrap_store_info.master_port
+    membership = a.handler._read_membership()
+    assert membership.standby == [b.handler.node_id]  # the failed node stands by now
+
+    # A report from an epoch that is over is refused.
+    b.handler.epoch = 1
+    b.handler.report_failure(by_signal=True, detail="late")
+    assert wait_until(lambda: any(e.kind == "stale" for e in read_events(a.handler.store)), 5)
+    assert a.handler._read_membership().epoch == 2
+
+
+def test_lost_node_is_replaced_without_any_report(three_nodes: list[Node]) -> None:
+    a, b, spare = three_nodes
+    a.rendezvous()
+    assert wait_until(lambda: a.handler.node_id is not None, 5)
+    b.rendezvous()
+    a.wait(), b.wait()
+    spare.rendezvous()
+    assert wait_until(lambda: spare.handler.node_id in a.handler._read_membership().standby, 5)
+    # Simulate the death of b's agent: its liveness connection drops without a goodbye.
+    assert b.handler._beacon is not None
+    b.handler._beacon._stop.set()
+    b.handler._beacon._sock.close()
+    a.rendezvous()
+    spare.wait(), a.wait()
+    membership = a.handler._read_membership()
+    assert b.handler.node_id in membership.dead and spare.handler.node_id in membership.active
+
+
+def test_closing_releases_standbys(three_nodes: list[Node]) -> None:
+    a, b, spare = three_nodes
+    a.rendezvous()
+    assert wait_until(lambda: a.handler.node_id is not None, 5)
+    b.rendezvous()
+    a.wait(), b.wait()
+    spare.rendezvous()
+    assert wait_until(lambda: spare.handler.node_id in a.handler._read_membership().standby, 5)
+    a.handler.close(Phase.SUCCEEDED, "done")
+    with pytest.raises(RendezvousClosedError):
+        spare.wait()
+    assert spare.handler.closed_reason() == (Phase.SUCCEEDED, "done")
