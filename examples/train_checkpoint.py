@@ -68,7 +68,8 @@ def main() -> None:
     kill_marker = os.path.join(args.ckpt_dir, "killed.marker")
     for step in range(start, args.steps):
         if rank == args.kill_rank and step == args.kill_step and not os.path.exists(kill_marker):
-            open(kill_marker, "w").close()
+            with open(kill_marker, "w") as marker:
+                marker.write(f"{time.time():.6f}")
             os.kill(os.getpid(), signal.SIGKILL)
         gen = torch.Generator().manual_seed(args.seed * 100_003 + step * 1009 + rank)
         x = torch.randn(args.batch, args.width, generator=gen)
