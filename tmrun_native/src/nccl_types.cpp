@@ -115,6 +115,7 @@ int nccl_rank_of(const RankMap& map, int logical) {
 }
 
 std::vector<int> positions(const RankMap& map) {
+  validate_rank_map(map);
   RankMap sorted = map;
   std::sort(sorted.begin(), sorted.end());
   std::vector<int> pos(map.size());
