@@ -325,6 +325,14 @@ class NcclComm:
         p, n, dt = _tensor_args(t)
         self._c.recv(p, n, dt, int(peer), _stream_of(t, stream))
 
+    def sendrecv(self, send_t: Any, dst: int, recv_t: Any, src: int, stream: Optional[int] = None) -> None:
+        """Grouped send to logical ``dst`` and receive from logical ``src`` (ring-safe)."""
+        ps, ns, dt = _tensor_args(send_t)
+        pr, nr, dt2 = _tensor_args(recv_t)
+        if dt != dt2:
+            raise ValueError("sendrecv: send and recv tensors must have the same dtype")
+        self._c.sendrecv(ps, ns, int(dst), pr, nr, int(src), dt, _stream_of(send_t, stream))
+
     def synchronize(self, stream: Optional[int] = None, timeout: Optional[float] = None) -> None:
         self._c.synchronize(int(stream or 0), -1.0 if timeout is None else float(timeout))
 

@@ -225,6 +225,9 @@ void bind_nccl(py::module_& m) {
            py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
       .def("recv", &C::recv, py::arg("buf"), py::arg("count"), py::arg("dtype"), py::arg("peer"),
            py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
+      .def("sendrecv", &C::sendrecv, py::arg("send_buf"), py::arg("send_count"), py::arg("send_peer"),
+           py::arg("recv_buf"), py::arg("recv_count"), py::arg("recv_peer"), py::arg("dtype"),
+           py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
       .def("synchronize", &C::synchronize, py::arg("stream") = 0, py::arg("timeout") = -1.0,
            py::call_guard<py::gil_scoped_release>())
       .def("revoke", &C::revoke, py::arg("timeout") = -1.0, py::call_guard<py::gil_scoped_release>())

@@ -485,6 +485,21 @@ void Communicator::recv(uintptr_t buf, size_t count, const std::string& dtype, i
   }, false);
 }
 
+void Communicator::sendrecv(uintptr_t send_buf, size_t send_count, int send_peer_logical, uintptr_t recv_buf,
+                            size_t recv_count, int recv_peer_logical, const std::string& dtype, uintptr_t stream) {
+  const auto& dt = dtype_by_name(dtype);
+  std::lock_guard<std::mutex> lk(mu_);
+  int to = nccl_rank_of(map_, send_peer_logical);
+  int from = nccl_rank_of(map_, recv_peer_logical);
+  enqueue("sendrecv", [&] {
+    ncclResult_t r = lib_->Send(reinterpret_cast<const void*>(send_buf), send_count,
+                                static_cast<ncclDataType_t>(dt.nccl), to, comm_, as_stream(stream));
+    if (r != ncclSuccess && r != ncclInProgress) return r;
+    return lib_->Recv(reinterpret_cast<void*>(recv_buf), recv_count, static_cast<ncclDataType_t>(dt.nccl), from,
+                      comm_, as_stream(stream));
+  }, true);
+}
+
 void Communicator::synchronize(uintptr_t stream, double timeout_s) {
   std::lock_guard<std::mutex> lk(mu_);
   if (!comm_) throw Error("synchronize: communicator is " + state_name() + " " + where(), ncclInvalidUsage);

@@ -96,6 +96,10 @@ class Communicator {
                       const std::string& op, uintptr_t stream);
   void send(uintptr_t buf, size_t count, const std::string& dtype, int peer_logical, uintptr_t stream);
   void recv(uintptr_t buf, size_t count, const std::string& dtype, int peer_logical, uintptr_t stream);
+  // Grouped send + recv (ncclGroupStart/End), e.g. a ring exchange that separate send()
+  // and recv() calls on one stream would deadlock.
+  void sendrecv(uintptr_t send_buf, size_t send_count, int send_peer_logical, uintptr_t recv_buf,
+                size_t recv_count, int recv_peer_logical, const std::string& dtype, uintptr_t stream);
   // Records an event on `stream` and polls it (and the communicator's async error) until the
   // GPU got there, an error shows or the deadline passes.
   void synchronize(uintptr_t stream, double timeout_s);
