@@ -48,7 +48,9 @@ try:  # the native module is optional at import time (e.g. a source checkout wit
     NcclTimeoutError = _native.NcclTimeoutError
     NcclUnavailableError = _native.NcclUnavailableError
     _NATIVE_ERROR: Optional[str] = None
-except ImportError as _exc:  # pragma: no cover - exercised only without a build
+except (ImportError, AttributeError) as _exc:  # pragma: no cover - exercised only without a build
+    # AttributeError: "tmrun_native" resolved to the source folder (namespace package), e.g.
+    # when Python runs from the repository root, or to a build without the NCCL bindings.
     _native = None  # type: ignore[assignment]
     _NATIVE_ERROR = f"tmrun_native is not importable: {_exc}"
 
