@@ -94,14 +94,15 @@ void Communicator::make_current() const {
   }
 }
 
-ncclConfig_t Communicator::make_config(bool shrink_share) const {
+ncclConfig_t Communicator::make_config() const {
   ncclConfig_t c = NCCL_CONFIG_INITIALIZER;
   c.blocking = 0;
   if (!opts_.name.empty()) c.commName = opts_.name.c_str();
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 27, 0)
-  c.shrinkShare = shrink_share ? 1 : 0;
-#else
-  (void)shrink_share;
+  // NCCL decides sharing on a shrink from the *parent's* config.shrinkShare (ncclCommInitChildComm:
+  // shareResources = !revoked && !SHRINK_ABORT && parent->config.shrinkShare), so every comm we
+  // create carries it, not only shrink children.
+  c.shrinkShare = opts_.shrink_share ? 1 : 0;
 #endif
   return c;
 }
@@ -129,7 +130,7 @@ std::unique_ptr<Communicator> Communicator::init(const std::string& unique_id, i
   std::unique_lock<std::mutex> lk(c->mu_);
   c->set_map(std::move(map), logical_rank);
   c->make_current();
-  ncclConfig_t cfg = c->make_config(false);
+  ncclConfig_t cfg = c->make_config();
   c->init_started_ = Clock::now();
   ncclResult_t r = c->lib_->CommInitRankConfig(&c->comm_, nranks, id, c->nccl_rank_, &cfg);
   if (r != ncclSuccess && r != ncclInProgress) {
@@ -163,7 +164,7 @@ std::unique_ptr<Communicator> Communicator::grow_join(const std::string& unique_
   std::unique_lock<std::mutex> lk(c->mu_);
   c->set_map(std::move(map), logical_rank);
   c->make_current();
-  ncclConfig_t cfg = c->make_config(false);
+  ncclConfig_t cfg = c->make_config();
   c->init_started_ = Clock::now();
   ncclResult_t r = c->lib_->CommGrow(nullptr, nranks, &id, c->nccl_rank_, &c->comm_, &cfg);
   if (r != ncclSuccess && r != ncclInProgress) {
@@ -244,10 +245,9 @@ std::string Communicator::teardown_after_error() {
       bool to = false;
       // Revoke is local; bound its wait independently of a possibly huge op timeout.
       ncclResult_t st = poll(comm_, deadline(std::min(opts_.timeout_s, 30.0)), &to);
-      // After revoke, the async error may keep reporting the original failure; the comm
-      // is still usable for shrink/destroy. Only a timeout makes us abort.
-      (void)st;
-      if (!to) {
+      // NCCL's revoke job overwrites the async state with its own result (src/init.cc,
+      // commRevokeAsync): ncclSuccess once quiescent, whatever the original failure was.
+      if (!to && st == ncclSuccess) {
         state_ = State::Revoked;
         stats_["revokes"] += 1;
         return "communicator revoked (shrink() or reinit to recover)";
@@ -553,10 +553,15 @@ void Communicator::revoke(double timeout_s) {
     throw Error(msg + "; communicator aborted", r);
   }
   bool to = false;
-  poll(comm_, deadline(timeout_s), &to);
+  ncclResult_t st = poll(comm_, deadline(timeout_s), &to);
   if (to) {
     abort_locked();
     throw TimeoutError("ncclCommRevoke did not quiesce within the deadline " + where() + "; communicator aborted");
+  }
+  if (st != ncclSuccess) {
+    std::string msg = "ncclCommRevoke failed " + where() + ": " + lib_->error_string(st) + last_error(comm_);
+    abort_locked();
+    throw Error(msg + "; communicator aborted", st);
   }
   state_ = State::Revoked;
   stats_["revokes"] += 1;
@@ -632,9 +637,10 @@ void Communicator::shrink(const std::vector<int>& exclude_logical, bool abort_fl
   }
   auto plan = shrink_rank_map(map_, exclude_logical);
   std::vector<int> excl = plan.second;
-  // A revoked parent never shares resources, and NCCL_SHRINK_ABORT shares nothing either.
+  // Mirrors NCCL's rule: a revoked parent never shares resources, NCCL_SHRINK_ABORT shares
+  // nothing, otherwise the parent's shrinkShare decides. A sharing child needs its parent alive.
   const bool share = opts_.shrink_share && !abort_flag && state_ == State::Ready;
-  ncclConfig_t cfg = make_config(share);
+  ncclConfig_t cfg = make_config();
   make_current();
   const auto t0 = Clock::now();
   ncclComm_t child = nullptr;
@@ -713,7 +719,7 @@ void Communicator::grow_begin(const std::vector<int>& joiners_logical, const std
     id = id_from_bytes(unique_id_or_empty);
     idp = &id;
   }
-  ncclConfig_t cfg = make_config(false);
+  ncclConfig_t cfg = make_config();
   make_current();
   ncclComm_t child = nullptr;
   ncclResult_t r = lib_->CommGrow(comm_, static_cast<int>(grown.size()), idp, -1, &child, &cfg);
@@ -741,7 +747,7 @@ void Communicator::reinit_begin(const std::string& unique_id, int nranks, RankMa
   if (static_cast<int>(map.size()) != nranks) throw std::invalid_argument("rank map size != world size");
   validate_rank_map(map);
   int my_nccl = nccl_rank_of(map, logical_);
-  ncclConfig_t cfg = make_config(false);
+  ncclConfig_t cfg = make_config();
   make_current();
   ncclComm_t child = nullptr;
   ncclResult_t r = lib_->CommInitRankConfig(&child, nranks, id, my_nccl, &cfg);

@@ -39,7 +39,7 @@ namespace nccl {
 struct CommOptions {
   double timeout_s = 300.0;     // default deadline of every operation
   bool revoke_on_error = true;  // on error/timeout: revoke (keeps shrink possible) else abort
-  bool shrink_share = true;     // config.shrinkShare for shrinks of a healthy communicator
+  bool shrink_share = true;     // config.shrinkShare: shrinks of a healthy comm reuse its resources
   std::string name;             // config.commName (shows in NCCL logs)
 };
 
@@ -123,7 +123,7 @@ class Communicator {
   using Clock = std::chrono::steady_clock;
   Communicator(std::shared_ptr<const NcclLib> lib, int device, const CommOptions& opts);
   void make_current() const;
-  ncclConfig_t make_config(bool shrink_share) const;
+  ncclConfig_t make_config() const;
   Clock::time_point deadline(double timeout_s) const;
   // Polls `c` until not ncclInProgress or the deadline; sets *timed_out.
   ncclResult_t poll(ncclComm_t c, Clock::time_point dl, bool* timed_out) const;
