@@ -1,0 +1,1 @@
+"""torch.distributed integration and transports of tmrun (see nccl.py for the NCCL transport)."""
