@@ -74,6 +74,16 @@ def three_nodes() -> Iterator[list[Node]]:
         node.handler.leave()
 
 
+def _form_with_standby(a: Node, b: Node, spare: Node) -> None:
+    """a and b become the active group (a hosts the store), spare stands by."""
+    a.rendezvous()
+    assert wait_until(lambda: a.handler.node_id is not None, 5)
+    b.rendezvous()
+    a.wait(), b.wait()
+    spare.rendezvous()
+    assert wait_until(lambda: spare.handler.node_id in a.handler._read_membership().standby, 5)
+
+
 def test_registered_in_torchs_registry() -> None:
     from torch.distributed.elastic.rendezvous.registry import handler_registry
 
@@ -122,12 +132,7 @@ def test_standby_takes_over_and_epochs_advance(three_nodes: list[Node]) -> None:
 
 def test_lost_node_is_replaced_without_any_report(three_nodes: list[Node]) -> None:
     a, b, spare = three_nodes
-    a.rendezvous()
-    assert wait_until(lambda: a.handler.node_id is not None, 5)
-    b.rendezvous()
-    a.wait(), b.wait()
-    spare.rendezvous()
-    assert wait_until(lambda: spare.handler.node_id in a.handler._read_membership().standby, 5)
+    _form_with_standby(a, b, spare)
     # Simulate the death of b's agent: its liveness connection drops without a goodbye.
     assert b.handler._beacon is not None
     b.handler._beacon._stop.set()
@@ -140,12 +145,7 @@ def test_lost_node_is_replaced_without_any_report(three_nodes: list[Node]) -> No
 
 def test_closing_releases_standbys(three_nodes: list[Node]) -> None:
     a, b, spare = three_nodes
-    a.rendezvous()
-    assert wait_until(lambda: a.handler.node_id is not None, 5)
-    b.rendezvous()
-    a.wait(), b.wait()
-    spare.rendezvous()
-    assert wait_until(lambda: spare.handler.node_id in a.handler._read_membership().standby, 5)
+    _form_with_standby(a, b, spare)
     a.handler.close(Phase.SUCCEEDED, "done")
     with pytest.raises(RendezvousClosedError):
         spare.wait()
