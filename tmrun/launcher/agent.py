@@ -95,7 +95,11 @@ class TmrunAgent(LocalElasticAgent):
     def _report_failure(self, result: RunResult) -> None:
         handler = self.tmrun_handler
         failures = result.failures or {}
-        by_signal = any(f.exitcode is not None and f.exitcode < 0 for f in failures.values())
+        # A worker killed by a signal is a root cause; SIGABRT is excluded because it is how
+        # a library (gloo, NCCL) reacts to a peer that vanished: a consequence, not a cause.
+        by_signal = any(
+            f.exitcode is not None and f.exitcode < 0 and -f.exitcode != signal.SIGABRT for f in failures.values()
+        )
         parts = []
         for rank, failure in sorted(failures.items()):
             how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
