@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
-import time
 from pathlib import Path
 
 from tests.helpers import EXAMPLES, SCRIPTS, free_port, kill_tree, leftovers, start, tmrun_cmd, wait_until
@@ -63,7 +63,7 @@ def test_single_node_standby_worker_is_visible_and_stopped(tmp_path: Path) -> No
         def status() -> dict[str, object] | None:
             result = subprocess.run(
                 [*tmrun_cmd()[:2], "tmrun.cli.ctl", "status", "--json"],
-                capture_output=True, text=True, timeout=60, env={**__import__("os").environ, **env},
+                capture_output=True, text=True, timeout=60, env={**os.environ, **env},
             )  # fmt: skip
             return json.loads(result.stdout) if result.returncode == 0 else None
 
@@ -85,4 +85,3 @@ def test_single_node_standby_worker_is_visible_and_stopped(tmp_path: Path) -> No
     finally:
         kill_tree(agent)
         assert leftovers(agent) == []
-        time.sleep(0)

@@ -118,10 +118,12 @@ def _apply_defaults(args: argparse.Namespace, given: set[str]) -> None:
 
 
 def _max_nodes(nnodes: str) -> int:
-    parts = nnodes.split(":")
-    if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
-        raise UsageError(f"--nnodes {nnodes!r} is not a number or MIN:MAX")
-    low, high = int(parts[0]), int(parts[-1])
+    from torch.distributed.run import parse_min_max_nnodes
+
+    try:
+        low, high = parse_min_max_nnodes(nnodes)
+    except (ValueError, RuntimeError):
+        raise UsageError(f"--nnodes {nnodes!r} is not a number or MIN:MAX") from None
     if low < 1 or high < low:
         raise UsageError(f"--nnodes {nnodes!r} needs 1 <= MIN <= MAX")
     return high

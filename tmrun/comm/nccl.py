@@ -251,13 +251,7 @@ class NcclComm:
         library: Optional[str] = None,
         wait: bool = True,
     ) -> None:
-        self.group = group
-        self.epoch = int(epoch)
-        self.timeout = float(timeout)
-        self._opts = dict(
-            timeout=self.timeout, revoke_on_error=revoke_on_error, shrink_share=shrink_share,
-            name=f"tmrun/{group}",
-        )
+        self._configure(group, epoch, timeout, revoke_on_error, shrink_share)
         native = _require_native()
         load_library(library)
         rmap = list(rank_map) if rank_map is not None else list(range(world_size))
@@ -266,6 +260,16 @@ class NcclComm:
             timeout=timeout,
         )
         self._c = native.NcclCommunicator(uid, world_size, rank, device, rmap, wait=wait, **self._opts)
+
+    def _configure(self, group: str, epoch: int, timeout: float, revoke_on_error: bool, shrink_share: bool) -> None:
+        """Settings shared by a founding member (``__init__``) and a joiner (``join_by_grow``)."""
+        self.group = group
+        self.epoch = int(epoch)
+        self.timeout = float(timeout)
+        self._opts = dict(
+            timeout=self.timeout, revoke_on_error=revoke_on_error, shrink_share=shrink_share,
+            name=f"tmrun/{group}",
+        )
 
     # ---- introspection
     @property
@@ -371,13 +375,7 @@ class NcclComm:
         uid = _store_get(store, store_key(epoch, group, "grow"), timeout)
         grown = [int(x) for x in plan["rank_map"]]
         self = cls.__new__(cls)
-        self.group = group
-        self.epoch = int(epoch)
-        self.timeout = float(timeout)
-        self._opts = dict(
-            timeout=self.timeout, revoke_on_error=revoke_on_error, shrink_share=shrink_share,
-            name=f"tmrun/{group}",
-        )
+        self._configure(group, epoch, timeout, revoke_on_error, shrink_share)
         self._c = native.NcclCommunicator.grow_join(
             uid, len(grown), rank, device, grown, wait=wait, **self._opts
         )

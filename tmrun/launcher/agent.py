@@ -10,7 +10,6 @@ What it adds to the elastic agent (and nothing else):
 
 from __future__ import annotations
 
-import logging
 import os
 import select
 import signal
@@ -24,8 +23,6 @@ from torch.distributed.elastic.multiprocessing import LogsSpecs
 from tmrun.console import say
 from tmrun.launcher.standby_pool import StandbyPool
 from tmrun.rendezvous.handler import TmrunRendezvousHandler
-
-log = logging.getLogger(__name__)
 
 
 class TmrunAgent(LocalElasticAgent):
@@ -52,7 +49,7 @@ class TmrunAgent(LocalElasticAgent):
         self._wait_interval = monitor_interval
         spec.monitor_interval = 0.0
         self._pidfds: dict[int, int] = {}
-        self._standby_pool = StandbyPool(standby_workers, spec.rdzv_handler.get_run_id(), None) if standby_workers else None
+        self._standby_pool = StandbyPool(standby_workers, spec.rdzv_handler.get_run_id()) if standby_workers else None
         self.failures_reported = 0
 
     @property

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,8 +17,6 @@ from tmrun.launcher.runfile import remove_runfile, write_runfile
 from tmrun.rendezvous import register_tmrun_backend
 from tmrun.rendezvous.handler import TmrunRendezvousHandler
 from tmrun.rendezvous.state import Phase
-
-log = logging.getLogger(__name__)
 
 
 class LaunchError(RuntimeError):

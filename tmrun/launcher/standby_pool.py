@@ -7,7 +7,6 @@ standby only stands ready. The pool starts them, reports them, and stops them cl
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import subprocess
@@ -17,8 +16,6 @@ import time
 from dataclasses import dataclass
 
 from tmrun.console import say
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -37,12 +34,11 @@ class StandbyMember:
 
 
 class StandbyPool:
-    def __init__(self, size: int, run_id: str, log_dir: str | None) -> None:
+    def __init__(self, size: int, run_id: str) -> None:
         self._size = size
         self._run_id = run_id
         self._members: list[StandbyMember] = []
         self._dir = tempfile.mkdtemp(prefix="tmrun-standby-")
-        self._log_dir = log_dir
         self._last_states: list[str] = []
 
     @property

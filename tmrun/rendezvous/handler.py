@@ -79,7 +79,7 @@ class TmrunRendezvousConfig:
             endpoint=parse_endpoint(params.endpoint or f"localhost:{DEFAULT_PORT}", DEFAULT_PORT),
             run_id=params.run_id,
             limits=GroupLimits(params.min_nodes, params.max_nodes, standby),
-            node_rank_hint=int(number("node_rank", -1)) if params.get("node_rank") not in (None, "", "-1") else -1,
+            node_rank_hint=params.get_as_int("node_rank", -1),
             local_addr=params.local_addr,
             join_timeout=number("join_timeout", 600),
             last_call_timeout=number("last_call_timeout", 30),
