@@ -5,6 +5,8 @@
 
 namespace py = pybind11;
 
+void bind_comm(py::module_& m);  // bind_comm.cpp: TCP communicator
+
 PYBIND11_MODULE(tmrun_native, m) {
   m.doc() = "tmrun native communicator and helpers";
   m.attr("__version__") = "0.1.0";
@@ -22,4 +24,5 @@ PYBIND11_MODULE(tmrun_native, m) {
       py::arg("data"), py::arg("crc") = 0u,
       "CRC-32C of a contiguous buffer (bytes, bytearray, memoryview, numpy array); "
       "pass a previous result as `crc` to extend it.");
+  bind_comm(m);
 }
