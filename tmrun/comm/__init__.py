@@ -1,0 +1,1 @@
+"""tmrun.comm: the data plane (native communicator helpers; ProcessGroup backend to come)."""
