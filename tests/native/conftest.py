@@ -156,6 +156,8 @@ def start_group(start: Callable[..., Proc], n: int, timeout: float = 2.0, epoch:
     ps = [start("--rank", str(r), "--world", str(n), "--timeout", str(timeout), "--epoch", str(epoch),
                 "--job", job) for r in range(n)]
     addrs = [p.expect("address")["address"] for p in ps]
+    for p, a in zip(ps, addrs):
+        p.address = a
     for p in ps:
         p.send({"addresses": addrs})
     for p in ps:

@@ -60,7 +60,7 @@ std::optional<DType> dtype_from_format(const std::string& fmt0, ssize_t itemsize
   return std::nullopt;
 }
 
-Buf get_buf(const py::buffer& b, std::optional<DType> dt, bool writable, const char* what) {
+Buf get_buf(const py::buffer& b, std::optional<DType> dt, bool writable, const char* what, bool raw = false) {
   Buf out;
   out.info = std::make_unique<py::buffer_info>(b.request(writable));
   py::buffer_info& info = *out.info;
@@ -68,6 +68,11 @@ Buf get_buf(const py::buffer& b, std::optional<DType> dt, bool writable, const c
     throw py::value_error(std::string(what) + ": buffer must be C-contiguous");
   out.bytes = size_t(info.size) * size_t(info.itemsize);
   out.ptr = static_cast<uint8_t*>(info.ptr);
+  if (raw) {  // point-to-point: any contiguous buffer, as bytes
+    out.dt = DType::kUInt8;
+    out.count = out.bytes;
+    return out;
+  }
   if (dt) {
     out.dt = *dt;
     size_t es = tmrun::dtype_size(*dt);
@@ -337,7 +342,7 @@ a Work. Operations run in submission order on the communicator's worker thread.)
       // ---- point to point
       .def("send_async",
            [](py::object self, py::buffer buf, int dst, uint32_t tag) {
-             Buf b = get_buf(buf, DType::kUInt8, false, "send");
+             Buf b = get_buf(buf, std::nullopt, false, "send", true);
              Comm* c = &self.cast<Comm&>();
              auto ptr = b.ptr; auto n = b.bytes;
              return launch(self, [c, ptr, n, dst, tag] { c->do_send(ptr, n, dst, tag); }, {&b});
@@ -345,7 +350,7 @@ a Work. Operations run in submission order on the communicator's worker thread.)
            py::arg("buf"), py::arg("dst"), py::arg("tag") = 0)
       .def("send",
            [](py::object self, py::buffer buf, int dst, uint32_t tag) {
-             Buf b = get_buf(buf, DType::kUInt8, false, "send");
+             Buf b = get_buf(buf, std::nullopt, false, "send", true);
              Comm* c = &self.cast<Comm&>();
              auto ptr = b.ptr; auto n = b.bytes;
              finish(launch(self, [c, ptr, n, dst, tag] { c->do_send(ptr, n, dst, tag); }, {&b}));
@@ -354,7 +359,7 @@ a Work. Operations run in submission order on the communicator's worker thread.)
            "Send the buffer's bytes to rank dst (links to non-neighbours are opened on first use).")
       .def("recv_async",
            [](py::object self, py::buffer buf, int src, uint32_t tag) {
-             Buf b = get_buf(buf, DType::kUInt8, true, "recv");
+             Buf b = get_buf(buf, std::nullopt, true, "recv", true);
              Comm* c = &self.cast<Comm&>();
              auto ptr = b.ptr; auto n = b.bytes;
              return launch(self, [c, ptr, n, src, tag] { c->do_recv(ptr, n, src, tag); }, {&b});
@@ -362,7 +367,7 @@ a Work. Operations run in submission order on the communicator's worker thread.)
            py::arg("buf"), py::arg("src"), py::arg("tag") = 0)
       .def("recv",
            [](py::object self, py::buffer buf, int src, uint32_t tag) {
-             Buf b = get_buf(buf, DType::kUInt8, true, "recv");
+             Buf b = get_buf(buf, std::nullopt, true, "recv", true);
              Comm* c = &self.cast<Comm&>();
              auto ptr = b.ptr; auto n = b.bytes;
              finish(launch(self, [c, ptr, n, src, tag] { c->do_recv(ptr, n, src, tag); }, {&b}));

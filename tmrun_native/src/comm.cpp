@@ -491,8 +491,7 @@ bool Communicator::tx_pump(Link& l, LinkQ* q, Plan* p, Clock::time_point now, bo
     l.tx_hdr_off += h;
     l.tx_off += k - h;
     l.bytes_sent += k;
-    l.last_tx = now;
-    l.last_progress = now;
+    l.last_tx = now;  // (liveness is judged on received bytes only: peers heartbeat while alive)
     prog = true;
     if (l.tx_hdr_off == kHeaderSize && l.tx_off == l.tx_len) {
       l.tx_busy = false;
@@ -839,6 +838,14 @@ void Communicator::run_plan(Plan& p) {
       for (auto& q : qs) {
         Link& l = *q.link;
         bool pending = q.si < q.sq.size() || q.ri < q.rq.size();
+        // Judge a peer only while we are ready to read from it: when its data waits behind a
+        // dependency of ours, its heartbeats queue behind that data.
+        bool rx_ready = !l.rx_have;
+        if (!rx_ready && l.rx_h.type == FrameType::kData && q.ri < q.rq.size()) {
+          int d = p.recvs[size_t(q.rq[q.ri])].dep;
+          rx_ready = d < 0 || p.recvs[size_t(d)].done;
+        }
+        if (!rx_ready) l.last_progress = now;
         if (pending && now - l.last_progress > timeout)
           throw LinkFailure{&l, "no data for " + std::to_string(to_secs(now - l.last_progress)).substr(0, 4) +
                                     " s (peer stopped answering)", false};
