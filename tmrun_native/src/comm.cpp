@@ -572,7 +572,7 @@ bool Communicator::rx_pump(Link& l, RxCtx& c) {
         c.got_sync = true;
         return true;
       }
-      if (c.mode == RxMode::kOp)
+      if (c.mode == RxMode::kOp && c.q && c.q->ri < c.q->rq.size())
         throw CommError("rank " + std::to_string(l.peer) + " switched to epoch " + std::to_string(l.rx_h.epoch) +
                         " while rank " + std::to_string(rank_) + " is in epoch " + std::to_string(cur) +
                         " (call prepare/commit)");
