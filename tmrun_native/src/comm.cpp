@@ -520,6 +520,9 @@ bool Communicator::rx_pump(Link& l, RxCtx& c) {
     throw LinkFailure{&l, errno_str("recv failed"), false};
   };
   for (;;) {
+    if (c.mode == RxMode::kOp && c.q && c.q->ri >= c.q->rq.size() && c.q->si >= c.q->sq.size() &&
+        l.rx_hdr_off == 0)
+      return prog;  // this link's part of the operation is over
     if (!l.rx_have) {
       ssize_t n = ::recv(l.fd.get(), l.rx_hdr + l.rx_hdr_off, kHeaderSize - l.rx_hdr_off, MSG_DONTWAIT);
       if (n <= 0) {
@@ -645,6 +648,9 @@ bool Communicator::rx_pump(Link& l, RxCtx& c) {
       s.done = true;
       c.q->ri++;
       l.rx_have = false;
+      // Nothing more to receive on this link in this operation: stop reading, what follows
+      // belongs to the peer's next step (possibly its departure).
+      if (c.q->ri >= c.q->rq.size()) return true;
     }
   }
 }
@@ -745,7 +751,37 @@ void Communicator::notify_abort(int lost, Link* skip) {
       close_link(*targets[i], "could not deliver abort notice");
 }
 
+// A link to a departing member is shut down gracefully: FIN after our last bytes, then drained
+// until the peer closes (or a grace period ends), so that closing never resets a connection whose
+// peer is still reading the end of its last operation.
+void Communicator::retire(std::unique_ptr<Link> l) {
+  if (!l->fd.valid()) return;
+  ::shutdown(l->fd.get(), SHUT_WR);
+  l->last_progress = Clock::now();
+  retired_.push_back(std::move(l));
+}
+
+void Communicator::drain_retired() {
+  auto now = Clock::now();
+  for (auto it = retired_.begin(); it != retired_.end();) {
+    Link& l = **it;
+    bool drop = now - l.last_progress > secs(std::max(5.0, 2 * opts_.timeout));
+    while (!drop) {
+      ssize_t n = ::recv(l.fd.get(), trash_.data(), trash_.size(), MSG_DONTWAIT);
+      if (n > 0) continue;
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+      drop = true;  // EOF or error: the peer is gone
+    }
+    if (drop)
+      it = retired_.erase(it);
+    else
+      ++it;
+  }
+}
+
 void Communicator::idle_tick(const std::set<Link*>& exclude) {
+  drain_retired();
   std::vector<Link*> ls;
   {
     std::lock_guard<std::mutex> t(table_mu_);
@@ -827,6 +863,8 @@ void Communicator::run_plan(Plan& p) {
       bool prog = false, done = true;
       for (auto& q : qs) {
         Link& l = *q.link;
+        if (q.si == q.sq.size() && q.ri == q.rq.size()) continue;  // this link's part is over:
+        // do not read further (the peer may already have moved on, even closed the link)
         prog |= tx_pump(l, &q, &p, now);
         RxCtx c{RxMode::kOp, &q, &p};
         prog |= rx_pump(l, c);
@@ -864,6 +902,10 @@ void Communicator::run_plan(Plan& p) {
         Link& l = *qs[i].link;
         LinkQ& q = qs[i];
         short ev = 0;
+        if (q.si == q.sq.size() && q.ri == q.rq.size()) {
+          pf[i] = pollfd{-1, 0, 0};
+          continue;
+        }
         bool can_send = l.tx_busy;
         if (!can_send && q.si < q.sq.size()) {
           int d = p.sends[size_t(q.sq[q.si])].dep;
@@ -1328,6 +1370,7 @@ void Communicator::do_commit() {
       auto& cb = closed_bytes_[r];
       cb.first += it->second->bytes_sent;
       cb.second += it->second->bytes_recv;
+      retire(std::move(it->second));
       links_.erase(it);
     }
   }

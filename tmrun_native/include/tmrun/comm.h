@@ -251,6 +251,8 @@ class Communicator {
   [[noreturn]] void raise_failure();
   void check_healthy();
   void idle_tick(const std::set<Link*>& exclude);
+  void retire(std::unique_ptr<Link> l);
+  void drain_retired();
   void sync_links(uint64_t new_epoch);
 
   Link* ring_link(int peer);
@@ -293,7 +295,8 @@ class Communicator {
   // table_mu_ guards the link table's structure for readers (links(), counters(), acceptor).
   mutable std::mutex table_mu_;
   std::map<int, std::unique_ptr<Link>> links_;
-  std::map<int, std::pair<uint64_t, uint64_t>> closed_bytes_;  // per peer, from closed links
+  std::map<int, std::pair<uint64_t, uint64_t>> closed_bytes_;
+  std::vector<std::unique_ptr<Link>> retired_;  // shut down, drained until the peer closes  // per peer, from closed links
   std::atomic<uint64_t> links_opened_{0}, links_closed_{0}, collectives_{0}, p2p_ops_{0},
       rejected_{0}, commits_{0};
   std::string last_reject_;
