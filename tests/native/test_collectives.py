@@ -256,3 +256,20 @@ def test_single_rank_and_dtype_inference():
         c.allreduce(bytearray(8), dtype=tn.DType.INT64)
     finally:
         c.close()
+
+
+def test_async_failure_surfaces_through_work():
+    g = make_group(2, job="asyncfail", timeout=1.0)
+    try:
+        w = g[0].allreduce_async(np.ones(10))
+        g[1].close()
+        with pytest.raises(tn.PeerLostError) as ei:
+            w.wait(10)
+        assert ei.value.peer == 1 and ei.value.epoch == 0 and ei.value.reporter == 0
+        e = w.exception()
+        assert isinstance(e, tn.PeerLostError) and e.peer == 1
+        assert w.done()
+        with pytest.raises(tn.PeerLostError):  # sticky until a commit
+            g[0].barrier()
+    finally:
+        close_all(g)

@@ -29,10 +29,34 @@ PyObject* new_exc(py::module_& m, const char* name, PyObject* base, const char* 
   return t;
 }
 
-void raise_with(PyObject* type, const char* msg, std::initializer_list<std::pair<const char*, py::object>> attrs) {
+py::object exc_with(PyObject* type, const char* msg,
+                    std::initializer_list<std::pair<const char*, py::object>> attrs) {
   py::object exc = py::reinterpret_borrow<py::object>(type)(msg);
   for (auto& a : attrs) exc.attr(a.first) = a.second;
-  PyErr_SetObject(type, exc.ptr());
+  return exc;
+}
+
+// The Python exception object for a C++ exception (nullptr type when it is not one of ours).
+std::pair<PyObject*, py::object> to_python(const std::exception_ptr& p) {
+  try {
+    std::rethrow_exception(p);
+  } catch (const tmrun::PeerLostError& e) {
+    return {g_peer_lost, exc_with(g_peer_lost, e.what(),
+                                  {{"peer", py::int_(e.peer)}, {"epoch", py::int_(e.epoch)},
+                                   {"reporter", py::int_(e.reporter)}})};
+  } catch (const tmrun::ProtocolError& e) {
+    return {g_protocol, exc_with(g_protocol, e.what(), {{"peer", py::int_(e.peer)}})};
+  } catch (const tmrun::CommTimeoutError& e) {
+    return {g_timeout, exc_with(g_timeout, e.what(), {})};
+  } catch (const tmrun::CommError& e) {
+    return {g_comm_error, exc_with(g_comm_error, e.what(), {})};
+  } catch (const std::invalid_argument& e) {
+    return {PyExc_ValueError, exc_with(PyExc_ValueError, e.what(), {})};
+  } catch (const std::exception& e) {
+    return {PyExc_RuntimeError, exc_with(PyExc_RuntimeError, e.what(), {})};
+  } catch (...) {
+    return {PyExc_RuntimeError, exc_with(PyExc_RuntimeError, "unknown C++ exception", {})};
+  }
 }
 
 // One Python buffer argument, held for the lifetime of an operation.
@@ -153,15 +177,9 @@ void bind_comm(py::module_& m) {
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
-    } catch (const tmrun::PeerLostError& e) {
-      raise_with(g_peer_lost, e.what(),
-                 {{"peer", py::int_(e.peer)}, {"epoch", py::int_(e.epoch)}, {"reporter", py::int_(e.reporter)}});
-    } catch (const tmrun::ProtocolError& e) {
-      raise_with(g_protocol, e.what(), {{"peer", py::int_(e.peer)}});
-    } catch (const tmrun::CommTimeoutError& e) {
-      PyErr_SetString(g_timeout, e.what());
-    } catch (const tmrun::CommError& e) {
-      PyErr_SetString(g_comm_error, e.what());
+    } catch (const tmrun::CommError&) {
+      auto te = to_python(p);
+      PyErr_SetObject(te.first, te.second.ptr());
     }
   });
 
@@ -214,13 +232,7 @@ void bind_comm(py::module_& m) {
       .def("done", [](const Work& w) { return w.st->done(); })
       .def("exception", [](const Work& w) -> py::object {
         if (!w.st->done() || !w.st->error()) return py::none();
-        try {
-          std::rethrow_exception(w.st->error());
-        } catch (...) {
-          py::detail::translate_exception(std::current_exception());
-          py::error_already_set err;
-          return err.value();
-        }
+        return to_python(w.st->error()).second;
       }, "The operation's exception once it finished with one, else None.");
 
   py::class_<Comm>(m, "Communicator", R"doc(
