@@ -269,3 +269,32 @@ def test_slow_peer_is_not_declared_lost():
         assert all((x == 3).all() for x in xs)
     finally:
         close_all(comms)
+
+
+def test_loss_noticed_while_idle_is_raised_at_the_next_operation():
+    """Rank 1 is busy (not in a collective) when its neighbour 2 dies: its service thread notices,
+    forwards the abort notice, and rank 1's next operation raises at once."""
+    n, victim = 5, 2
+    comms = make_group(n, job="idleloss", timeout=1.0)
+    try:
+        def body(c):
+            if c.rank == victim:
+                time.sleep(0.2)
+                c.close()
+                return None
+            if c.rank == 1:
+                time.sleep(2.0)
+            t0 = time.monotonic()
+            try:
+                c.allreduce(np.ones(1000, np.float32))
+            except tn.PeerLostError as e:
+                return (e.peer, time.monotonic() - t0)
+            return None
+
+        res, _ = run_ranks(comms, body, timeout=30)
+        for r in (0, 1, 3, 4):
+            assert res[r] is not None and res[r][0] == victim, (r, res[r])
+        assert res[1][1] < 0.1  # sticky: raised on entry
+        assert all(res[r][1] < 3.0 for r in (0, 3, 4))
+    finally:
+        close_all(comms)
