@@ -1,1 +1,2 @@
-"""torch.distributed integration and transports of tmrun (see nccl.py for the NCCL transport)."""
+"""The data plane: native TCP communicator helpers (native.py), the NCCL transport (nccl.py)
+and the torch.distributed backend "tmrun" (backend.py)."""

@@ -5,7 +5,8 @@
 
 namespace py = pybind11;
 
-void bind_nccl(py::module_& m);  // nccl_bind.cpp
+void bind_comm(py::module_& m);  // bind_comm.cpp: TCP communicator
+void bind_nccl(py::module_& m);  // nccl_bind.cpp: NCCL transport (stub when built without nccl.h)
 
 PYBIND11_MODULE(tmrun_native, m) {
   m.doc() = "tmrun native communicator and helpers";
@@ -24,5 +25,6 @@ PYBIND11_MODULE(tmrun_native, m) {
       py::arg("data"), py::arg("crc") = 0u,
       "CRC-32C of a contiguous buffer (bytes, bytearray, memoryview, numpy array); "
       "pass a previous result as `crc` to extend it.");
+  bind_comm(m);
   bind_nccl(m);
 }

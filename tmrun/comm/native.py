@@ -1,0 +1,174 @@
+"""Thin Python helpers around :mod:`tmrun_native`'s TCP communicator.
+
+The C++ communicator knows nothing about torch or stores. This module does the two things it
+needs from Python:
+
+* **Bootstrap through a store** (any ``torch.distributed.Store``): every rank listens, publishes
+  ``host:port`` under ``{prefix}/{job_id}/epoch{epoch}/addr/{rank}``, reads everyone's address and
+  calls :meth:`Communicator.connect`. Keys include the epoch, so addresses of different
+  memberships never mix.
+* **Tensor views**: :func:`as_buffer` turns a contiguous CPU tensor into a writable buffer that
+  shares its memory plus the matching :class:`DType` (bfloat16 travels as int16 bits).
+
+Replacement (see ``docs/native.md``)::
+
+    # survivors (every rank except the replaced ones)
+    comm = ...                                       # connected in epoch e
+    prepare_replacement(store, comm, replaced=[3], new_epoch=e + 1)   # background connect
+    ...                                              # collectives may continue here
+    comm.commit()                                    # at a step boundary
+    # joiner taking rank 3
+    comm = join_via_store(store, rank=3, world_size=n, job_id=job, epoch=e + 1)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+import tmrun_native
+from tmrun_native import (  # noqa: F401  (re-exported API)
+    CommError,
+    CommTimeoutError,
+    Communicator,
+    DType,
+    FrameError,
+    Options,
+    PeerLostError,
+    ProtocolError,
+    ReduceOp,
+    Work,
+)
+
+DEFAULT_PREFIX = "tmrun/native"
+
+__all__ = [
+    "CommError",
+    "CommTimeoutError",
+    "Communicator",
+    "DType",
+    "FrameError",
+    "Options",
+    "PeerLostError",
+    "ProtocolError",
+    "ReduceOp",
+    "Work",
+    "address_key",
+    "as_buffer",
+    "connect_via_store",
+    "join_via_store",
+    "make_options",
+    "prepare_replacement",
+    "torch_dtype_to_native",
+]
+
+
+def make_options(options: Optional[Options] = None, **kwargs: Any) -> Options:
+    """An :class:`Options` from keyword arguments (``timeout=2.0, bind_address='0.0.0.0'`` …)."""
+    if options is not None and kwargs:
+        raise TypeError("pass either options or keyword arguments")
+    return options if options is not None else Options(**kwargs)
+
+
+def address_key(job_id: str, epoch: int, rank: int, prefix: str = DEFAULT_PREFIX) -> str:
+    return f"{prefix}/{job_id}/epoch{epoch}/addr/{rank}"
+
+
+def _get(store: Any, key: str) -> str:
+    value = store.get(key)  # blocks up to the store's timeout
+    return value.decode() if isinstance(value, (bytes, bytearray)) else str(value)
+
+
+def _addresses(store: Any, job_id: str, epoch: int, world_size: int, prefix: str) -> list[str]:
+    return [_get(store, address_key(job_id, epoch, r, prefix)) for r in range(world_size)]
+
+
+def connect_via_store(
+    store: Any,
+    rank: int,
+    world_size: int,
+    job_id: str,
+    epoch: int = 0,
+    options: Optional[Options] = None,
+    prefix: str = DEFAULT_PREFIX,
+    **kwargs: Any,
+) -> Communicator:
+    """Create, publish and connect the communicator of ``rank`` for ``epoch``."""
+    comm = Communicator(rank, world_size, job_id, epoch, make_options(options, **kwargs))
+    try:
+        store.set(address_key(job_id, epoch, rank, prefix), comm.address)
+        comm.connect(_addresses(store, job_id, epoch, world_size, prefix))
+    except BaseException:
+        comm.close()
+        raise
+    return comm
+
+
+def join_via_store(
+    store: Any,
+    rank: int,
+    world_size: int,
+    job_id: str,
+    epoch: int,
+    options: Optional[Options] = None,
+    prefix: str = DEFAULT_PREFIX,
+    **kwargs: Any,
+) -> Communicator:
+    """The joiner side of a replacement: take ``rank`` in the new ``epoch``.
+
+    Survivors publish their (unchanged) addresses under the new epoch in
+    :func:`prepare_replacement`; this returns once the survivors have committed.
+    """
+    return connect_via_store(store, rank, world_size, job_id, epoch, options, prefix, **kwargs)
+
+
+def prepare_replacement(
+    store: Any,
+    comm: Communicator,
+    replaced: Iterable[int],
+    new_epoch: int,
+    prefix: str = DEFAULT_PREFIX,
+) -> None:
+    """The survivor side of phase 1: republish this rank's address under ``new_epoch``, read the
+    joiners' addresses and call :meth:`Communicator.prepare` (which connects in the background).
+    Call :meth:`Communicator.commit` at the next safe point."""
+    replaced = sorted(set(int(r) for r in replaced))
+    store.set(address_key(comm.job_id, new_epoch, comm.rank, prefix), comm.address)
+    needed = [r for r in replaced if r in comm.ring_peers]
+    new_addresses = {r: _get(store, address_key(comm.job_id, new_epoch, r, prefix)) for r in needed}
+    comm.prepare(replaced, new_addresses, new_epoch)
+
+
+def torch_dtype_to_native(dtype: Any) -> DType:
+    import torch
+
+    table = {
+        torch.float32: DType.FLOAT32,
+        torch.float64: DType.FLOAT64,
+        torch.float16: DType.FLOAT16,
+        torch.bfloat16: DType.BFLOAT16,
+        torch.int32: DType.INT32,
+        torch.int64: DType.INT64,
+        torch.uint8: DType.UINT8,
+    }
+    try:
+        return table[dtype]
+    except KeyError:
+        raise TypeError(f"tmrun_native does not support {dtype}") from None
+
+
+def as_buffer(tensor: Any) -> tuple[Any, DType]:
+    """``(buffer, dtype)`` sharing the memory of a contiguous CPU tensor (writes go to the tensor).
+
+    The tensor must stay alive (and unmodified by others) until the operation using the buffer
+    completes."""
+    import torch
+
+    if tensor.device.type != "cpu":
+        raise ValueError("as_buffer needs a CPU tensor (stage CUDA tensors through host memory)")
+    if not tensor.is_contiguous():
+        raise ValueError("as_buffer needs a contiguous tensor")
+    dtype = torch_dtype_to_native(tensor.dtype)
+    flat = tensor.detach().reshape(-1)
+    if tensor.dtype == torch.bfloat16:
+        flat = flat.view(torch.int16)
+    return flat.numpy(), dtype
