@@ -23,6 +23,7 @@ Replacement (see ``docs/native.md``)::
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any, Iterable, Optional
 
 import tmrun_native
@@ -156,19 +157,20 @@ def torch_dtype_to_native(dtype: Any) -> DType:
         raise TypeError(f"tmrun_native does not support {dtype}") from None
 
 
-def as_buffer(tensor: Any) -> tuple[Any, DType]:
+def as_buffer(tensor: Any) -> tuple[memoryview, DType]:
     """``(buffer, dtype)`` sharing the memory of a contiguous CPU tensor (writes go to the tensor).
 
-    The tensor must stay alive (and unmodified by others) until the operation using the buffer
-    completes."""
-    import torch
-
+    The buffer is a byte view built with :mod:`ctypes` over ``tensor.data_ptr()`` (no numpy); the
+    communicator reads it with the explicit ``dtype`` returned here (bfloat16 included). The
+    tensor must stay alive (and unmodified by others) until the operation using the buffer
+    completes: the view does not hold a reference to it."""
     if tensor.device.type != "cpu":
         raise ValueError("as_buffer needs a CPU tensor (stage CUDA tensors through host memory)")
     if not tensor.is_contiguous():
         raise ValueError("as_buffer needs a contiguous tensor")
     dtype = torch_dtype_to_native(tensor.dtype)
-    flat = tensor.detach().reshape(-1)
-    if tensor.dtype == torch.bfloat16:
-        flat = flat.view(torch.int16)
-    return flat.numpy(), dtype
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray(0)), dtype
+    raw = (ctypes.c_uint8 * nbytes).from_address(tensor.data_ptr())
+    return memoryview(raw).cast("B"), dtype
