@@ -13,13 +13,23 @@ serves commands:
 from __future__ import annotations
 
 import argparse
+import array
 import json
 import sys
 import time
 
-import numpy as np
-
 import tmrun_native as tn
+
+# Buffers are stdlib arrays (typed buffers: the communicator infers float32/float64 from their
+# format), so this process needs no third-party package and starts quickly (no torch import).
+
+
+def ones(size: int, code: str = "f") -> array.array:
+    return array.array(code, [1.0]) * size
+
+
+def zeros(size: int, code: str = "f") -> array.array:
+    return array.array(code, bytes(array.array(code).itemsize * size))
 
 
 def say(**kw) -> None:
@@ -30,18 +40,18 @@ def say(**kw) -> None:
 def one(comm, coll: str, size: int, bufs: dict) -> None:
     n, r = comm.world_size, comm.rank
     if coll == "allreduce":
-        comm.allreduce(bufs.setdefault("a", np.ones(size, np.float32)))
+        comm.allreduce(bufs.setdefault("a", ones(size)))
     elif coll == "broadcast":
-        comm.broadcast(bufs.setdefault("a", np.ones(size, np.float32)), root=0)
+        comm.broadcast(bufs.setdefault("a", ones(size)), root=0)
     elif coll == "allgather":
-        comm.allgather(bufs.setdefault("o", np.zeros(size * n, np.float32)), bufs.setdefault("i", np.ones(size, np.float32)))
+        comm.allgather(bufs.setdefault("o", zeros(size * n)), bufs.setdefault("i", ones(size)))
     elif coll == "reduce_scatter":
-        comm.reduce_scatter(bufs.setdefault("o", np.zeros(size, np.float32)), bufs.setdefault("i", np.ones(size * n, np.float32)))
+        comm.reduce_scatter(bufs.setdefault("o", zeros(size)), bufs.setdefault("i", ones(size * n)))
     elif coll == "barrier":
         comm.barrier()
     elif coll == "sendrecv":
-        s = bufs.setdefault("s", np.ones(size, np.float32))
-        d = bufs.setdefault("d", np.zeros(size, np.float32))
+        s = bufs.setdefault("s", ones(size))
+        d = bufs.setdefault("d", zeros(size))
         w = comm.send_async(s, (r + 1) % n)
         comm.recv(d, (r - 1) % n)
         w.wait()
@@ -84,7 +94,7 @@ def main() -> None:
             comm.commit()
             say(committed=True, seconds=time.time() - t0, counters=comm.counters(), links=comm.links())
         elif op == "check":
-            x = np.full(1000, comm.rank + 1, np.float64)
+            x = array.array("d", [comm.rank + 1.0]) * 1000
             comm.allreduce(x)
             say(check=float(x[0]), epoch=comm.epoch)
         elif op == "exit":

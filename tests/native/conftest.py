@@ -15,7 +15,21 @@ import pytest
 
 tn = pytest.importorskip("tmrun_native")
 
+from tmrun.comm.native import as_buffer, torch_dtype_to_native  # noqa: E402  (after the importorskip)
+
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
+
+
+def buf(t: Any) -> memoryview:
+    """A writable byte view over a contiguous CPU tensor's memory (ctypes, see as_buffer). The view does not
+    keep the tensor alive: hold the tensor until the operation using the view is over. Pass the
+    element type with ``dtype=dt(t)``."""
+    return as_buffer(t)[0]
+
+
+def dt(t: Any) -> Any:
+    """The communicator's DType of a tensor (bfloat16 included)."""
+    return torch_dtype_to_native(t.dtype)
 
 
 def connect_all(comms: list, timeout: float = 30.0) -> None:

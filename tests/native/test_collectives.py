@@ -3,11 +3,12 @@ determinism, async operations. Ranks are threads of this process (the GIL is rel
 
 from __future__ import annotations
 
-import numpy as np
+import array
+
 import pytest
 import torch
 
-from conftest import close_all, make_group, run_ranks, tn
+from conftest import buf, close_all, dt, make_group, run_ranks, tn
 
 DTYPES = {
     tn.DType.FLOAT32: torch.float32,
@@ -22,12 +23,6 @@ OPS = [tn.ReduceOp.SUM, tn.ReduceOp.AVG, tn.ReduceOp.MIN, tn.ReduceOp.MAX, tn.Re
 # Element counts: empty, tiny (< world size), odd, latency path, ring path (> small_bytes), not
 # divisible by any world size used here.
 SIZES = [0, 1, 2, 7, 1031, 40001]
-
-
-def buf(t: torch.Tensor):
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy()
-    return t.numpy()
 
 
 def inputs(n: int, size: int, dt: torch.dtype, op, seed: int) -> list[torch.Tensor]:
@@ -144,20 +139,21 @@ def test_send_recv_all_pairs(group, size):
         for dst in range(n):
             if src == dst:
                 continue
-            payload = np.random.default_rng(src * 10 + dst).integers(0, 255, size, dtype=np.uint8)
-            got = np.zeros(size, np.uint8)
+            gen = torch.Generator().manual_seed(src * 10 + dst)
+            payload = torch.randint(0, 255, (size,), dtype=torch.uint8, generator=gen)
+            got = torch.zeros(size, dtype=torch.uint8)
 
             def body(c):
                 if c.rank == src:
-                    c.send(payload, dst, tag=src * 100 + dst)
+                    c.send(buf(payload), dst, tag=src * 100 + dst)
                 elif c.rank == dst:
-                    c.recv(got, src, tag=src * 100 + dst)
+                    c.recv(buf(got), src, tag=src * 100 + dst)
 
             run_ranks(group, body)
-            assert np.array_equal(got, payload)
+            assert torch.equal(got, payload)
     # collectives still work after lazily opened links
-    x = [np.full(10, c.rank, np.int64) for c in group]
-    run_ranks(group, lambda c: c.allreduce(x[c.rank]))
+    x = [torch.full((10,), c.rank, dtype=torch.int64) for c in group]
+    run_ranks(group, lambda c: c.allreduce(buf(x[c.rank]), dtype=dt(x[c.rank])))
     assert all((v == sum(range(n))).all() for v in x)
 
 
@@ -184,20 +180,22 @@ def test_float16_bfloat16_round_to_nearest_even(small_bytes):
 def test_bitwise_deterministic(n):
     """Random floats (order-sensitive sums): identical bits on every rank and across two runs and
     two fresh groups, on both the latency path and the ring path."""
-    rng = np.random.default_rng(n)
-    data = [rng.standard_normal(200003).astype(np.float32) * 10 ** rng.uniform(-3, 3, 200003).astype(np.float32)
+    gen = torch.Generator().manual_seed(n)
+    size_max = 200003
+    data = [torch.randn(size_max, generator=gen) * 10 ** (torch.rand(size_max, generator=gen) * 6 - 3)
             for _ in range(n)]
+    assert all(d.dtype == torch.float32 for d in data)
     results = []
     for trial in range(2):
         g = make_group(n, job=f"det{n}{trial}", small_bytes=4096, segment_bytes=16384)
         try:
             for size in (100, 200003):
                 for _ in range(2):
-                    w = [d[:size].copy() for d in data]
-                    run_ranks(g, lambda c: c.allreduce(w[c.rank]))
+                    w = [d[:size].clone() for d in data]
+                    run_ranks(g, lambda c: c.allreduce(buf(w[c.rank]), dtype=dt(w[c.rank])))
                     for r in range(1, n):
-                        assert w[r].tobytes() == w[0].tobytes()
-                    results.append((size, w[0].tobytes()))
+                        assert bytes(buf(w[r])) == bytes(buf(w[0]))
+                    results.append((size, bytes(buf(w[0]))))
         finally:
             close_all(g)
     by_size: dict = {}
@@ -205,18 +203,18 @@ def test_bitwise_deterministic(n):
         by_size.setdefault(size, set()).add(b)
     assert all(len(v) == 1 for v in by_size.values())
     # and the result is the sum up to float rounding
-    ref = np.sum(np.stack([d.astype(np.float64) for d in data]), axis=0)
-    got = np.frombuffer(by_size[200003].pop(), np.float32)
-    assert np.allclose(got, ref, rtol=1e-4, atol=1e-2)
+    ref = torch.stack([d.double() for d in data]).sum(dim=0)
+    got = torch.frombuffer(bytearray(by_size[200003].pop()), dtype=torch.float32)
+    assert torch.allclose(got.double(), ref, rtol=1e-4, atol=1e-2)
 
 
 def test_async_work_and_ordering():
     g = make_group(3, job="async")
     try:
-        bufs = [[np.full(1000 * (k + 1), c.rank + k, np.float64) for k in range(6)] for c in g]
+        bufs = [[torch.full((1000 * (k + 1),), c.rank + k, dtype=torch.float64) for k in range(6)] for c in g]
 
         def body(c):
-            works = [c.allreduce_async(b) for b in bufs[c.rank]]
+            works = [c.allreduce_async(buf(b), dtype=dt(b)) for b in bufs[c.rank]]
             assert all(isinstance(w, tn.Work) for w in works)
             for w in works:
                 assert w.wait(30.0) is True
@@ -227,11 +225,11 @@ def test_async_work_and_ordering():
             expected = sum(r + k for r in range(3))
             assert all((bufs[r][k] == expected).all() for r in range(3))
         # wait(timeout) returns False while a peer has not joined the collective yet
-        x = np.ones(10)
-        w = g[0].allreduce_async(x)
+        x = torch.ones(10, dtype=torch.float64)
+        w = g[0].allreduce_async(buf(x), dtype=dt(x))
         assert w.wait(0.2) is False and not w.done()
-        ys = [np.ones(10), np.ones(10)]
-        run_ranks(g[1:], lambda c: c.allreduce(ys[c.rank - 1]))
+        ys = [torch.ones(10, dtype=torch.float64), torch.ones(10, dtype=torch.float64)]
+        run_ranks(g[1:], lambda c: c.allreduce(buf(ys[c.rank - 1]), dtype=dt(ys[c.rank - 1])))
         assert w.wait(10) and (x == 3).all()
     finally:
         close_all(g)
@@ -241,18 +239,19 @@ def test_single_rank_and_dtype_inference():
     c = tn.Communicator(0, 1, "solo")
     try:
         c.connect([c.address])
-        x = np.arange(5, dtype=np.float32)
+        # typed stdlib buffers: the dtype is inferred from the buffer format ('f' = float32)
+        x = array.array("f", range(5))
         c.allreduce(x, op=tn.ReduceOp.AVG)
-        assert (x == np.arange(5)).all()
-        out = np.zeros(5, np.float32)
+        assert list(x) == list(range(5))
+        out = array.array("f", bytes(4 * 5))
         c.allgather(out, x)
-        assert (out == x).all()
-        with pytest.raises(ValueError):
-            c.allreduce(np.zeros(3, np.int8))  # no int8 dtype: must be explicit
-        with pytest.raises(ValueError):
-            c.allreduce(np.zeros(3, np.float32), dtype=tn.DType.FLOAT64)
-        with pytest.raises(ValueError):
-            c.allreduce(np.zeros((4, 4), np.float32)[:, 1])  # not contiguous
+        assert out == x
+        with pytest.raises(ValueError, match="cannot infer dtype"):
+            c.allreduce(array.array("b", [0, 0, 0]))  # no int8 dtype: must be explicit
+        with pytest.raises(ValueError, match="item size"):
+            c.allreduce(array.array("f", [0.0] * 3), dtype=tn.DType.FLOAT64)
+        with pytest.raises(ValueError, match="contiguous"):
+            c.allreduce(memoryview(array.array("f", [0.0] * 16))[1::4])  # not contiguous (a column of 4x4)
         c.allreduce(bytearray(8), dtype=tn.DType.INT64)
     finally:
         c.close()
@@ -261,7 +260,8 @@ def test_single_rank_and_dtype_inference():
 def test_async_failure_surfaces_through_work():
     g = make_group(2, job="asyncfail", timeout=1.0)
     try:
-        w = g[0].allreduce_async(np.ones(10))
+        x = torch.ones(10, dtype=torch.float64)  # alive until the operation is over
+        w = g[0].allreduce_async(buf(x), dtype=dt(x))
         g[1].close()
         with pytest.raises(tn.PeerLostError) as ei:
             w.wait(10)

@@ -6,10 +6,10 @@ import random
 import socket
 import time
 
-import numpy as np
 import pytest
+import torch
 
-from conftest import close_all, make_group, run_ranks, tn
+from conftest import buf, close_all, dt, make_group, run_ranks, tn
 
 HS = tn.FRAME_HEADER_SIZE
 
@@ -97,8 +97,8 @@ def test_garbage_connection_is_rejected_and_the_group_keeps_working():
             time.sleep(0.02)
         for s in socks:
             s.close()
-        xs = [np.full(1000, c.rank, np.float32) for c in comms]
-        run_ranks(comms, lambda c: c.allreduce(xs[c.rank]))
+        xs = [torch.full((1000,), c.rank, dtype=torch.float32) for c in comms]
+        run_ranks(comms, lambda c: c.allreduce(buf(xs[c.rank]), dtype=dt(xs[c.rank])))
         assert all((x == 3).all() for x in xs)
         assert [{l["peer"]: l["id"] for l in c.links()} for c in comms] == ids
         silent.close()
@@ -118,8 +118,9 @@ def test_malformed_frame_on_a_live_link_closes_only_that_link(garbage):
             garbage = tn.encode_frame(4, b"", job_id="intruder", epoch=0, seq=1)
         # rank 0 writes garbage on its link to rank 1, bypassing the framing
         comms[0]._debug_send_raw(1, garbage)
-        xs = [np.ones(50000, np.float32) for _ in range(n)]
-        res, errs = run_ranks(comms, lambda c: c.allreduce(xs[c.rank]), raise_errors=False, timeout=30)
+        xs = [torch.ones(50000, dtype=torch.float32) for _ in range(n)]
+        res, errs = run_ranks(comms, lambda c: c.allreduce(buf(xs[c.rank]), dtype=dt(xs[c.rank])),
+                              raise_errors=False, timeout=30)
         assert all(e is not None for e in errs), errs
         e1 = errs[1]
         assert isinstance(e1, tn.ProtocolError) and e1.peer == 0, e1

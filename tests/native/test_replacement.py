@@ -7,10 +7,10 @@ from __future__ import annotations
 import threading
 import time
 
-import numpy as np
 import pytest
+import torch
 
-from conftest import close_all, make_group, run_ranks, tn
+from conftest import buf, close_all, dt, make_group, run_ranks, tn
 
 
 def link_ids(c) -> dict:
@@ -23,8 +23,8 @@ def ring_edges(n: int) -> set:
 
 def check_allreduce(comms, tag: float = 0.0) -> None:
     n = len(comms)
-    xs = [np.full(5003, c.rank + 1 + tag, np.float64) for c in comms]
-    run_ranks(comms, lambda c: c.allreduce(xs[c.rank]))
+    xs = [torch.full((5003,), c.rank + 1 + tag, dtype=torch.float64) for c in comms]
+    run_ranks(comms, lambda c: c.allreduce(buf(xs[c.rank]), dtype=dt(xs[c.rank])))
     expected = sum(r + 1 + tag for r in range(n))
     for x in xs:
         assert (x == expected).all()
@@ -132,8 +132,8 @@ def test_replacement_while_collectives_run():
 
         def loop(c):
             for i in range(stop_at):
-                x = np.full(20000, float(c.rank + i), np.float32)
-                c.allreduce(x)
+                x = torch.full((20000,), float(c.rank + i), dtype=torch.float32)
+                c.allreduce(buf(x), dtype=dt(x))
                 results.append((c.rank, i, float(x[0])))
                 started.set()
 
@@ -175,13 +175,13 @@ def test_commit_async_queued_behind_collectives():
     comms = make_group(n, job=job)
     try:
         joiner = tn.Communicator(victim, n, job, 1, tn.Options(timeout=5.0))
-        xs = [np.full(1000, float(c.rank), np.float64) for c in comms]
+        xs = [torch.full((1000,), float(c.rank), dtype=torch.float64) for c in comms]
         works = {}
         for c in comms:
             if c.rank != victim:
                 c.prepare([victim], {victim: joiner.address}, 1)
         for c in comms:
-            works[c.rank] = c.allreduce_async(xs[c.rank])
+            works[c.rank] = c.allreduce_async(buf(xs[c.rank]), dtype=dt(xs[c.rank]))
         commits = {c.rank: c.commit_async() for c in comms if c.rank != victim}
         for w in works.values():
             assert w.wait(20)
@@ -204,7 +204,7 @@ def test_replacement_after_failure_mid_collective():
     n, victim, job = 6, 4, "afterfail"
     comms = make_group(n, job=job, timeout=2.0)
     try:
-        xs = [np.ones(4 << 20, np.float32) for _ in range(n)]
+        xs = [torch.ones(4 << 20, dtype=torch.float32) for _ in range(n)]
 
         def body(c):
             if c.rank == victim:
@@ -213,7 +213,7 @@ def test_replacement_after_failure_mid_collective():
                 return None
             try:
                 for _ in range(100):
-                    c.allreduce(xs[c.rank])
+                    c.allreduce(buf(xs[c.rank]), dtype=dt(xs[c.rank]))
             except tn.PeerLostError as e:
                 return e
             return None
@@ -228,7 +228,8 @@ def test_replacement_after_failure_mid_collective():
             assert e.peer == victim and e.epoch == 0
         # sticky until recovery
         with pytest.raises(tn.PeerLostError):
-            comms[0].allreduce(np.ones(3))
+            x = torch.ones(3, dtype=torch.float64)
+            comms[0].allreduce(buf(x), dtype=dt(x))
         assert "rank 4" in comms[0].failure()
         group, _ = replace(comms, [victim], 1, job)
         comms = group
@@ -258,12 +259,12 @@ def test_slow_peer_is_not_declared_lost():
     service thread heartbeats, so the others wait instead of failing."""
     comms = make_group(3, job="slow", timeout=0.5)
     try:
-        xs = [np.ones(100000, np.float32) for _ in range(3)]
+        xs = [torch.ones(100000, dtype=torch.float32) for _ in range(3)]
 
         def body(c):
             if c.rank == 1:
                 time.sleep(2.0)
-            c.allreduce(xs[c.rank])
+            c.allreduce(buf(xs[c.rank]), dtype=dt(xs[c.rank]))
 
         run_ranks(comms, body, timeout=30)
         assert all((x == 3).all() for x in xs)
@@ -286,7 +287,8 @@ def test_loss_noticed_while_idle_is_raised_at_the_next_operation():
                 time.sleep(2.0)
             t0 = time.monotonic()
             try:
-                c.allreduce(np.ones(1000, np.float32))
+                x = torch.ones(1000, dtype=torch.float32)
+                c.allreduce(buf(x), dtype=dt(x))
             except tn.PeerLostError as e:
                 return (e.peer, time.monotonic() - t0)
             return None

@@ -5,12 +5,11 @@ from __future__ import annotations
 import datetime
 import socket
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import close_all, run_ranks, tn
+from conftest import buf, close_all, dt, run_ranks, tn
 
 native = pytest.importorskip("tmrun.comm.native")
 
@@ -82,8 +81,8 @@ def test_replacement_through_the_store(stores):
 
         run_ranks(list(range(n)), step)
         comms[victim] = joiner[0]
-        xs = [np.full(10, c.rank, np.int32) for c in comms]
-        run_ranks(comms, lambda c: c.allreduce(xs[c.rank]))
+        xs = [torch.full((10,), c.rank, dtype=torch.int32) for c in comms]
+        run_ranks(comms, lambda c: c.allreduce(buf(xs[c.rank]), dtype=dt(xs[c.rank])))
         assert all((x == 6).all() for x in xs)
         assert all(c.epoch == 1 for c in comms)
     finally:
@@ -101,8 +100,8 @@ def test_two_rank_replacement():
         group = [comms[0], j]
         run_ranks(group, lambda c: c.commit() if c.rank == 0 else c.connect([comms[0].address, j.address]))
         comms = group
-        x = [np.ones(100000, np.float32), np.ones(100000, np.float32)]
-        run_ranks(comms, lambda c: c.allreduce(x[c.rank]))
+        x = [torch.ones(100000, dtype=torch.float32), torch.ones(100000, dtype=torch.float32)]
+        run_ranks(comms, lambda c: c.allreduce(buf(x[c.rank]), dtype=dt(x[c.rank])))
         assert (x[0] == 2).all() and (x[1] == 2).all()
         assert comms[0].counters()["links_opened"] == 2
     finally:
