@@ -53,6 +53,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="Spare members kept warm: standby nodes (the agents beyond --nnodes) when the job spans "
         "nodes, standby worker processes on a single node. Default 0.",
     )
+    group.add_argument(
+        "--standby-wait",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="In-place jobs: how long a failure waits for a warm standby before tmrun falls back to "
+        "restarting the worker group (as torchrun). Default 60.",
+    )
+    group.add_argument(
+        "--shadow-steps",
+        type=int,
+        default=2,
+        metavar="N",
+        help="In-place jobs: steps a standby worker runs in its sandbox to warm up. Default 2.",
+    )
+    group.add_argument(
+        "--inject-failure",
+        default="",
+        metavar="SPEC",
+        help="Failure drill: kill a rank once, e.g. rank=1,step=8 (keys: rank, step, at=step|forward|"
+        "backward|optimizer|transfer|promotion, time=SECONDS, signal=KILL, who=original|joiner).",
+    )
     for action in torch_parser._actions:  # noqa: SLF001
         if not action.option_strings:
             parser._add_action(action)  # noqa: SLF001
@@ -138,6 +160,17 @@ def _validate(args: argparse.Namespace) -> None:
     nproc = str(args.nproc_per_node)
     if nproc.lstrip("-").isdigit() and int(nproc) < 1:
         raise UsageError(f"--nproc-per-node must be at least 1, got {nproc}")
+    if args.standby_wait < 0:
+        raise UsageError(f"--standby-wait must be 0 or more, got {args.standby_wait}")
+    if args.shadow_steps < 0:
+        raise UsageError(f"--shadow-steps must be 0 or more, got {args.shadow_steps}")
+    if args.inject_failure:
+        from tmrun.worker.drills import Drill, DrillSpecError
+
+        try:
+            Drill.parse(args.inject_failure)
+        except DrillSpecError as exc:
+            raise UsageError(str(exc)) from None
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
     if args.monitor_interval <= 0:
@@ -180,7 +213,12 @@ def run(argv: Sequence[str]) -> int:
     except (ValueError, RuntimeError, AssertionError) as exc:
         raise UsageError(str(exc)) from None
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
-    return launch(config, entrypoint, entry_args, TmrunOptions(standby=args.standby))
+    os.environ["TMRUN_SHADOW_STEPS"] = str(args.shadow_steps)
+    if args.inject_failure:
+        from tmrun.worker.drills import ENV, Drill
+
+        os.environ[ENV] = Drill.parse(args.inject_failure).encode()
+    return launch(config, entrypoint, entry_args, TmrunOptions(standby=args.standby, standby_wait=args.standby_wait))
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:

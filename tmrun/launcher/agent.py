@@ -10,6 +10,7 @@ What it adds to the elastic agent (and nothing else):
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import signal
@@ -18,9 +19,12 @@ from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed import PrefixStore
 from torch.distributed.elastic.multiprocessing import LogsSpecs
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from tmrun.console import say
+from tmrun.launcher.inplace import InplaceController
 from tmrun.launcher.standby_pool import StandbyPool
 from tmrun.rendezvous.handler import TmrunRendezvousHandler
 
@@ -34,6 +38,7 @@ class TmrunAgent(LocalElasticAgent):
         start_method: str,
         monitor_interval: float,
         standby_workers: int,
+        standby_wait: float = 60.0,
         log_line_prefix_template: str | None = None,
         shutdown_timeout: int = 30,
     ) -> None:
@@ -51,6 +56,9 @@ class TmrunAgent(LocalElasticAgent):
         self._pidfds: dict[int, int] = {}
         self._standby_pool = StandbyPool(standby_workers, spec.rdzv_handler.get_run_id()) if standby_workers else None
         self.failures_reported = 0
+        self._standby_wait = standby_wait
+        self._inplace: InplaceController | None = None
+        self._group_starts = 0
 
     @property
     def tmrun_handler(self) -> TmrunRendezvousHandler | None:
@@ -59,9 +67,12 @@ class TmrunAgent(LocalElasticAgent):
 
     # -- detection --------------------------------------------------------------------------
 
-    def _wait_for_exit(self, timeout: float) -> None:
+    def _wait_for_exit(self, timeout: float, watched: list[int] | None = None) -> None:
         """Block until a worker process exits or ``timeout`` passes."""
-        pids = set(self._pcontext.pids().values()) if self._pcontext is not None else set()
+        if watched is not None:
+            pids = set(watched)
+        else:
+            pids = set(self._pcontext.pids().values()) if self._pcontext is not None else set()
         for pid in list(self._pidfds):
             if pid not in pids:
                 os.close(self._pidfds.pop(pid))
@@ -81,13 +92,37 @@ class TmrunAgent(LocalElasticAgent):
         self._pidfds.clear()
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
-        self._wait_for_exit(self._wait_interval)
+        if self._inplace is not None and self._inplace.enabled():
+            return self._monitor_inplace(worker_group, self._inplace)
+        self._wait_for_exit(min(self._wait_interval, 0.1) if self._inplace is not None else self._wait_interval)
         if self._standby_pool is not None and self._standby_pool.changed():
             self._publish(worker_group, self._pcontext.pids() if self._pcontext else {})
         result = super()._monitor_workers(worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
             self._report_failure(result)
         return result
+
+    def _monitor_inplace(self, worker_group: WorkerGroup, controller: InplaceController) -> RunResult:
+        """Workers that use the tmrun API: a failed rank is replaced in place by a standby;
+        the group is done when every rank's current process exited 0."""
+        self._wait_for_exit(0.05, controller.pids())
+        before = controller.replacements
+        outcome = controller.step()
+        if controller.replacements != before:
+            self._publish(worker_group, {s.rank: s.pid for s in controller.slots.values()})
+        if outcome.finished:
+            return RunResult(state=WorkerState.SUCCEEDED, return_values={w.local_rank: None for w in worker_group.workers})
+        if outcome.failed:
+            failures = {}
+            for rank, code in outcome.failed.items():
+                slot = controller.slots[rank]
+                local_rank = rank - worker_group.workers[0].global_rank
+                error_file = "" if slot.promoted or self._pcontext is None else self._pcontext.error_files.get(local_rank, "")
+                failures[rank] = ProcessFailure(local_rank=local_rank, pid=slot.pid, exitcode=code, error_file=error_file)
+            result = RunResult(state=WorkerState.FAILED, failures=failures)
+            self._report_failure(result)
+            return result
+        return RunResult(state=WorkerState.HEALTHY)
 
     def _report_failure(self, result: RunResult) -> None:
         handler = self.tmrun_handler
@@ -110,19 +145,63 @@ class TmrunAgent(LocalElasticAgent):
     # -- start / stop ---------------------------------------------------------------------
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        self._prepare_inplace(worker_group)
         pids = super()._start_workers(worker_group)
         if self._standby_pool is not None:
             self._standby_pool.fill()
+        if self._inplace is not None and self._pcontext is not None:
+            handlers = getattr(self._pcontext, "subprocess_handlers", {})
+            self._inplace.adopt({w.global_rank: handlers[w.local_rank].proc for w in worker_group.workers if w.local_rank in handlers})
         self._publish(worker_group, pids)
         return pids
 
+    def _prepare_inplace(self, worker_group: WorkerGroup) -> None:
+        """Single node with standby workers: tell workers and standbys where the in-place
+        protocol lives (a fresh key prefix for every start of the worker group)."""
+        handler = self.tmrun_handler
+        if self._standby_pool is None or handler is None:
+            return
+        spec = worker_group.spec
+        prefix = f"tmrun/{handler.get_run_id()}/ip/{self._group_starts}/"
+        self._group_starts += 1
+        store = PrefixStore(prefix, handler._tcp_store)
+        events = handler.store
+        world_size = worker_group.workers[0].world_size if worker_group.workers else spec.local_world_size
+        self._inplace = InplaceController(store, self._standby_pool, world_size, self._standby_wait,
+                                          max(spec.max_restarts, 0), events)
+        shared = {
+            "TMRUN_IP_STORE": str(handler.endpoint),
+            "TMRUN_IP_PREFIX": prefix,
+            "TMRUN_RUN_ID": handler.get_run_id(),
+            "TMRUN_AGENT_PID": str(os.getpid()),
+        }
+        os.environ.update(shared)  # the workers torch starts inherit these
+        entry = [spec.entrypoint, *map(str, spec.args)] if isinstance(spec.entrypoint, str) else []
+        previous = self._standby_pool.worker_env.get("TMRUN_IP_PREFIX")
+        self._standby_pool.worker_env = {
+            **shared,
+            "TMRUN_ENTRYPOINT": json.dumps(entry),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(spec.local_world_size),
+            "RANK": "0",
+            "LOCAL_RANK": "0",
+            "GROUP_RANK": "0",
+            "TORCHELASTIC_RUN_ID": handler.get_run_id(),
+        }
+        if previous is not None and previous != prefix:
+            self._standby_pool.stop(final=False)  # standbys of the previous group start again
+
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
         self._close_pidfds()
+        if self._inplace is not None:
+            self._inplace.stop_promoted()
         super()._stop_workers(worker_group)
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         self._close_pidfds()
         try:
+            if self._inplace is not None:
+                self._inplace.stop_promoted()
             super()._shutdown(death_sig, timeout)
         finally:
             if self._standby_pool is not None:

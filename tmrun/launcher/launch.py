@@ -26,6 +26,7 @@ class LaunchError(RuntimeError):
 @dataclass(frozen=True)
 class TmrunOptions:
     standby: int  # spare members: nodes when the job spans nodes, worker processes on one node
+    standby_wait: float = 60.0  # in-place: how long a failure waits for a warm standby
 
 
 def launch(config: LaunchConfig, entrypoint: str, args: list[Any], options: TmrunOptions) -> int:
@@ -70,6 +71,7 @@ def launch(config: LaunchConfig, entrypoint: str, args: list[Any], options: Tmru
         start_method=config.start_method,
         monitor_interval=config.monitor_interval,
         standby_workers=options.standby if single_node else 0,
+        standby_wait=options.standby_wait,
         log_line_prefix_template=config.log_line_prefix_template,
         shutdown_timeout=int(config.shutdown_timeout),
     )

@@ -38,6 +38,8 @@ class StandbyPool:
         self._size = size
         self._run_id = run_id
         self._members: list[StandbyMember] = []
+        self._next_index = 0
+        self.worker_env: dict[str, str] = {}  # what a standby needs to run the job's script
         self._dir = tempfile.mkdtemp(prefix="tmrun-standby-")
         self._last_states: list[str] = []
 
@@ -57,16 +59,22 @@ class StandbyPool:
         """Start standby processes until the pool holds ``size`` live members."""
         self._members = [m for m in self._members if m.process.poll() is None]
         while len(self._members) < self._size:
-            index = max((m.index for m in self._members), default=-1) + 1
-            self._members.append(self._start(index))
+            self._members.append(self._start(self._next_index))
+            self._next_index += 1
+
+    def take(self, member: StandbyMember) -> None:
+        """Remove a promoted member from the pool (it is a worker now; the caller owns it)."""
+        self._members.remove(member)
 
     def _start(self, index: int) -> StandbyMember:
         ready_file = os.path.join(self._dir, f"standby-{index}.ready")
         env = dict(os.environ)
+        env.update(self.worker_env)
         env.update(
             {
                 "TMRUN_ROLE": "standby",
                 "TMRUN_STANDBY_INDEX": str(index),
+                "TMRUN_STANDBY_ID": str(index),
                 "TMRUN_STANDBY_READY_FILE": ready_file,
                 "TMRUN_RUN_ID": self._run_id,
                 "TMRUN_AGENT_PID": str(os.getpid()),
@@ -80,7 +88,9 @@ class StandbyPool:
         say(f"standby worker {index} started (pid {process.pid})")
         return StandbyMember(index, process, ready_file)
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float = 5.0, final: bool = True) -> None:
+        """Stop every member (SIGTERM, then SIGKILL after ``timeout``); ``final`` also removes
+        the pool's directory (no later ``fill``)."""
         for member in self._members:
             if member.process.poll() is None:
                 member.process.send_signal(signal.SIGTERM)
@@ -93,6 +103,8 @@ class StandbyPool:
                 member.process.kill()
                 member.process.wait(timeout=5)
         self._members = []
+        if not final:
+            return
         for name in os.listdir(self._dir):
             os.unlink(os.path.join(self._dir, name))
         os.rmdir(self._dir)

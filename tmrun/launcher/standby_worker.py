@@ -1,14 +1,38 @@
-"""Entry point of a single-node standby process: warm up, say ready, wait to be needed.
+"""Entry point of a single-node standby process.
 
-It leaves on SIGTERM (exit 0) or when the agent that started it is gone.
+It imports torch (the bulk of a cold start), says it is warm, and waits. As soon as the job's
+script turns out to use the tmrun worker API (an active rank called ``tmrun.init()``), it runs
+that same script in this process as a standby: the script's own ``tmrun.init()`` puts it in the
+sandbox, and its ``steps()`` waits there until the controller promotes it. For a plain torchrun
+script it only stands ready. It leaves on SIGTERM (exit 0) or when its agent is gone.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import runpy
 import signal
 import sys
 import time
+from datetime import timedelta
+
+from tmrun.control import inplace_protocol as proto
+
+
+def _python_target(argv: list[str]) -> tuple[str, str] | None:
+    """("path", script) or ("module", name) when argv runs the Python interpreter, else None."""
+    if not argv or os.path.basename(argv[0]) != os.path.basename(sys.executable):
+        return None
+    rest = [a for a in argv[1:] if a != "-u"]
+    if rest[:1] == ["-m"] and len(rest) > 1:
+        return ("module", rest[1])
+    return ("path", rest[0]) if rest else None
+
+
+def _script_argv(argv: list[str]) -> list[str]:
+    rest = [a for a in argv[1:] if a != "-u"]
+    return rest[1:] if rest[:1] == ["-m"] else rest
 
 
 def main() -> int:
@@ -22,16 +46,35 @@ def main() -> int:
     signal.signal(signal.SIGINT, _on_term)
     agent_pid = int(os.environ.get("TMRUN_AGENT_PID", "0"))
     import torch  # noqa: F401  - the warm-up: importing torch is most of a cold start
-    import torch.distributed  # noqa: F401
+    import torch.distributed as dist
 
     ready_file = os.environ.get("TMRUN_STANDBY_READY_FILE")
     if ready_file:
         with open(ready_file, "w") as ready:
             ready.write(str(os.getpid()))
+    argv = json.loads(os.environ.get("TMRUN_ENTRYPOINT", "[]"))
+    target = _python_target(argv)
+    store = None
+    address = os.environ.get("TMRUN_IP_STORE", "")
+    if target is not None and address:
+        host, _, port = address.rpartition(":")
+        tcp = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60), wait_for_workers=False)
+        store = dist.PrefixStore(os.environ["TMRUN_IP_PREFIX"], tcp)
     while not stop:
         if agent_pid and os.getppid() != agent_pid:
             return 0  # orphaned: the agent died without stopping us
-        time.sleep(0.2)
+        if store is not None and target is not None and store.check([proto.API]):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            kind, name = target
+            sys.argv = [name] + _script_argv(argv)
+            if kind == "module":
+                runpy.run_module(name, run_name="__main__", alter_sys=True)
+            else:
+                sys.path.insert(0, os.path.dirname(os.path.abspath(name)))
+                runpy.run_path(name, run_name="__main__")
+            return 0
+        time.sleep(0.05)
     return 0
 
 

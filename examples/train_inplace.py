@@ -1,0 +1,91 @@
+"""A training script that uses the tmrun worker API (the loop of the product brief, verbatim).
+
+    tmrun --nproc-per-node 2 --standby 1 --inject-failure rank=1,step=8 examples/train_inplace.py
+
+Under tmrun with a standby, a rank that dies is replaced in place: survivors keep their
+processes, the standby (already warm) takes the rank, and at most the step in flight is redone.
+Under plain torchrun the same script trains normally (no replacement).
+
+--step-log PATH writes one line per completed step (``step time``); ``{rank}`` in PATH is
+replaced by the rank. --final PATH writes the SHA-256 of the final parameters and optimizer
+state (rank 0), so runs with and without failures can be compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import time
+
+import torch
+
+import tmrun
+
+
+def build_model(width: int, depth: int) -> torch.nn.Module:
+    layers: list[torch.nn.Module] = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    layers.append(torch.nn.Linear(width, 1))
+    return torch.nn.Sequential(*layers)
+
+
+def batch_for(step: int, rank: int, world_size: int, width: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1_000_003 * step + rank)
+    x = torch.randn(batch, width, generator=generator)
+    return x, x.sum(dim=1, keepdim=True).sin()
+
+
+def _raw(tensor: torch.Tensor) -> memoryview:
+    from tmrun.comm.native import as_buffer
+
+    return as_buffer(tensor.detach().contiguous().view(-1).view(torch.uint8))[0]
+
+
+def digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    sha = hashlib.sha256()
+    for tensor in model.state_dict().values():
+        sha.update(_raw(tensor))
+    for state in optimizer.state.values():
+        for key in sorted(state):
+            if isinstance(state[key], torch.Tensor):
+                sha.update(_raw(state[key]))
+    return sha.hexdigest()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--depth", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (a slower job)")
+    parser.add_argument("--step-log", default="")
+    parser.add_argument("--final", default="")
+    args = parser.parse_args()
+
+    tm = tmrun.init()  # on a standby: runs in the sandbox until promoted
+    torch.manual_seed(0)
+    model = build_model(args.width, args.depth)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model = tm.ddp(model)  # DistributedDataParallel over the resilient group
+    tm.track(model=model, optimizer=opt)  # what a joiner receives; step and RNG state included
+    loss_fn = torch.nn.MSELoss()
+    for step in tm.steps(args.steps):  # re-yields a step that a failure aborted
+        x, y = batch_for(step, tm.rank, tm.world_size, args.width, args.batch)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()  # applied only when every rank finished the step
+        opt.zero_grad()
+        if args.step_time:
+            time.sleep(args.step_time)
+        if args.step_log and not tm.is_shadow:
+            with open(args.step_log.replace("{rank}", str(tm.rank)), "a") as log:
+                log.write(f"{step} {time.time():.6f}\n")
+    if args.final and tm.rank == 0:
+        with open(args.final, "w") as out:
+            out.write(digest(model.module, opt) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""The in-place controller of a single-node job: it watches the worker processes, learns of
+failures from process exits and from workers' reports, promotes a warm standby to the failed
+rank and publishes the plan (a new generation) through the store.
+
+It is the only writer of generations and plans (see tmrun/control/inplace_protocol.py). With
+no standby ready within ``standby_wait`` seconds it abandons in-place replacement for this
+worker group (the workers are told to stop) and the agent falls back to torchrun's restart.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+from torch.distributed import Store
+
+from tmrun.console import say
+from tmrun.control import inplace_protocol as proto
+from tmrun.control.events import record_event
+from tmrun.launcher.standby_pool import StandbyMember, StandbyPool
+
+
+@dataclass
+class Slot:
+    """One rank of this node and the process that currently plays it (a child of the agent:
+    the worker torch started, or a promoted standby)."""
+
+    rank: int
+    process: subprocess.Popen[bytes]
+    promoted: bool = False
+    fenced: bool = False
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+
+@dataclass
+class Outcome:
+    """What the agent does next: keep going, finished, or fall back (``failed`` ranks)."""
+
+    finished: bool = False
+    failed: dict[int, int] = field(default_factory=dict)  # rank -> exit code
+    reason: str = ""
+
+
+class InplaceController:
+    def __init__(self, store: Store, pool: StandbyPool, world_size: int, standby_wait: float,
+                 max_replacements: int, events_store: Store) -> None:
+        self._store = store
+        self._pool = pool
+        self._world_size = world_size
+        self._standby_wait = standby_wait
+        self._replacements_left = max_replacements
+        self._events = events_store
+        self._enabled = False
+        self._reports_seen = 0
+        self.gen = 0
+        self.replacements = 0
+        self.slots: dict[int, Slot] = {}
+
+    def adopt(self, processes: dict[int, subprocess.Popen[bytes]]) -> None:
+        """The worker group just started: ``processes`` rank -> its process."""
+        self.slots = {rank: Slot(rank, process) for rank, process in processes.items()}
+        self.gen = 0
+        self._enabled = False
+        self._reports_seen = 0
+
+    def enabled(self) -> bool:
+        """True once every rank of this group runs the tmrun worker API."""
+        if not self._enabled and self._store.check([proto.API]):
+            self._enabled = self._store.add(proto.MEMBERS, 0) >= self._world_size
+        return self._enabled
+
+    def pids(self) -> list[int]:
+        return [s.pid for s in self.slots.values() if s.poll() is None]
+
+    def step(self) -> Outcome:
+        """One look at the workers and the reports; replaces what failed."""
+        self._read_reports()
+        codes = {s.rank: s.poll() for s in self.slots.values()}
+        for rank, code in sorted(codes.items()):
+            if code not in (None, 0):
+                outcome = self._replace(rank, int(code))
+                if outcome is not None:
+                    return outcome
+        if all(s.poll() == 0 for s in self.slots.values()):
+            return Outcome(finished=True)
+        return Outcome()
+
+    def _read_reports(self) -> None:
+        count = self._store.add(proto.REPORT_SEQ, 0)
+        while self._reports_seen < count:
+            key = proto.report(self._reports_seen)
+            if not self._store.check([key]):
+                break  # numbered but not written yet
+            self._reports_seen += 1
+            try:
+                report = proto.WorkerReport.decode(key, self._store.get(key))
+            except proto.ProtocolMessageError as exc:
+                say(f"ignored a malformed worker report: {exc}")
+                continue
+            if report.gen != self.gen:
+                record_event(self._events, "stale", self.gen, f"report about generation {report.gen}")
+                continue
+            slot = self.slots.get(report.lost)
+            if slot is not None and slot.poll() is None and not slot.fenced and report.lost != report.reporter:
+                # A survivor lost this rank but its process lives on (hung, or cut off): fence it
+                # so that nothing it does later can reach the new generation.
+                say(f"rank {report.lost} (pid {slot.pid}) lost by rank {report.reporter}; stopping it")
+                slot.fenced = True
+                try:
+                    os.kill(slot.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    def _ready_standby(self) -> StandbyMember | None:
+        for member in self._pool.members:
+            if member.process.poll() is None and self._store.check([proto.standby_ready(member.index)]):
+                return member
+        return None
+
+    def _replace(self, rank: int, exitcode: int) -> Outcome | None:
+        slot = self.slots[rank]
+        others_done = all(self._store.check([proto.done(r)]) for r in self.slots if r != rank)
+        if others_done:
+            return Outcome(failed={rank: exitcode}, reason=f"rank {rank} failed after every other rank finished")
+        if self._replacements_left <= 0:
+            return self._abandon(rank, exitcode, "no in-place replacements left (--max-restarts)")
+        started = time.monotonic()
+        member = self._ready_standby()
+        if member is None:
+            say(f"rank {rank} failed; waiting up to {self._standby_wait:.0f}s for a warm standby")
+            self._pool.fill()
+        while member is None and time.monotonic() - started < self._standby_wait:
+            time.sleep(0.05)
+            self._pool.fill()
+            member = self._ready_standby()
+        if member is None:
+            return self._abandon(rank, exitcode, f"no standby ready within {self._standby_wait:.0f}s")
+        self.gen += 1
+        self._replacements_left -= 1
+        self.replacements += 1
+        plan = proto.ReplacementPlan(self.gen, self._world_size, {rank: member.index},
+                                     reason=f"exit code {exitcode}", created=time.time())
+        self._store.set(proto.standby_assign(member.index), proto.Assignment(rank, self.gen).encode())
+        self._store.set(proto.plan(self.gen), plan.encode())
+        self._store.set(proto.GEN, str(self.gen))
+        how = f"signal {signal.Signals(-exitcode).name}" if exitcode < 0 else f"exit code {exitcode}"
+        detail = f"rank {rank} (pid {slot.pid}, {how}) -> standby {member.index} (pid {member.process.pid})"
+        say(f"in-place replacement, generation {self.gen}: {detail}")
+        record_event(self._events, "replace", self.gen, detail)
+        self._pool.take(member)
+        self.slots[rank] = Slot(rank, member.process, promoted=True)
+        self._pool.fill()
+        return None
+
+    def _abandon(self, rank: int, exitcode: int, why: str) -> Outcome:
+        say(f"rank {rank} failed and {why}: falling back to restarting the worker group (as torchrun)")
+        self._store.set(proto.ABORT, proto.AbortNotice(why, self.gen).encode())
+        record_event(self._events, "fallback", self.gen, f"rank {rank}: {why}")
+        return Outcome(failed={rank: exitcode}, reason=why)
+
+    def stop_promoted(self, timeout: float = 5.0) -> None:
+        """Stop every promoted standby still running (the group is being stopped)."""
+        promoted = [s.process for s in self.slots.values() if s.promoted and s.poll() is None]
+        for process in promoted:
+            process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for process in promoted:
+            try:
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=5)

@@ -1,0 +1,1 @@
+"""The runtime inside a training process: ``tmrun.init()``, steps, tracking, sandbox, healing."""

@@ -1,0 +1,125 @@
+"""Failure drills: ``tmrun --inject-failure rank=1,step=8[,at=backward][,signal=KILL]``.
+
+The launcher checks the spec and passes it to every worker as ``TMRUN_INJECT_FAILURE``; the
+worker whose rank matches kills itself once, at the named point of the named step. Only the
+process that started as that rank fires (a joiner that takes the rank over does not), unless
+``who=joiner``, which fires in the standby promoted to that rank, during its promotion.
+
+Points (``at=``): ``step`` (start of the step, default), ``forward`` (the tracked module's
+forward), ``backward`` (while gradients are being reduced), ``optimizer`` (inside
+``optimizer.step``), ``transfer`` (while donating state to a joiner), ``promotion`` (a joiner,
+after it joined and before it received the state). ``time=SECONDS`` fires that many seconds
+after the worker's runtime started instead of at a step.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from dataclasses import dataclass
+
+ENV = "TMRUN_INJECT_FAILURE"
+POINTS = ("step", "forward", "backward", "optimizer", "transfer", "promotion")
+
+
+class DrillSpecError(ValueError):
+    """The --inject-failure spec is malformed (one line for the user)."""
+
+
+@dataclass(frozen=True)
+class Drill:
+    rank: int
+    step: int = -1
+    at: str = "step"
+    seconds: float = -1.0
+    signal_name: str = "KILL"
+    who: str = "original"
+
+    @classmethod
+    def parse(cls, text: str) -> Drill:
+        fields: dict[str, str] = {}
+        for part in text.split(","):
+            key, sep, value = part.strip().partition("=")
+            if not sep or not key or not value:
+                raise DrillSpecError(f"--inject-failure: {part.strip()!r} is not key=value (e.g. rank=1,step=8)")
+            if key in fields:
+                raise DrillSpecError(f"--inject-failure: {key} given twice")
+            fields[key] = value.strip()
+        unknown = set(fields) - {"rank", "step", "at", "time", "signal", "who"}
+        if unknown:
+            raise DrillSpecError(f"--inject-failure: unknown key {sorted(unknown)[0]!r} "
+                                 "(keys: rank, step, at, time, signal, who)")
+        if "rank" not in fields:
+            raise DrillSpecError("--inject-failure needs rank=N")
+        try:
+            rank = int(fields["rank"])
+            step = int(fields.get("step", "-1"))
+            seconds = float(fields.get("time", "-1"))
+        except ValueError:
+            raise DrillSpecError("--inject-failure: rank and step must be integers, time a number") from None
+        at = fields.get("at", "promotion" if fields.get("who") == "joiner" else "step")
+        if at not in POINTS:
+            raise DrillSpecError(f"--inject-failure: at={at!r} is not one of {', '.join(POINTS)}")
+        who = fields.get("who", "original")
+        if who not in ("original", "joiner"):
+            raise DrillSpecError("--inject-failure: who must be original or joiner")
+        name = fields.get("signal", "KILL").upper().removeprefix("SIG")
+        if not hasattr(signal, f"SIG{name}"):
+            raise DrillSpecError(f"--inject-failure: unknown signal {fields.get('signal')!r}")
+        if rank < 0:
+            raise DrillSpecError("--inject-failure: rank must be >= 0")
+        if who == "original" and step < 0 and seconds < 0:
+            raise DrillSpecError("--inject-failure needs step=N or time=SECONDS")
+        return cls(rank=rank, step=step, at=at, seconds=seconds, signal_name=name, who=who)
+
+    def encode(self) -> str:
+        parts = [f"rank={self.rank}", f"at={self.at}", f"signal={self.signal_name}", f"who={self.who}"]
+        if self.step >= 0:
+            parts.append(f"step={self.step}")
+        if self.seconds >= 0:
+            parts.append(f"time={self.seconds}")
+        return ",".join(parts)
+
+
+class DrillRunner:
+    """The worker side: ``fire(point, step)`` at every point; kills this process once."""
+
+    def __init__(self, drill: Drill | None, rank: int, promoted: bool) -> None:
+        self._drill = drill
+        self._rank = rank
+        self._promoted = promoted
+        self._armed = drill is not None
+        if drill is not None and drill.seconds >= 0 and drill.who == "original" and not promoted:
+            timer = threading.Timer(drill.seconds, self._kill_if_rank)
+            timer.daemon = True
+            timer.start()
+
+    @classmethod
+    def from_environ(cls, rank: int, promoted: bool) -> DrillRunner:
+        raw = os.environ.get(ENV, "")
+        return cls(Drill.parse(raw) if raw else None, rank, promoted)
+
+    def rebind(self, rank: int, promoted: bool) -> None:
+        self._rank, self._promoted = rank, promoted
+
+    def _matches(self, point: str, step: int) -> bool:
+        drill = self._drill
+        if not self._armed or drill is None or drill.rank != self._rank or drill.at != point:
+            return False
+        if (drill.who == "joiner") != self._promoted:
+            return False
+        return drill.step < 0 or drill.step == step or point == "promotion"
+
+    def _kill_if_rank(self) -> None:
+        if self._drill is not None and self._drill.rank == self._rank and not self._promoted:
+            self._kill()
+
+    def _kill(self) -> None:
+        assert self._drill is not None
+        self._armed = False
+        os.kill(os.getpid(), getattr(signal, f"SIG{self._drill.signal_name}"))
+
+    def fire(self, point: str, step: int) -> None:
+        if self._matches(point, step):
+            self._kill()

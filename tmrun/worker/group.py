@@ -1,0 +1,63 @@
+"""The default process group of a tmrun worker, over the "tmrun" backend, and its hooks.
+
+The one place that knows how the runtime reaches the backend object behind
+``torch.distributed``'s default group (see tmrun/comm/backend.py)."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from tmrun.comm import backend as tmrun_backend
+
+BACKEND = "tmrun"
+
+
+def init_plain() -> None:
+    """A job without in-place replacement: the usual env:// initialisation (torchrun's variables)."""
+    if not dist.is_initialized():
+        dist.init_process_group(os.environ.get("TMRUN_BACKEND", BACKEND))
+
+
+def init_active(store: dist.Store, rank: int, world_size: int, comm_timeout: float) -> None:
+    os.environ[tmrun_backend.ENV_PEER_TIMEOUT] = str(comm_timeout)
+    dist.init_process_group(BACKEND, store=store, rank=rank, world_size=world_size, timeout=timedelta(minutes=10))
+
+
+def init_local(world_size: int) -> None:
+    """A standby: the same world size, every collective served locally (no network)."""
+    os.environ[tmrun_backend.ENV_LOCAL] = "1"
+    try:
+        dist.init_process_group(BACKEND, store=dist.HashStore(), rank=0, world_size=world_size)
+    finally:
+        del os.environ[tmrun_backend.ENV_LOCAL]
+
+
+def process_group() -> dist.ProcessGroup:
+    return dist.group.WORLD  # type: ignore[return-value]
+
+
+def _backend() -> Any:
+    return tmrun_backend.backend_of(process_group())
+
+
+def comm() -> Any:
+    return _backend().comm
+
+
+def set_failure_handler(handler: Callable[[BaseException], bool]) -> None:
+    _backend().set_failure_handler(handler)
+
+
+def clear_aborted() -> None:
+    _backend().clear_aborted()
+
+
+def attach(communicator: Any) -> None:
+    """A promoted standby: leave local mode and use ``communicator`` from now on."""
+    b = _backend()
+    b.attach(communicator)
+    b.set_local(False)

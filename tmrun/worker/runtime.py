@@ -1,0 +1,336 @@
+"""The worker runtime behind ``tm = tmrun.init()``: ranks, DDP, tracked state and ``steps()``.
+
+In an in-place job (tmrun with standby workers) a failure inside a step never raises into user
+code: the collective that lost a peer is absorbed by the "tmrun" backend, the optimizer step is
+skipped, and ``steps()`` recovers before it yields again: it waits for the controller's plan,
+reconnects only the lost rank's links, lets every member agree on the last committed step,
+streams the state to whoever is behind, and re-yields the first step not committed everywhere.
+
+A standby worker runs the same script in a sandbox: collectives are served locally, the first
+``TMRUN_SHADOW_STEPS`` steps run as shadow steps (``tm.is_shadow`` is true), then ``steps()``
+waits inside until the controller promotes it to a rank.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import sys
+import time
+import types
+from datetime import timedelta
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from tmrun.comm import native
+from tmrun.control import inplace_protocol as proto
+from tmrun.worker import group, rng
+from tmrun.worker.drills import DrillRunner
+from tmrun.worker.launch_env import LaunchEnv, Mode
+from tmrun.worker.tracked import TrackedState
+from tmrun.worker.transfer import agree, heal
+
+COMM_PREFIX = "comm"
+POLL = 0.02
+
+
+class RecoveryError(RuntimeError):
+    """In-place recovery could not complete (the job falls back to the agent's restart)."""
+
+
+def _log(message: str) -> None:
+    stamp = time.strftime("%H:%M:%S") + f".{int(time.time() * 1000) % 1000:03d}"
+    print(f"[tmrun worker {os.getpid()} {stamp}] {message}", file=sys.stderr, flush=True)
+
+
+class Runtime:
+    """What ``tmrun.init()`` returns (one per process)."""
+
+    def __init__(self, env: LaunchEnv) -> None:
+        self._env = env
+        self._rank = env.rank if env.mode is not Mode.STANDBY else 0
+        self._world_size = env.world_size
+        self._standby = env.mode is Mode.STANDBY
+        self._shadow = False
+        self._state = TrackedState()
+        self._store: dist.Store | None = None
+        self._gen = 0
+        self._aborted_by: int | None = None  # rank whose loss aborted the current step
+        self._current_step = -1
+        self._committed_step = -1
+        self._step_rng: dict[str, Any] | None = None
+        self._stop_requested = False
+        self._fresh = False  # a joiner that has not received the state yet
+        self.recoveries: list[dict[str, float | int]] = []
+        self._drills = DrillRunner.from_environ(self._rank if not self._standby else -1, promoted=False)
+        self._connect()
+
+    # -- public API -----------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self._env.local_rank
+
+    @property
+    def is_standby(self) -> bool:
+        return self._standby
+
+    @property
+    def is_shadow(self) -> bool:
+        """True during a standby's shadow steps: skip side effects (logging, saving) then."""
+        return self._shadow
+
+    @property
+    def in_place(self) -> bool:
+        return self._env.mode is not Mode.PLAIN
+
+    @property
+    def values(self) -> dict[str, Any]:
+        """Plain values given to :meth:`track`; a joiner receives them too."""
+        return self._state.values
+
+    @property
+    def committed_step(self) -> int:
+        return self._committed_step
+
+    def ddp(self, module: torch.nn.Module, **kwargs: Any) -> torch.nn.parallel.DistributedDataParallel:
+        self._install_drill_hooks(module)
+        return torch.nn.parallel.DistributedDataParallel(module, process_group=group.process_group(), **kwargs)
+
+    def _fire(self, point: str) -> None:
+        if not self._standby:
+            self._drills.fire(point, self._current_step)
+
+    def _install_drill_hooks(self, module: torch.nn.Module) -> None:
+        module.register_forward_pre_hook(lambda *_: self._fire("forward"))
+        params = [p for p in module.parameters() if p.requires_grad]
+        if params:  # the last parameter's gradient is among the first of backward
+            params[-1].register_hook(lambda grad: (self._fire("backward"), grad)[1])
+
+    def track(self, **objects: Any) -> None:
+        self._state.track(**objects)
+        for obj in objects.values():
+            if isinstance(obj, torch.optim.Optimizer):
+                self._guard_optimizer(obj)
+
+    def steps(self, total: int) -> Iterator[int]:
+        step = 0
+        while step < total:
+            if self._standby:
+                if step >= self._env.shadow_steps:
+                    step = self._wait_for_promotion()
+                    continue
+                self._shadow = True
+            self._begin_step(step)
+            yield step
+            self._shadow = False
+            if self._aborted_by is not None or self._plan_waiting():
+                step = self._recover()
+                continue
+            self._committed_step = step
+            step += 1
+        if self.in_place and not self._standby:
+            assert self._store is not None
+            self._store.set(proto.done(self._rank), str(self._committed_step))
+
+    # -- setup ------------------------------------------------------------------------------
+
+    def _connect(self) -> None:
+        env = self._env
+        if env.mode is Mode.PLAIN:
+            group.init_plain()
+            self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
+            return
+        self._store = dist.TCPStore(
+            env.store_host, env.store_port, is_master=False, timeout=timedelta(seconds=60), wait_for_workers=False
+        )
+        self._store = dist.PrefixStore(env.store_prefix, self._store)
+        if env.mode is Mode.STANDBY:
+            signal.signal(signal.SIGTERM, self._on_term)
+            group.init_local(env.world_size)
+            return
+        self._gen = int(self._store.get(proto.GEN).decode()) if self._store.check([proto.GEN]) else 0
+        group.init_active(dist.PrefixStore("pg/", self._store), env.rank, env.world_size, env.comm_timeout)
+        group.set_failure_handler(self._on_comm_failure)
+        if env.rank == 0:
+            self._store.set(proto.JOB_ID, group.comm().job_id)
+        self._store.set(proto.API, "1")
+        self._store.add(proto.MEMBERS, 1)
+
+    def _on_term(self, signum: int, frame: object) -> None:
+        self._stop_requested = True
+        if not self._standby:
+            raise SystemExit(128 + signum)
+
+    def _guard_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        original = optimizer.step
+        runtime = self
+
+        def guarded_step(self_: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+            if runtime._aborted_by is not None:
+                return None  # a collective of this step lost a peer: never apply a partial update
+            runtime._fire("optimizer")
+            result = original(*args, **kwargs)
+            runtime._committed_step = runtime._current_step
+            return result
+
+        optimizer.step = types.MethodType(guarded_step, optimizer)  # type: ignore[method-assign]
+
+    # -- steps --------------------------------------------------------------------------------
+
+    def _begin_step(self, step: int) -> None:
+        self._current_step = step
+        self._fire("step")
+        self._step_rng = rng.capture()
+        if self.in_place and not self._standby:
+            assert self._store is not None
+            self._store.set(proto.rng(self._rank), pickle.dumps((step, self._step_rng)))
+
+    def _on_comm_failure(self, exc: BaseException) -> bool:
+        lost = getattr(exc, "peer", -1)
+        if self._aborted_by is None:
+            self._aborted_by = lost if isinstance(lost, int) else -1
+            self._report(self._aborted_by, f"{type(exc).__name__}: {exc}")
+        return True  # absorbed: the step is aborted, not the program
+
+    def _report(self, lost: int, detail: str) -> None:
+        assert self._store is not None
+        seq = self._store.add(proto.REPORT_SEQ, 1) - 1
+        message = proto.WorkerReport(reporter=self._rank, lost=max(lost, 0), gen=self._gen, detail=detail[:300])
+        self._store.set(proto.report(seq), message.encode())
+
+    def _plan_waiting(self) -> bool:
+        if not self.in_place:
+            return False
+        assert self._store is not None
+        return self._store.check([proto.plan(self._gen + 1)])
+
+    # -- recovery ---------------------------------------------------------------------------
+
+    def _await_key(self, key: str, deadline: float) -> bytes:
+        assert self._store is not None
+        while True:
+            if self._store.check([key]):
+                return self._store.get(key)
+            if self._store.check([proto.ABORT]):
+                notice = proto.AbortNotice.decode(proto.ABORT, self._store.get(proto.ABORT))
+                raise RecoveryError(f"in-place recovery abandoned by the controller: {notice.reason}")
+            if self._stop_requested:
+                raise SystemExit(0)
+            if self._env.agent_pid and os.getppid() != self._env.agent_pid:
+                raise SystemExit(0)  # orphaned standby: the agent is gone
+            if time.monotonic() > deadline:
+                raise RecoveryError(f"no replacement plan within {self._env.recovery_timeout:.0f}s ({key})")
+            time.sleep(POLL)
+
+    def _recover(self) -> int:
+        """Wait for the controller's plan, switch the communicator to it, heal; repeat when a
+        member is lost again on the way (each loss gets a plan of its own)."""
+        if not self.in_place:
+            raise RecoveryError(f"a collective lost rank {self._aborted_by} and this job has no standby")
+        assert self._store is not None
+        started = time.monotonic()
+        aborted_step = self._current_step
+        while True:
+            key = proto.plan(self._gen + 1)
+            plan = proto.ReplacementPlan.decode(key, self._await_key(key, started + self._env.recovery_timeout))
+            try:
+                comm = group.comm()
+                cstore = dist.PrefixStore(f"{COMM_PREFIX}/", self._store)
+                native.prepare_replacement(cstore, comm, plan.replaced.keys(), plan.gen)
+                comm.commit()
+                self._gen = plan.gen
+                group.clear_aborted()
+                self._aborted_by = None
+                return self._heal(started=started, aborted_step=aborted_step)
+            except native.CommError as exc:
+                self._gen = max(self._gen, plan.gen)
+                self._aborted_by = None
+                self._on_comm_failure(exc)
+                _log(f"rank {self._rank}: lost a member again during recovery ({exc}); waiting for the next plan")
+
+    def _wait_for_promotion(self) -> int:
+        assert self._store is not None
+        self._store.set(proto.standby_ready(self._env.standby_id), str(os.getpid()))
+        _log(f"standby {self._env.standby_id} warm after {self._env.shadow_steps} shadow steps; waiting")
+        key = proto.standby_assign(self._env.standby_id)
+        raw = self._await_key(key, float("inf"))
+        started = time.monotonic()
+        assignment = proto.Assignment.decode(key, raw)
+        if assignment.stop:
+            raise SystemExit(0)
+        job_id = self._store.get(proto.JOB_ID).decode()
+        cstore = dist.PrefixStore(f"{COMM_PREFIX}/", self._store)
+        comm = native.join_via_store(
+            cstore, assignment.rank, self._world_size, job_id, assignment.gen, timeout=self._env.comm_timeout
+        )
+        group.attach(comm)
+        group.set_failure_handler(self._on_comm_failure)
+        self._rank = assignment.rank
+        self._gen = assignment.gen
+        self._standby = False
+        self._fresh = True
+        self._drills.rebind(self._rank, promoted=True)
+        _log(f"promoted to rank {self._rank} (generation {self._gen})")
+        self._fire("promotion")
+        try:
+            return self._heal(started=started, aborted_step=-1)
+        except native.CommError as exc:
+            self._on_comm_failure(exc)
+            _log(f"rank {self._rank}: lost a member while joining ({exc}); waiting for the next plan")
+            return self._recover()
+
+    def _heal(self, started: float, aborted_step: int) -> int:
+        assert self._store is not None
+        comm = group.comm()
+        plan = agree(comm, self._committed_step, self._state.layout_digest(), self._fresh)
+        step_meta = {"committed_step": self._committed_step}
+        moved, _ = heal(comm, self._state, plan, step_meta, on_donate=lambda: self._fire("transfer"))
+        resume = plan.target_step + 1
+        if self._fresh:
+            self._adopt_rng_of(self._rank, resume)
+        elif resume == aborted_step and self._step_rng is not None:
+            rng.restore(self._step_rng)  # redo the aborted step from the same random state
+        comm.barrier()
+        self._fresh = False
+        self._committed_step = plan.target_step
+        self._store.add(proto.recovered(self._gen), 1)
+        elapsed = time.monotonic() - started
+        self.recoveries.append({"gen": self._gen, "seconds": elapsed, "resume": resume, "bytes": moved})
+        _log(
+            f"rank {self._rank}: recovered into generation {self._gen} in {elapsed:.3f}s; "
+            f"resume at step {resume} (donors {plan.donors}, healed {plan.needy}, {moved} bytes here)"
+        )
+        return resume
+
+    def _adopt_rng_of(self, rank: int, step: int) -> None:
+        assert self._store is not None
+        key = proto.rng(rank)
+        if not self._store.check([key]):
+            return
+        recorded_step, states = pickle.loads(self._store.get(key))
+        if recorded_step != step:
+            _log(f"rank {rank}'s random state was recorded at step {recorded_step}, not {step}; using it")
+        rng.restore(states)
+
+
+_runtime: Runtime | None = None
+
+
+def init() -> Runtime:
+    """Start (or return) this process's runtime. See the module docstring."""
+    global _runtime
+    if _runtime is None:
+        _runtime = Runtime(LaunchEnv.from_environ())
+    return _runtime

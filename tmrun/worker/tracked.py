@@ -1,0 +1,158 @@
+"""What a joiner receives: the tracked objects, split into tensors (moved in place) and the rest.
+
+Every tracked object is seen as a list of *tensors* that live in the object (parameters,
+buffers, optimizer state) plus a picklable *rest* (hyper-parameters, scheduler state, plain
+values). Tensors are received into the joiner's own, already allocated tensors; the rest is
+applied after. Both sides walk the objects in the same order, so a tensor's index names it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+class TrackError(ValueError):
+    """A tracked object cannot be moved (wrong kind, or the joiner's layout differs)."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def _module_tensors(prefix: str, module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    # state_dict() tensors share storage with the live parameters and buffers.
+    return [(f"{prefix}.{key}", value) for key, value in module.state_dict().items() if isinstance(value, torch.Tensor)]
+
+
+def _optimizer_tensors(prefix: str, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+    found = []
+    index = 0
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            for key in sorted(state):
+                if isinstance(state[key], torch.Tensor):
+                    found.append((f"{prefix}.state.{index}.{key}", state[key]))
+            index += 1
+    return found
+
+
+def _optimizer_rest(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    scalars: list[dict[str, Any]] = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            scalars.append({k: v for k, v in state.items() if not isinstance(v, torch.Tensor)})
+    return {"groups": groups, "scalars": scalars}
+
+
+def _apply_optimizer_rest(optimizer: torch.optim.Optimizer, rest: dict[str, Any]) -> None:
+    for group, values in zip(optimizer.param_groups, rest["groups"]):
+        group.update(values)
+    index = 0
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if rest["scalars"][index]:
+                optimizer.state.setdefault(param, {}).update(rest["scalars"][index])
+            index += 1
+
+
+def _unwrap(obj: Any) -> Any:
+    return obj.module if isinstance(obj, torch.nn.parallel.DistributedDataParallel) else obj
+
+
+class TrackedState:
+    """The registry behind ``tm.track``; ``values`` holds the plain (picklable) values."""
+
+    def __init__(self) -> None:
+        self._objects: dict[str, Any] = {}
+        self.values: dict[str, Any] = {}
+
+    def track(self, **objects: Any) -> None:
+        for name, obj in objects.items():
+            obj = _unwrap(obj)
+            if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)) or (
+                hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")
+            ):
+                self._objects[name] = obj
+            else:
+                try:
+                    pickle.dumps(obj)
+                except Exception as exc:
+                    raise TrackError(f"tm.track({name}=...): not a module, optimizer, object with "
+                                     f"state_dict/load_state_dict, or picklable value ({exc})") from None
+                self.values[name] = obj
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._objects) + list(self.values)
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        found: list[tuple[str, torch.Tensor]] = []
+        for name, obj in self._objects.items():
+            if isinstance(obj, torch.nn.Module):
+                found += _module_tensors(name, obj)
+            elif isinstance(obj, torch.optim.Optimizer):
+                found += _optimizer_tensors(name, obj)
+        return found
+
+    def allocate_missing(self, donor_specs: list[TensorSpec]) -> None:
+        """Create optimizer state the donor has and this member has not allocated yet (an
+        optimizer that never stepped), so that everything can be received in place."""
+        have = {name for name, _ in self.tensors()}
+        for spec in donor_specs:
+            if spec.name in have:
+                continue
+            name, _, rest = spec.name.partition(".state.")
+            optimizer = self._objects.get(name)
+            if not isinstance(optimizer, torch.optim.Optimizer) or not rest:
+                raise TrackError(f"the donor has tensor {spec.name!r} and this member has not")
+            index_text, _, key = rest.partition(".")
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            param = params[int(index_text)]
+            dtype = getattr(torch, spec.dtype.removeprefix("torch."))
+            optimizer.state.setdefault(param, {})[key] = torch.zeros(spec.shape, dtype=dtype, device=param.device)
+
+    def specs(self) -> list[TensorSpec]:
+        return [TensorSpec(name, tuple(t.shape), str(t.dtype)) for name, t in self.tensors()]
+
+    def layout_digest(self) -> int:
+        """A 63-bit digest of names, shapes and dtypes: equal on every member with the same layout."""
+        text = repr([(s.name, s.shape, s.dtype) for s in self.specs()]).encode()
+        return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 1
+
+    def rest(self) -> bytes:
+        """Everything that is not a tracked tensor, pickled."""
+        payload: dict[str, Any] = {"values": dict(self.values), "objects": {}}
+        for name, obj in self._objects.items():
+            if isinstance(obj, torch.nn.Module):
+                continue
+            if isinstance(obj, torch.optim.Optimizer):
+                payload["objects"][name] = ("optimizer", _optimizer_rest(obj))
+            else:
+                buffer = io.BytesIO()
+                torch.save(obj.state_dict(), buffer)
+                payload["objects"][name] = ("stateful", buffer.getvalue())
+        return pickle.dumps(payload)
+
+    def apply_rest(self, blob: bytes) -> None:
+        payload = pickle.loads(blob)
+        self.values.update(payload["values"])
+        for name, (kind, data) in payload["objects"].items():
+            obj = self._objects.get(name)
+            if obj is None:
+                raise TrackError(f"the donor tracks {name!r} but this member does not")
+            if kind == "optimizer":
+                _apply_optimizer_rest(obj, data)
+            else:
+                obj.load_state_dict(torch.load(io.BytesIO(data), weights_only=False))

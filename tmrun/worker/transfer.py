@@ -1,0 +1,161 @@
+"""Heal members that are behind: agree on the last committed step, then stream the tracked state
+from every member that holds it, striped, straight into the receivers' tensors, with CRC-32C.
+
+Runs on the native communicator right after a replacement was committed; every member calls
+:func:`heal` with the same arguments' shapes, so the sequence of operations matches everywhere.
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+import tmrun_native
+from tmrun.comm.native import as_buffer
+from tmrun.worker.tracked import TensorSpec, TrackedState
+
+TAG_META = 0x7E01
+TAG_STRIPE = 0x7E02
+TAG_CRC = 0x7E03
+
+
+class TransferError(RuntimeError):
+    """State could not be moved intact (checksum mismatch, different layouts)."""
+
+
+@dataclass(frozen=True)
+class HealPlan:
+    target_step: int  # last step every member will have committed
+    donors: list[int]  # members at target_step (hold the state)
+    needy: list[int]  # members behind (joiners, or a survivor that missed the last commit)
+
+
+@dataclass(frozen=True)
+class HealResult:
+    plan: HealPlan
+    received_bytes: int
+    sent_bytes: int
+
+
+def agree(comm: tmrun_native.Communicator, committed_step: int, digest: int, fresh: bool) -> HealPlan:
+    """Allgather (committed step, layout digest, fresh) and derive the same plan on every member."""
+    mine = torch.tensor([committed_step, digest, 1 if fresh else 0], dtype=torch.int64)
+    every = torch.zeros(comm.world_size * 3, dtype=torch.int64)
+    out, dtype = as_buffer(every)
+    inp, _ = as_buffer(mine)
+    comm.allgather(out, inp, dtype=dtype)
+    rows = every.view(comm.world_size, 3).tolist()
+    holders = [r for r, (step, _, is_fresh) in enumerate(rows) if not is_fresh]
+    if not holders:
+        raise TransferError("no member holds the training state (every member is new)")
+    target = max(rows[r][0] for r in holders)
+    donors = [r for r in holders if rows[r][0] == target]
+    digests = {rows[r][1] for r in donors}
+    if len(digests) != 1:
+        raise TransferError("the members that hold the state track different objects or shapes")
+    needy = [r for r in range(comm.world_size) if r not in donors]
+    return HealPlan(target, donors, needy)
+
+
+def _byte_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.detach().reshape(-1).view(torch.uint8) for t in tensors if t.numel()]
+
+
+def _stripe(views: list[torch.Tensor], index: int, count: int) -> list[torch.Tensor]:
+    """The pieces of stripe ``index`` of ``count`` over the concatenation of ``views``."""
+    total = sum(v.numel() for v in views)
+    lo, hi = total * index // count, total * (index + 1) // count
+    pieces, offset = [], 0
+    for view in views:
+        start, end = max(lo, offset), min(hi, offset + view.numel())
+        if start < end:
+            pieces.append(view[start - offset : end - offset])
+        offset += view.numel()
+    return pieces
+
+
+def _send_blob(comm: tmrun_native.Communicator, blob: bytes, dst: int) -> None:
+    comm.send(struct.pack("<Q", len(blob)), dst, TAG_META)
+    comm.send(blob, dst, TAG_META)
+
+
+def _recv_blob(comm: tmrun_native.Communicator, src: int) -> bytes:
+    head = bytearray(8)
+    comm.recv(head, src, TAG_META)
+    (length,) = struct.unpack("<Q", head)
+    blob = bytearray(length)
+    comm.recv(blob, src, TAG_META)
+    return bytes(blob)
+
+
+def heal(
+    comm: tmrun_native.Communicator,
+    state: TrackedState,
+    plan: HealPlan,
+    step_meta: dict[str, object],
+    on_donate: Callable[[], None] | None = None,
+) -> tuple[int, dict[str, object]]:
+    """Move the state from ``plan.donors`` to ``plan.needy``. Returns (bytes moved here, the
+    donor's step metadata as received, or ``step_meta`` on a donor)."""
+    me = comm.rank
+    moved = 0
+    received_meta: dict[str, object] = step_meta
+    for needy in plan.needy:
+        if me in plan.donors:
+            if on_donate is not None:
+                on_donate()
+            moved += _donate(comm, state, plan, needy, step_meta)
+        elif me == needy:
+            moved, received_meta = _receive(comm, state, plan)
+    return moved, received_meta
+
+
+def _donate(comm: tmrun_native.Communicator, state: TrackedState, plan: HealPlan, needy: int, step_meta: dict[str, object]) -> int:
+    index = plan.donors.index(comm.rank)
+    if index == 0:
+        blob = pickle.dumps({"specs": state.specs(), "rest": state.rest(), "meta": step_meta})
+        _send_blob(comm, blob, needy)
+    pieces = _stripe(_byte_views([t for _, t in state.tensors()]), index, len(plan.donors))
+    crc = 0
+    works = []
+    for piece in pieces:
+        buffer, _ = as_buffer(piece)
+        crc = tmrun_native.crc32c(buffer, crc)
+        works.append((comm.send_async(buffer, needy, TAG_STRIPE), piece))
+    for work, _piece in works:
+        work.wait()
+    comm.send(struct.pack("<I", crc), needy, TAG_CRC)
+    return sum(p.numel() for p in pieces)
+
+
+def _receive(comm: tmrun_native.Communicator, state: TrackedState, plan: HealPlan) -> tuple[int, dict[str, object]]:
+    header = pickle.loads(_recv_blob(comm, plan.donors[0]))
+    donor_specs: list[TensorSpec] = header["specs"]
+    state.allocate_missing(donor_specs)
+    mine = state.specs()
+    if mine != donor_specs:
+        differing = next((a.name for a, b in zip(mine, donor_specs) if a != b), "(count)")
+        raise TransferError(f"this member's tracked state differs from the donor's at {differing}")
+    views = _byte_views([t for _, t in state.tensors()])
+    moved = 0
+    for index, donor in enumerate(plan.donors):
+        pieces = _stripe(views, index, len(plan.donors))
+        works = []
+        for piece in pieces:
+            buffer, _ = as_buffer(piece)
+            works.append((comm.recv_async(buffer, donor, TAG_STRIPE), buffer))
+        crc = 0
+        for work, buffer in works:
+            work.wait()
+            crc = tmrun_native.crc32c(buffer, crc)
+        expected = bytearray(4)
+        comm.recv(expected, donor, TAG_CRC)
+        if struct.unpack("<I", expected)[0] != crc:
+            raise TransferError(f"checksum mismatch in the stripe from rank {donor}")
+        moved += sum(p.numel() for p in pieces)
+    state.apply_rest(header["rest"])
+    return moved, dict(header["meta"])
