@@ -6,7 +6,7 @@ Under tmrun with a standby, a rank that dies is replaced in place: survivors kee
 processes, the standby (already warm) takes the rank, and at most the step in flight is redone.
 Under plain torchrun the same script trains normally (no replacement).
 
---step-log PATH writes one line per completed step (``step time``); ``{rank}`` in PATH is
+--step-log PATH writes one line per completed step (``step time pid``); ``{rank}`` in PATH is
 replaced by the rank. --final PATH writes the SHA-256 of the final parameters and optimizer
 state (rank 0), so runs with and without failures can be compared bit for bit.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import time
 
 import torch
@@ -81,7 +82,7 @@ def main() -> None:
             time.sleep(args.step_time)
         if args.step_log and not tm.is_shadow:
             with open(args.step_log.replace("{rank}", str(tm.rank)), "a") as log:
-                log.write(f"{step} {time.time():.6f}\n")
+                log.write(f"{step} {time.time():.6f} {os.getpid()}\n")
     if args.final and tm.rank == 0:
         with open(args.final, "w") as out:
             out.write(digest(model.module, opt) + "\n")

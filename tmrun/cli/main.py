@@ -70,10 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--inject-failure",
-        default="",
+        action="append",
+        default=[],
         metavar="SPEC",
-        help="Failure drill: kill a rank once, e.g. rank=1,step=8 (keys: rank, step, at=step|forward|"
-        "backward|optimizer|transfer|promotion, time=SECONDS, signal=KILL, who=original|joiner).",
+        help="Failure drill (repeatable): kill a rank once, e.g. rank=1,step=8 (keys: rank, step, at=step|forward|"
+        "backward|optimizer|transfer|promotion, time=SECONDS, signal=KILL|TERM|RAISE, who=original|joiner).",
     )
     for action in torch_parser._actions:  # noqa: SLF001
         if not action.option_strings:
@@ -90,9 +91,10 @@ def explicit_dests(argv: Sequence[str]) -> set[str]:
     probe = build_parser()
     for action in probe._actions:  # noqa: SLF001
         if action.option_strings:
-            action.default = _UNSET
+            # an appending option starts from None (it cannot append to a marker)
+            action.default = None if isinstance(action, argparse._AppendAction) else _UNSET  # noqa: SLF001
     parsed = vars(probe.parse_args(list(argv)))
-    return {dest for dest, value in parsed.items() if value is not _UNSET}
+    return {dest for dest, value in parsed.items() if value is not _UNSET and value is not None}
 
 
 def _apply_slurm(args: argparse.Namespace, given: set[str]) -> None:
@@ -168,7 +170,7 @@ def _validate(args: argparse.Namespace) -> None:
         from tmrun.worker.drills import Drill, DrillSpecError
 
         try:
-            Drill.parse(args.inject_failure)
+            args.inject_failure = [Drill.parse(spec) for spec in args.inject_failure]
         except DrillSpecError as exc:
             raise UsageError(str(exc)) from None
     if args.max_restarts < 0:
@@ -215,9 +217,9 @@ def run(argv: Sequence[str]) -> int:
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
     os.environ["TMRUN_SHADOW_STEPS"] = str(args.shadow_steps)
     if args.inject_failure:
-        from tmrun.worker.drills import ENV, Drill
+        from tmrun.worker.drills import ENV
 
-        os.environ[ENV] = Drill.parse(args.inject_failure).encode()
+        os.environ[ENV] = ";".join(drill.encode() for drill in args.inject_failure)
     return launch(config, entrypoint, entry_args, TmrunOptions(standby=args.standby, standby_wait=args.standby_wait))
 
 

@@ -32,7 +32,7 @@ def _python_target(argv: list[str]) -> tuple[str, str] | None:
 
 def _script_argv(argv: list[str]) -> list[str]:
     rest = [a for a in argv[1:] if a != "-u"]
-    return rest[1:] if rest[:1] == ["-m"] else rest
+    return rest[2:] if rest[:1] == ["-m"] else rest[1:]
 
 
 def main() -> int:

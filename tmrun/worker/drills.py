@@ -1,5 +1,8 @@
 """Failure drills: ``tmrun --inject-failure rank=1,step=8[,at=backward][,signal=KILL]``.
 
+The option may be given several times (one drill each). ``signal=RAISE`` raises a Python
+exception in the worker instead of sending a signal.
+
 The launcher checks the spec and passes it to every worker as ``TMRUN_INJECT_FAILURE``; the
 worker whose rank matches kills itself once, at the named point of the named step. Only the
 process that started as that rank fires (a joiner that takes the rank over does not), unless
@@ -65,7 +68,7 @@ class Drill:
         if who not in ("original", "joiner"):
             raise DrillSpecError("--inject-failure: who must be original or joiner")
         name = fields.get("signal", "KILL").upper().removeprefix("SIG")
-        if not hasattr(signal, f"SIG{name}"):
+        if name != "RAISE" and not hasattr(signal, f"SIG{name}"):
             raise DrillSpecError(f"--inject-failure: unknown signal {fields.get('signal')!r}")
         if rank < 0:
             raise DrillSpecError("--inject-failure: rank must be >= 0")
@@ -82,44 +85,51 @@ class Drill:
         return ",".join(parts)
 
 
-class DrillRunner:
-    """The worker side: ``fire(point, step)`` at every point; kills this process once."""
+class InjectedFailure(RuntimeError):
+    """Raised by a drill with ``signal=RAISE`` (a worker that fails with a Python exception)."""
 
-    def __init__(self, drill: Drill | None, rank: int, promoted: bool) -> None:
-        self._drill = drill
+
+def parse_all(text: str) -> list[Drill]:
+    """Drills joined by ';' (how the launcher passes several to the workers)."""
+    return [Drill.parse(part) for part in text.split(";") if part.strip()]
+
+
+class DrillRunner:
+    """The worker side: ``fire(point, step)`` at every point; each drill fires once."""
+
+    def __init__(self, drills: list[Drill], rank: int, promoted: bool) -> None:
+        self._drills = list(drills)
         self._rank = rank
         self._promoted = promoted
-        self._armed = drill is not None
-        if drill is not None and drill.seconds >= 0 and drill.who == "original" and not promoted:
-            timer = threading.Timer(drill.seconds, self._kill_if_rank)
-            timer.daemon = True
-            timer.start()
+        for drill in drills:
+            if drill.seconds >= 0 and drill.who == "original" and not promoted:
+                timer = threading.Timer(drill.seconds, self._fire_timed, args=(drill,))
+                timer.daemon = True
+                timer.start()
 
     @classmethod
     def from_environ(cls, rank: int, promoted: bool) -> DrillRunner:
-        raw = os.environ.get(ENV, "")
-        return cls(Drill.parse(raw) if raw else None, rank, promoted)
+        return cls(parse_all(os.environ.get(ENV, "")), rank, promoted)
 
     def rebind(self, rank: int, promoted: bool) -> None:
         self._rank, self._promoted = rank, promoted
 
-    def _matches(self, point: str, step: int) -> bool:
-        drill = self._drill
-        if not self._armed or drill is None or drill.rank != self._rank or drill.at != point:
+    def _matches(self, drill: Drill, point: str, step: int) -> bool:
+        if drill.rank != self._rank or drill.at != point or drill.seconds >= 0:
             return False
         if (drill.who == "joiner") != self._promoted:
             return False
         return drill.step < 0 or drill.step == step or point == "promotion"
 
-    def _kill_if_rank(self) -> None:
-        if self._drill is not None and self._drill.rank == self._rank and not self._promoted:
-            self._kill()
-
-    def _kill(self) -> None:
-        assert self._drill is not None
-        self._armed = False
-        os.kill(os.getpid(), getattr(signal, f"SIG{self._drill.signal_name}"))
+    def _fire_timed(self, drill: Drill) -> None:
+        if drill.rank == self._rank and not self._promoted and drill in self._drills:
+            self._drills.remove(drill)
+            os.kill(os.getpid(), getattr(signal, f"SIG{drill.signal_name}", signal.SIGKILL))
 
     def fire(self, point: str, step: int) -> None:
-        if self._matches(point, step):
-            self._kill()
+        for drill in list(self._drills):
+            if self._matches(drill, point, step):
+                self._drills.remove(drill)
+                if drill.signal_name == "RAISE":
+                    raise InjectedFailure(f"injected failure: rank {self._rank} at {point} of step {step}")
+                os.kill(os.getpid(), getattr(signal, f"SIG{drill.signal_name}"))

@@ -23,8 +23,11 @@ def init_plain() -> None:
 
 
 def init_active(store: dist.Store, rank: int, world_size: int, comm_timeout: float) -> None:
-    os.environ[tmrun_backend.ENV_PEER_TIMEOUT] = str(comm_timeout)
-    dist.init_process_group(BACKEND, store=store, rank=rank, world_size=world_size, timeout=timedelta(minutes=10))
+    """An active rank: the group bootstraps through the agent's store (it outlives workers).
+    ``comm_timeout``: seconds of silence after which a peer counts as lost."""
+    options = tmrun_backend.Options(native={"timeout": comm_timeout, "connect_timeout": 30.0})
+    dist.init_process_group(BACKEND, store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(minutes=10), pg_options=options)
 
 
 def init_local(world_size: int) -> None:
@@ -41,7 +44,7 @@ def process_group() -> dist.ProcessGroup:
 
 
 def _backend() -> Any:
-    return tmrun_backend.backend_of(process_group())
+    return tmrun_backend.get_group(process_group())
 
 
 def comm() -> Any:

@@ -64,6 +64,7 @@ class Runtime:
         self._step_rng: dict[str, Any] | None = None
         self._stop_requested = False
         self._fresh = False  # a joiner that has not received the state yet
+        self._rng_recorded_for = -1
         self.recoveries: list[dict[str, float | int]] = []
         self._drills = DrillRunner.from_environ(self._rank if not self._standby else -1, promoted=False)
         self._connect()
@@ -140,6 +141,7 @@ class Runtime:
                 continue
             self._committed_step = step
             step += 1
+            self._record_rng(step)
         if self.in_place and not self._standby:
             assert self._store is not None
             self._store.set(proto.done(self._rank), str(self._committed_step))
@@ -193,9 +195,17 @@ class Runtime:
         self._current_step = step
         self._fire("step")
         self._step_rng = rng.capture()
+        if self._rng_recorded_for != step:
+            self._record_rng(step)
+
+    def _record_rng(self, step: int) -> None:
+        """Publish the random state this rank starts ``step`` with (a joiner taking this rank
+        over continues from it). Written when a step commits, so a rank that dies at the very
+        start of the next step has already left it behind."""
         if self.in_place and not self._standby:
             assert self._store is not None
-            self._store.set(proto.rng(self._rank), pickle.dumps((step, self._step_rng)))
+            self._store.set(proto.rng(self._rank), pickle.dumps((step, rng.capture())))
+            self._rng_recorded_for = step
 
     def _on_comm_failure(self, exc: BaseException) -> bool:
         lost = getattr(exc, "peer", -1)

@@ -1,0 +1,106 @@
+"""In-place replacement end to end on loopback: real tmrun agents, workers and standby workers.
+
+Every drill ends with the job finishing, survivors keeping their PIDs, at most the step in
+flight recomputed, and final parameters and optimizer state bitwise equal to a run with no
+failure and the same seed.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import EXAMPLES, kill_tree, leftovers, start, tmrun_cmd
+
+STEPS = 12
+JOB_TIMEOUT = 240
+
+
+def _run(tmp: Path, name: str, *tmrun_args: str, nproc: int = 2, standby: int = 1, steps: int = STEPS,
+         step_time: float = 0.0) -> tuple[int, str, str, dict[int, list[tuple[int, int]]]]:
+    """Run the example under tmrun; returns (exit code, agent log, final digest, step logs)."""
+    work = tmp / name
+    work.mkdir()
+    cmd = tmrun_cmd(
+        "--standalone", "--nproc-per-node", str(nproc), "--standby", str(standby), *tmrun_args,
+        str(EXAMPLES / "train_inplace.py"), "--steps", str(steps), "--width", "48", "--batch", "16",
+        "--step-time", str(step_time), "--step-log", str(work / "steps-{rank}.log"), "--final", str(work / "final"),
+    )  # fmt: skip
+    agent = start(cmd, log=work / "agent.log", env={"TMRUN_STATE_DIR": str(work / "state")})
+    try:
+        code = agent.wait(timeout=JOB_TIMEOUT)
+    finally:
+        kill_tree(agent)
+        assert leftovers(agent) == []
+    log = (work / "agent.log").read_text()
+    final = (work / "final").read_text().strip() if (work / "final").exists() else ""
+    steps_by_rank: dict[int, list[tuple[int, int]]] = {}
+    for rank in range(nproc):
+        path = work / f"steps-{rank}.log"
+        rows = [line.split() for line in path.read_text().splitlines()] if path.exists() else []
+        steps_by_rank[rank] = [(int(r[0]), int(r[2])) for r in rows]
+    return code, log, final, steps_by_rank
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    code, log, final, steps = _run(tmp_path_factory.mktemp("ref"), "ref")
+    assert code == 0, log
+    assert final, log
+    assert [s for s, _ in steps[0]] == list(range(STEPS))
+    return final
+
+
+def _check(code: int, log: str, final: str, steps: dict[int, list[tuple[int, int]]], reference: str,
+           survivors: list[int], max_redone: int = 1) -> None:
+    assert code == 0, log
+    assert final == reference, "final state differs from the failure-free run\n" + log
+    for rank in survivors:
+        done = [s for s, _ in steps[rank]]
+        assert sorted(set(done)) == list(range(STEPS)), (rank, done)
+        assert len(done) - len(set(done)) <= max_redone, (rank, done)
+        assert len({pid for _, pid in steps[rank]}) == 1, f"rank {rank} changed process"
+    assert "in-place replacement" in log
+
+
+@pytest.mark.parametrize("point", ["step", "forward", "backward", "optimizer"])
+def test_killed_rank_is_replaced_in_place(tmp_path: Path, reference: str, point: str) -> None:
+    code, log, final, steps = _run(tmp_path, point, "--inject-failure", f"rank=1,step=5,at={point}")
+    _check(code, log, final, steps, reference, survivors=[0])
+    assert "signal SIGKILL" in log
+    pids = {pid for _, pid in steps[1]}
+    assert len(pids) == 2, "rank 1 should have been played by two processes"
+
+
+def test_worker_that_raises_is_replaced(tmp_path: Path, reference: str) -> None:
+    code, log, final, steps = _run(tmp_path, "raise", "--inject-failure", "rank=0,step=4,signal=RAISE")
+    _check(code, log, final, steps, reference, survivors=[1])
+    assert "InjectedFailure" in log and "exit code 1" in log
+
+
+def test_two_failures_with_one_standby(tmp_path: Path, reference: str) -> None:
+    code, log, final, steps = _run(
+        tmp_path, "two", "--inject-failure", "rank=1,step=2", "--inject-failure", "rank=0,step=9", step_time=0.3
+    )
+    assert code == 0, log
+    assert final == reference
+    assert len(re.findall(r"in-place replacement, generation \d", log)) == 2
+
+
+def test_joiner_killed_during_promotion(tmp_path: Path, reference: str) -> None:
+    code, log, final, steps = _run(
+        tmp_path, "joiner", "--inject-failure", "rank=1,step=3", "--inject-failure", "rank=1,who=joiner"
+    )
+    _check(code, log, final, steps, reference, survivors=[0])
+    assert len(re.findall(r"in-place replacement, generation \d", log)) == 2
+
+
+def test_donor_killed_during_state_transfer(tmp_path: Path, reference: str) -> None:
+    code, log, final, steps = _run(
+        tmp_path, "transfer", "--inject-failure", "rank=1,step=3", "--inject-failure", "rank=0,at=transfer,step=3",
+        nproc=3,
+    )
+    assert code == 0, log
+    assert len(re.findall(r"in-place replacement, generation \d", log)) == 2
