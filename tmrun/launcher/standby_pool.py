@@ -39,6 +39,9 @@ class StandbyPool:
         self._run_id = run_id
         self._members: list[StandbyMember] = []
         self._next_index = 0
+        self._closed = False
+        self._early_exits = 0  # standbys that died before they were ever taken, in a row
+        self._last_start = 0.0
         self.worker_env: dict[str, str] = {}  # what a standby needs to run the job's script
         self._dir = tempfile.mkdtemp(prefix="tmrun-standby-")
         self._last_states: list[str] = []
@@ -55,16 +58,37 @@ class StandbyPool:
         self._last_states = states
         return True
 
+    MAX_EARLY_EXITS = 3
+    RESTART_BACKOFF = 2.0
+
+    @property
+    def failing(self) -> str:
+        """Non-empty when standbys keep dying on their own (the pool stopped starting them)."""
+        if self._early_exits >= self.MAX_EARLY_EXITS:
+            return f"{self._early_exits} standby workers in a row exited on their own"
+        return ""
+
     def fill(self) -> None:
-        """Start standby processes until the pool holds ``size`` live members."""
+        """Start standby processes until the pool holds ``size`` live members. A standby that
+        died on its own is restarted after a back-off; after a few in a row, no more."""
+        if self._closed:
+            return
+        dead = [m for m in self._members if m.process.poll() is not None]
+        for member in dead:
+            say(f"standby worker {member.index} (pid {member.process.pid}) exited with code {member.process.returncode}")
+            self._early_exits += 1
         self._members = [m for m in self._members if m.process.poll() is None]
+        if self.failing or (dead and time.monotonic() - self._last_start < self.RESTART_BACKOFF):
+            return
         while len(self._members) < self._size:
+            self._last_start = time.monotonic()
             self._members.append(self._start(self._next_index))
             self._next_index += 1
 
     def take(self, member: StandbyMember) -> None:
         """Remove a promoted member from the pool (it is a worker now; the caller owns it)."""
         self._members.remove(member)
+        self._early_exits = 0
 
     def _start(self, index: int) -> StandbyMember:
         ready_file = os.path.join(self._dir, f"standby-{index}.ready")
@@ -105,6 +129,7 @@ class StandbyPool:
         self._members = []
         if not final:
             return
+        self._closed = True
         for name in os.listdir(self._dir):
             os.unlink(os.path.join(self._dir, name))
         os.rmdir(self._dir)

@@ -221,7 +221,7 @@ class Runtime:
         self._store.set(proto.report(seq), message.encode())
 
     def _plan_waiting(self) -> bool:
-        if not self.in_place:
+        if not self.in_place or self._standby:
             return False
         assert self._store is not None
         return self._store.check([proto.plan(self._gen + 1)])
