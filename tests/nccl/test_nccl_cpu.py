@@ -1,8 +1,10 @@
 """NCCL transport on a machine without a GPU: compile flag, graceful failure, loader, tables.
 
 These run everywhere (CPU-only CI included). Whether the NCCL path was compiled in depends on
-nccl.h being present at build time; tests that need it skip otherwise, and tests that need
-the nvidia-nccl wheel's libnccl.so.2 skip when it is not installed.
+nccl.h being present at build time; tests that need it skip otherwise (CI builds with
+TMRUN_NCCL_HEADERS=FETCH, so there they run: test_nccl_build.py fails a FETCH build without
+the transport), and tests that need the nvidia-nccl wheel's libnccl.so.2 skip when it is not
+installed.
 """
 
 from __future__ import annotations

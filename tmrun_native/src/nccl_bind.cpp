@@ -8,6 +8,12 @@
 
 #include "tmrun/nccl_loader.h"
 #include "tmrun/nccl_types.h"
+
+// Set by CMakeLists.txt from -DTMRUN_NCCL_HEADERS (AUTO|FETCH).
+#ifndef TMRUN_NCCL_HEADERS_MODE
+#define TMRUN_NCCL_HEADERS_MODE "AUTO"
+#endif
+
 #if TMRUN_HAVE_NCCL
 #include "tmrun/nccl_comm.h"
 #endif
@@ -95,6 +101,9 @@ void bind_nccl(py::module_& m) {
   m.attr("NCCL_UNIQUE_ID_BYTES") = 128;
   m.def("nccl_compiled", [] { return TMRUN_HAVE_NCCL != 0; },
         "True when the NCCL transport was compiled in (nccl.h found at build time).");
+  m.def("nccl_headers_mode", [] { return std::string(TMRUN_NCCL_HEADERS_MODE); },
+        "How the build was told to get nccl.h: \"AUTO\" (search; transport OFF if absent) or "
+        "\"FETCH\" (pinned header downloaded at configure time; the transport must be compiled).");
   m.def("nccl_header_version", [] {
 #if TMRUN_HAVE_NCCL
     return static_cast<int>(NCCL_VERSION_CODE);
