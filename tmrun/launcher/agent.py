@@ -198,11 +198,16 @@ class TmrunAgent(LocalElasticAgent):
         super()._stop_workers(worker_group)
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        # Also called by the elastic agent between restarts of the group: the standby pool
+        # lives on (see run()); only the workers, promoted standbys included, stop here.
         self._close_pidfds()
+        if self._inplace is not None:
+            self._inplace.stop_promoted()
+        super()._shutdown(death_sig, timeout)
+
+    def run(self, role: str = "default") -> RunResult:
         try:
-            if self._inplace is not None:
-                self._inplace.stop_promoted()
-            super()._shutdown(death_sig, timeout)
+            return super().run(role)
         finally:
             if self._standby_pool is not None:
                 self._standby_pool.stop()

@@ -139,6 +139,8 @@ class InplaceController:
             say(f"rank {rank} failed; waiting up to {self._standby_wait:.0f}s for a warm standby")
             self._pool.fill()
         while member is None and time.monotonic() - started < self._standby_wait:
+            if self._pool.failing:
+                return self._abandon(rank, exitcode, self._pool.failing)
             time.sleep(0.05)
             self._pool.fill()
             member = self._ready_standby()

@@ -115,6 +115,8 @@ class StandbyPool:
     def stop(self, timeout: float = 5.0, final: bool = True) -> None:
         """Stop every member (SIGTERM, then SIGKILL after ``timeout``); ``final`` also removes
         the pool's directory (no later ``fill``)."""
+        if self._closed:
+            return
         for member in self._members:
             if member.process.poll() is None:
                 member.process.send_signal(signal.SIGTERM)

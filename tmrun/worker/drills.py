@@ -21,6 +21,7 @@ import os
 import signal
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
 ENV = "TMRUN_INJECT_FAILURE"
 POINTS = ("step", "forward", "backward", "optimizer", "transfer", "promotion")
@@ -99,6 +100,10 @@ class DrillRunner:
 
     def __init__(self, drills: list[Drill], rank: int, promoted: bool) -> None:
         self._drills = list(drills)
+        self._index = {drill: i for i, drill in enumerate(drills)}
+        # claim(i) -> True for the first process of the job to fire drill i (set by the runtime
+        # from its store, so that a joiner or a restarted group does not fire it again)
+        self.claim: Callable[[int], bool] = lambda index: True
         self._rank = rank
         self._promoted = promoted
         for drill in drills:
@@ -124,12 +129,16 @@ class DrillRunner:
     def _fire_timed(self, drill: Drill) -> None:
         if drill.rank == self._rank and not self._promoted and drill in self._drills:
             self._drills.remove(drill)
+            if not self.claim(self._index[drill]):
+                return
             os.kill(os.getpid(), getattr(signal, f"SIG{drill.signal_name}", signal.SIGKILL))
 
     def fire(self, point: str, step: int) -> None:
         for drill in list(self._drills):
             if self._matches(drill, point, step):
                 self._drills.remove(drill)
+                if not self.claim(self._index[drill]):
+                    continue
                 if drill.signal_name == "RAISE":
                     raise InjectedFailure(f"injected failure: rank {self._rank} at {point} of step {step}")
                 os.kill(os.getpid(), getattr(signal, f"SIG{drill.signal_name}"))

@@ -154,10 +154,12 @@ class Runtime:
             group.init_plain()
             self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
             return
-        self._store = dist.TCPStore(
+        tcp = dist.TCPStore(
             env.store_host, env.store_port, is_master=False, timeout=timedelta(seconds=60), wait_for_workers=False
         )
-        self._store = dist.PrefixStore(env.store_prefix, self._store)
+        self._store = dist.PrefixStore(env.store_prefix, tcp)
+        job_store = dist.PrefixStore(f"tmrun/{env.run_id}/", tcp)
+        self._drills.claim = lambda index: job_store.add(f"drill/{index}", 1) == 1
         if env.mode is Mode.STANDBY:
             signal.signal(signal.SIGTERM, self._on_term)
             group.init_local(env.world_size)
