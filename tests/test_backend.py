@@ -1,0 +1,622 @@
+"""The "tmrun" torch.distributed backend, in one process: one thread per rank, groups built with
+:func:`tmrun.comm.backend.create_process_group` over a shared HashStore (what the registered
+creator does), collectives called the way torch.distributed calls them (``pg.allreduce([t], opts)``).
+Multi-process tests (dist.* API, DDP vs gloo, SIGKILL, standby replacement): test_backend_dist.py.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+import time
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import (
+    AllgatherOptions,
+    AllreduceOptions,
+    BroadcastOptions,
+    GatherOptions,
+    ReduceOptions,
+    ReduceScatterOptions,
+    ScatterOptions,
+)
+
+tn = pytest.importorskip("tmrun_native")
+
+import tmrun  # noqa: E402,F401  (registers the backend)
+from tmrun.comm import backend as tb  # noqa: E402
+
+R = dist.ReduceOp
+OPS = [R.SUM, R.AVG, R.MIN, R.MAX, R.PRODUCT]
+SIZES = [0, 1, 7, 1031, 40001]  # 40001 float32 > 64 KiB: the pipelined ring path
+REDUCIBLE = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8]
+TIMEOUT = datetime.timedelta(seconds=30)
+
+
+# ------------------------------------------------------------------------------------- helpers
+def make_groups(n: int, **native: Any) -> list:
+    native.setdefault("timeout", 5.0)
+    store = dist.HashStore()
+    pgs: list = [None] * n
+
+    def mk(r: int) -> None:
+        pgs[r] = tb.create_process_group(store, r, n, TIMEOUT, "0", tb.Options(native=native))
+
+    run_threads(n, mk)
+    return pgs
+
+
+def run_threads(n: int, fn: Callable[[int], Any], timeout: float = 60.0) -> list:
+    results: list = [None] * n
+    errors: list = [None] * n
+
+    def body(r: int) -> None:
+        try:
+            results[r] = fn(r)
+        except BaseException as exc:  # noqa: BLE001
+            errors[r] = exc
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), f"ranks still running after {timeout} s (hang)"
+    for e in errors:
+        if e is not None:
+            raise e
+    return results
+
+
+@pytest.fixture
+def groups():
+    made: list = []
+
+    def factory(n: int, **native: Any) -> list:
+        pgs = make_groups(n, **native)
+        made.extend(pgs)
+        return pgs
+
+    yield factory
+    for pg in made:
+        pg.shutdown()
+
+
+def ar_opts(op: Any = R.SUM, async_op: bool = True) -> AllreduceOptions:
+    o = AllreduceOptions()
+    o.reduceOp = op
+    o.asyncOp = async_op
+    return o
+
+
+def rs_opts(op: Any = R.SUM) -> ReduceScatterOptions:
+    o = ReduceScatterOptions()
+    o.reduceOp = op
+    return o
+
+
+def bc_opts(root: int) -> BroadcastOptions:
+    o = BroadcastOptions()
+    o.rootRank = root
+    return o
+
+
+def rank_data(dtype: torch.dtype, size: int, rank: int, op: Any) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7919 * rank + size)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (size,), generator=g).bool()
+    if dtype.is_floating_point:
+        x = torch.randn(size, generator=g, dtype=torch.float64)
+        return (1 + 0.1 * x if op == R.PRODUCT else x).to(dtype)
+    if op == R.PRODUCT:
+        x = torch.randint(1, 4, (size,), generator=g)
+        if dtype != torch.uint8:
+            x = x * (torch.randint(0, 2, (size,), generator=g) * 2 - 1)
+        return x.to(dtype)
+    lo = 0 if dtype == torch.uint8 else -50
+    return torch.randint(lo, 80, (size,), generator=g).to(dtype)
+
+
+def reference(inputs: list, op: Any, dtype: torch.dtype) -> torch.Tensor:
+    n = len(inputs)
+    if dtype == torch.bool:
+        s = torch.stack(inputs)
+        return s.any(0) if op in (R.SUM, R.MAX) else s.all(0)
+    wide = torch.stack([x.double() if dtype.is_floating_point else x.long() for x in inputs])
+    if op == R.SUM:
+        out = wide.sum(0)
+    elif op == R.PRODUCT:
+        out = wide.prod(0)
+    elif op == R.MIN:
+        out = wide.min(0).values
+    elif op == R.MAX:
+        out = wide.max(0).values
+    else:  # AVG: floats divide, integers truncate toward zero
+        out = wide.sum(0) / n if dtype.is_floating_point else torch.div(wide.sum(0), n, rounding_mode="trunc")
+    return out
+
+
+TOL = {torch.float32: (1e-5, 1e-5), torch.float64: (1e-12, 1e-12), torch.float16: (1e-2, 1e-2),
+       torch.bfloat16: (2e-2, 5e-2)}
+
+
+def check_close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, op: Any) -> None:
+    if dtype.is_floating_point and op in (R.SUM, R.AVG, R.PRODUCT):
+        rtol, atol = TOL[dtype]
+        assert torch.allclose(got.double(), ref, rtol=rtol, atol=atol), (dtype, op, got, ref)
+    else:
+        assert torch.equal(got, ref.to(dtype)), (dtype, op, got, ref)
+
+
+# ------------------------------------------------------------------------------------- registry
+def test_register_is_idempotent() -> None:
+    tb.register()
+    tb.register()
+    assert "tmrun" in dist.Backend.backend_list
+    assert dist.Backend.TMRUN == "tmrun"
+    assert dist.Backend.backend_capability["tmrun"] == ["cpu", "cuda"]
+    assert dist.Backend.default_device_backend_map["cpu"] == "gloo"  # tmrun is not made the default
+
+
+# ------------------------------------------------------------------------------------- collectives
+@pytest.mark.parametrize("dtype", REDUCIBLE + [torch.bool], ids=str)
+def test_allreduce_every_op_and_size(groups, dtype: torch.dtype) -> None:
+    n = 3
+    pgs = groups(n)
+    cases = [(op, size) for op in OPS for size in SIZES if not (dtype == torch.bool and op == R.AVG)]
+
+    def body(r: int) -> list:
+        out = []
+        for i, (op, size) in enumerate(cases):
+            t = rank_data(dtype, size, r, op)
+            w = pgs[r].allreduce([t], ar_opts(op, async_op=i % 2 == 0))
+            w.wait()
+            assert w.is_completed() and w.get_future().value()[0] is t
+            out.append(t)
+        return out
+
+    results = run_threads(n, body)
+    for i, (op, size) in enumerate(cases):
+        ref = reference([rank_data(dtype, size, r, op) for r in range(n)], op, dtype)
+        check_close(results[0][i], ref, dtype, op)
+        for r in range(1, n):  # every rank holds identical bits
+            assert torch.equal(results[r][i], results[0][i])
+
+
+def test_allreduce_world_sizes_and_shapes(groups) -> None:
+    for n in (2, 4):
+        pgs = groups(n)
+
+        def body(r: int) -> list:
+            ts = [torch.full((3, 5, 7), float(r + 1)), torch.tensor(float(r)),  # 3-d and 0-dim
+                  (torch.arange(24, dtype=torch.float64).reshape(4, 6) * (r + 1)).t(),  # non-contiguous
+                  torch.full((2,), complex(r, 1), dtype=torch.complex64)]  # complex: as real pairs
+            pgs[r].allreduce(ts, ar_opts()).wait()  # several tensors in one call
+            return ts
+
+        res = run_threads(n, body)
+        s = n * (n + 1) / 2
+        assert torch.equal(res[0][0], torch.full((3, 5, 7), s))
+        assert res[0][1].item() == sum(range(n))
+        assert torch.equal(res[n - 1][2], (torch.arange(24, dtype=torch.float64).reshape(4, 6) * s).t())
+        assert torch.equal(res[1][3], torch.full((2,), complex(sum(range(n)), n), dtype=torch.complex64))
+
+
+def test_broadcast_every_root_any_dtype(groups) -> None:
+    n = 3
+    pgs = groups(n)
+    dtypes = [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.int16, torch.bool, torch.complex64,
+              torch.int64, torch.uint8]
+
+    def value(dtype: torch.dtype, r: int, size: int) -> torch.Tensor:
+        return (torch.arange(size) % 5 + r).to(dtype)
+
+    def body(r: int) -> list:
+        out = []
+        for root in range(n):
+            for dtype in dtypes:
+                for size in (0, 1, 1031, 70001):
+                    t = value(dtype, r, size)
+                    pgs[r].broadcast([t], bc_opts(root)).wait()
+                    out.append(t)
+            nc = torch.arange(20, dtype=torch.float32).reshape(4, 5)[:, 1:4] * (r + 1)  # staged
+            pgs[r].broadcast([nc], bc_opts(root)).wait()
+            out.append(nc)
+        return out
+
+    res = run_threads(n, body)
+    i = 0
+    for root in range(n):
+        for dtype in dtypes:
+            for size in (0, 1, 1031, 70001):
+                for r in range(n):
+                    assert torch.equal(res[r][i], value(dtype, root, size)), (root, dtype, size)
+                i += 1
+        for r in range(n):
+            assert torch.equal(res[r][i], torch.arange(20, dtype=torch.float32).reshape(4, 5)[:, 1:4] * (root + 1))
+        i += 1
+
+
+def test_allgather_list_and_tensor_forms(groups) -> None:
+    n = 3
+    pgs = groups(n)
+    shapes = [(0,), (), (1,), (7,), (3, 5), (20001,)]
+
+    def body(r: int) -> tuple:
+        lists, singles = [], []
+        for dtype in (torch.float32, torch.bfloat16, torch.int16, torch.uint8, torch.bool):
+            for shape in shapes:
+                inp = (torch.arange(max(1, int(torch.Size(shape).numel()))).reshape(-1)[: torch.Size(shape).numel()]
+                       .reshape(shape) + 10 * r).to(dtype)
+                outs = [torch.full(shape, -1).to(dtype) for _ in range(n)]
+                pgs[r].allgather([outs], [inp], AllgatherOptions()).wait()
+                lists.append((inp, outs))
+                big = torch.empty((n * max(1, inp.numel()),), dtype=dtype)[: n * inp.numel()]
+                pgs[r].all_gather_single(big, inp, AllgatherOptions()).wait()
+                singles.append(big)
+        return lists, singles
+
+    res = run_threads(n, body)
+    for k in range(len(res[0][0])):
+        inputs = [res[r][0][k][0] for r in range(n)]
+        for r in range(n):
+            for q in range(n):
+                assert torch.equal(res[r][0][k][1][q], inputs[q])
+            assert torch.equal(res[r][1][k], torch.cat([x.reshape(-1) for x in inputs]))
+    # the legacy names DDP-era code may call
+    assert tb.TmrunProcessGroup._allgather_base is tb.TmrunProcessGroup.all_gather_single
+    assert tb.TmrunProcessGroup._reduce_scatter_base is tb.TmrunProcessGroup.reduce_scatter_single
+
+
+def test_reduce_scatter_list_and_tensor_forms(groups) -> None:
+    n = 3
+    pgs = groups(n)
+    cases = [(dtype, op, size) for dtype in (torch.float32, torch.int64, torch.bfloat16)
+             for op in OPS for size in (0, 1, 5, 3001)]
+
+    def body(r: int) -> list:
+        out = []
+        for dtype, op, size in cases:
+            full = rank_data(dtype, n * size, r, op)
+            keep = full.clone()
+            o1 = torch.empty(size, dtype=dtype)
+            pgs[r].reduce_scatter([o1], [list(full.chunk(n) if size else [full[:0]] * n)], rs_opts(op)).wait()
+            o2 = torch.empty(size, dtype=dtype)
+            pgs[r].reduce_scatter_single(o2, full, rs_opts(op)).wait()
+            assert torch.equal(full, keep)  # the input is left intact
+            out.append((o1, o2))
+        return out
+
+    res = run_threads(n, body)
+    for k, (dtype, op, size) in enumerate(cases):
+        ref = reference([rank_data(dtype, n * size, r, op) for r in range(n)], op, dtype)
+        for r in range(n):
+            block = ref[r * size:(r + 1) * size]
+            check_close(res[r][k][0], block, dtype, op)
+            assert torch.equal(res[r][k][0], res[r][k][1])
+
+
+def test_barrier_reduce_gather_scatter_p2p(groups) -> None:
+    n = 4
+    pgs = groups(n)
+
+    def body(r: int) -> dict:
+        pg = pgs[r]
+        pg.barrier().wait()
+        t = torch.full((5,), float(r + 1))
+        ro = ReduceOptions()
+        ro.rootRank = 2
+        ro.reduceOp = R.MAX
+        pg.reduce([t], ro).wait()
+        go = GatherOptions()
+        go.rootRank = 1
+        outs = [torch.empty(3, dtype=torch.int32) for _ in range(n)] if r == 1 else []
+        pg.gather([outs] if r == 1 else [], [torch.full((3,), r, dtype=torch.int32)], go).wait()
+        so = ScatterOptions()
+        so.rootRank = 3
+        s = torch.empty(2, dtype=torch.float64)
+        pg.scatter([s], [[torch.full((2,), 10.0 * i, dtype=torch.float64) for i in range(n)]] if r == 3 else [], so).wait()
+        # p2p: every ordered pair, odd sizes, tags; lower rank sends first
+        got = {}
+        for peer in range(n):
+            if peer == r:
+                continue
+            mine = torch.arange(1031, dtype=torch.float16) + r
+            theirs = torch.empty(1031, dtype=torch.float16)
+            if r < peer:
+                pg.send([mine], peer, 7).wait()
+                pg.recv([theirs], peer, 7).wait()
+            else:
+                pg.recv([theirs], peer, 7).wait()
+                pg.send([mine], peer, 7).wait()
+            got[peer] = theirs
+        empty = torch.empty(0)
+        if r == 0:
+            pg.send([empty], 1, 0).wait()
+        elif r == 1:
+            pg.recv([empty], 0, 0).wait()
+        return {"reduce": t, "gather": outs, "scatter": s, "p2p": got}
+
+    res = run_threads(n, body)
+    assert torch.equal(res[2]["reduce"], torch.full((5,), float(n)))
+    assert torch.equal(res[0]["reduce"], torch.full((5,), 1.0))  # non-roots keep their input
+    assert [int(x[0]) for x in res[1]["gather"]] == list(range(n))
+    for r in range(n):
+        assert torch.equal(res[r]["scatter"], torch.full((2,), 10.0 * r, dtype=torch.float64))
+        for peer, t in res[r]["p2p"].items():
+            assert torch.equal(t, torch.arange(1031, dtype=torch.float16) + peer)
+
+
+# ------------------------------------------------------------------------------------- async
+def test_async_works_futures_and_ordering(groups) -> None:
+    n = 2
+    pgs = groups(n)
+
+    def body(r: int) -> Any:
+        pg = pgs[r]
+        ts = [torch.full((50000,), float(r + i)) for i in range(6)]
+        works = [pg.allreduce([t], ar_opts()) for t in ts]  # all in flight at once
+        chained = works[2].get_future().then(lambda f: f.value()[0].sum().item())
+        for w in works:
+            assert w.wait(datetime.timedelta(seconds=20))
+        assert chained.wait() == 50000 * (1 + 2 * 2)
+        for i, t in enumerate(ts):
+            assert torch.equal(t, torch.full((50000,), float(1 + 2 * i)))
+        # wait(timeout) on an operation that cannot complete yet: TimeoutError, then completes
+        if r == 1:
+            buf = torch.empty(4)
+            w = pg.recv([buf], 0, 1)
+            with pytest.raises(TimeoutError):
+                w.wait(datetime.timedelta(milliseconds=200))
+            assert not w.is_completed()
+            pg.barrier().wait()  # queued behind the recv on the native thread
+            w.wait()
+            assert torch.equal(buf, torch.arange(4.0)) and w.is_success() and w.exception() is None
+        else:
+            time.sleep(0.5)
+            pg.send([torch.arange(4.0)], 1, 1).wait()
+            pg.barrier().wait()
+        assert pg.synchronize(10) and pg.pending() == 0
+        return True
+
+    run_threads(n, body)
+
+
+# ------------------------------------------------------------------------------------- errors
+def test_errors_are_clear_and_raised_before_any_traffic(groups) -> None:
+    pgs = groups(2)
+    pg = pgs[0]
+    before = pg.counters()
+    f32 = torch.ones(4)
+    bad = [
+        (tb.UnsupportedError, "int16", lambda: pg.allreduce([torch.ones(2, dtype=torch.int16)], ar_opts())),
+        (tb.UnsupportedError, "BAND", lambda: pg.allreduce([torch.ones(2, dtype=torch.int32)], ar_opts(R.BAND))),
+        (tb.UnsupportedError, "torch.bool", lambda: pg.allreduce([torch.ones(2, dtype=torch.bool)], ar_opts(R.AVG))),
+        (tb.UnsupportedError, "complex", lambda: pg.allreduce([torch.ones(2, dtype=torch.complex64)], ar_opts(R.MAX))),
+        (tb.UnsupportedError, "all_to_all", lambda: pg.all_to_all_single(torch.empty(2), torch.empty(2), [], [])),
+        (tb.UnsupportedError, "any source", lambda: pg.recv_anysource([f32], 0)),
+        (tb.UnsupportedError, "meta", lambda: pg.allreduce([torch.ones(2, device="meta")], ar_opts())),
+        (ValueError, "output list holds 1", lambda: pg.allgather([[f32]], [f32], AllgatherOptions())),
+        (ValueError, "same dtype", lambda: pg.allgather([[f32, torch.ones(4, dtype=torch.int32)]], [f32],
+                                                            AllgatherOptions())),
+        (ValueError, "output must be 2 x input", lambda: pg.all_gather_single(torch.empty(3), f32)),
+        (ValueError, "input must be 2 x output", lambda: pg.reduce_scatter_single(torch.empty(3), f32)),
+        (ValueError, "not a rank", lambda: pg.broadcast([f32], bc_opts(5))),
+        (ValueError, "this rank", lambda: pg.send([f32], 0, 0)),
+        (ValueError, "tag", lambda: pg.send([f32], 1, -1)),
+        (TypeError, "torch.Tensor", lambda: pg.allreduce([[1, 2]], ar_opts())),
+    ]
+    for exc_type, text, fn in bad:
+        with pytest.raises(exc_type, match=text):
+            fn()
+    assert pg.counters()["bytes_sent"] == before["bytes_sent"]
+    assert pg.counters()["collectives"] == before["collectives"]
+    # the group still works afterwards
+    run_threads(2, lambda r: pgs[r].allreduce([torch.ones(3)], ar_opts()).wait())
+
+
+def test_pg_options_type_checked() -> None:
+    with pytest.raises(TypeError, match="pg_options"):
+        tb.create_process_group(dist.HashStore(), 0, 1, TIMEOUT, "0", object())  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------- local mode
+def local_semantics(pg: Any, rank: int, n: int) -> None:
+    t = torch.arange(6.0) + rank
+    w = pg.allreduce([t], ar_opts(R.SUM))
+    assert w.is_completed() and torch.equal(t, torch.arange(6.0) + rank)  # as is: valid values
+    b = torch.full((3,), float(rank))
+    pg.broadcast([b], bc_opts(0)).wait()
+    assert torch.equal(b, torch.full((3,), float(rank)))
+    outs = [torch.empty(2) for _ in range(n)]
+    pg.allgather([outs], [torch.tensor([1.0, 2.0])], AllgatherOptions()).wait()
+    assert all(torch.equal(o, torch.tensor([1.0, 2.0])) for o in outs)
+    big = torch.empty(2 * n)
+    pg.all_gather_single(big, torch.tensor([3.0, 4.0])).wait()
+    assert torch.equal(big, torch.tensor([3.0, 4.0]).repeat(n))
+    o = torch.empty(2)
+    pg.reduce_scatter([o], [[torch.full((2,), float(i)) for i in range(n)]], rs_opts()).wait()
+    assert torch.equal(o, torch.full((2,), float(rank)))
+    o2 = torch.empty(2)
+    pg.reduce_scatter_single(o2, torch.arange(2.0 * n), rs_opts()).wait()
+    assert torch.equal(o2, torch.arange(2.0 * n)[2 * rank:2 * rank + 2])
+    pg.barrier().wait()
+    peer = (rank + 1) % n
+    pg.send([torch.ones(3)], peer, 0).wait()
+    r = torch.full((3,), 9.0)
+    pg.recv([r], peer, 0).wait()
+    assert torch.equal(r, torch.zeros(3))
+    s = torch.full((2,), 5.0)
+    so = ScatterOptions()
+    so.rootRank = peer
+    pg.scatter([s], [], so).wait()
+    assert torch.equal(s, torch.zeros(2))
+
+
+def test_local_mode_without_store_or_network() -> None:
+    n, rank = 4, 2
+    pg = tb.create_process_group(None, rank, n, TIMEOUT, "0", tb.Options(local=True))
+    try:
+        assert pg.local and pg.comm is None and pg.rank() == rank and pg.size() == n
+        local_semantics(pg, rank, n)
+        c = pg.counters()
+        assert c["bytes_sent"] == c["bytes_recv"] == c["collectives"] == 0 and pg.links() == []
+        assert pg.stats()["network_ops"] == 0 and pg.stats()["local_ops"] == 10
+        with pytest.raises(RuntimeError, match="no communicator"):
+            pg.set_local(False)
+    finally:
+        pg.shutdown()
+
+
+def test_set_local_on_a_connected_group(groups) -> None:
+    n = 3
+    pgs = groups(n)
+    run_threads(n, lambda r: pgs[r].allreduce([torch.ones(10)], ar_opts()).wait())
+    before = [pg.counters() for pg in pgs]
+    for pg in pgs:
+        pg.set_local(True)
+    for r, pg in enumerate(pgs):  # no peer needed: each rank alone
+        local_semantics(pg, r, n)
+    for pg, b in zip(pgs, before):
+        c = pg.counters()
+        assert (c["bytes_sent"], c["bytes_recv"], c["collectives"]) == (b["bytes_sent"], b["bytes_recv"], b["collectives"])
+    for pg in pgs:
+        pg.set_local(False)
+    res = run_threads(n, lambda r: (lambda t: (pgs[r].allreduce([t], ar_opts()).wait(), t)[1])(torch.ones(10)))
+    assert torch.equal(res[0], torch.full((10,), 3.0))
+
+
+def test_env_var_local_mode_through_init_process_group_and_ddp(monkeypatch) -> None:
+    """A standby: TMRUN_COMM_LOCAL=1, any store (a HashStore: no network), DDP constructed and
+    trained for a shadow step over the local group."""
+    monkeypatch.setenv(tb.ENV_LOCAL, "1")
+    assert not dist.is_initialized()
+    dist.init_process_group("tmrun", store=dist.HashStore(), rank=1, world_size=3, timeout=TIMEOUT)
+    try:
+        pg = tb.get_group()
+        assert pg.local and pg.comm is None and dist.get_rank() == 1 and dist.get_backend() == "tmrun"
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
+        from tmrun.comm.ddp import wrap
+
+        ddp = wrap(model)
+        x = torch.randn(5, 4)
+        ddp(x).sum().backward()
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in ddp.parameters())
+        local_grad = [p.grad.clone() for p in ddp.parameters()]
+        model2 = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
+        model2.load_state_dict(model.state_dict())
+        model2(x).sum().backward()
+        for g, p in zip(local_grad, model2.parameters()):  # DDP divides by the world size, the
+            assert torch.allclose(g, p.grad / 3, atol=1e-6)  # local allreduce leaves the rest as is
+        assert pg.counters()["bytes_sent"] == 0 and pg.stats()["network_ops"] == 0
+    finally:
+        dist.destroy_process_group()
+    # pg_options works too
+    monkeypatch.delenv(tb.ENV_LOCAL)
+    dist.init_process_group("tmrun", store=dist.HashStore(), rank=0, world_size=2, timeout=TIMEOUT,
+                            pg_options=tb.Options(local=True))
+    try:
+        assert tb.get_group().local
+    finally:
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------- failures
+def test_failure_handler_absorbs_and_aborted_state_is_local(groups) -> None:
+    """Rank 2 closes its communicator (its peers see the link close: PeerLostError naming 2).
+    Rank 0 has a handler returning True, rank 1 none."""
+    n = 3
+    pgs = groups(n, timeout=2.0)
+    run_threads(n, lambda r: pgs[r].allreduce([torch.ones(100)], ar_opts()).wait())
+    calls: list = []
+    pgs[0].set_failure_handler(lambda exc: calls.append(exc) or True)
+    pgs[2].comm.close()
+
+    def survivor(r: int) -> Any:
+        pg = pgs[r]
+        t = torch.ones(300000)
+        w = pg.allreduce([t], ar_opts())
+        if r == 0:
+            assert w.wait() and w.is_success()
+            return None
+        with pytest.raises(tn.PeerLostError) as info:
+            w.wait()
+        return info.value
+
+    res = run_threads(2, survivor)
+    assert res[1].peer == 2 and "rank 2" in str(res[1]) and "tmrun allreduce failed" in str(res[1])
+    assert len(calls) == 1 and isinstance(calls[0], tn.PeerLostError) and calls[0].peer == 2
+    pg = pgs[0]
+    assert pg.aborted
+    before = pg.counters()
+    t0 = time.perf_counter()
+    for _ in range(10):  # complete at once, no network, valid values
+        t = torch.full((1000,), 2.0)
+        w = pg.allreduce([t], ar_opts())
+        assert w.is_completed() and torch.equal(t, torch.full((1000,), 2.0))
+        pg.barrier().wait()
+        pg.broadcast([t], bc_opts(1)).wait()
+    assert time.perf_counter() - t0 < 1.0
+    after = pg.counters()
+    assert after["bytes_sent"] == before["bytes_sent"] and after["collectives"] == before["collectives"]
+    assert len(calls) == 1 and pg.stats()["absorbed_errors"] == 1 and pg.stats()["aborts"] == 1
+    # the failure is sticky for the native epoch: leaving the aborted state without repairing the
+    # communicator fails again (and the handler is asked again)
+    pg.clear_aborted()
+    assert not pg.aborted
+    pg.set_failure_handler(None)
+    with pytest.raises(tn.PeerLostError, match="rank 2"):
+        pg.allreduce([torch.ones(3)], ar_opts(async_op=False)).wait()
+    assert pg.stats()["raised_errors"] == 1
+    # the handler's own exceptions do not swallow the error
+    pg.set_failure_handler(lambda exc: 1 / 0)
+    with pytest.raises(tn.PeerLostError):
+        pg.allreduce([torch.ones(3)], ar_opts()).wait()
+    # abort_collectives(): by hand
+    pg.abort_collectives()
+    assert pg.aborted and pg.allreduce([torch.ones(3)], ar_opts()).is_completed()
+
+
+def test_attach_swaps_the_communicator_and_the_rank(groups) -> None:
+    pgs = groups(2)
+    # a separate native group of 2: attach rank 1's communicator to the group that was rank 0
+    comms = [tn.Communicator(r, 2, "attach-test", 0, tn.Options(timeout=5.0)) for r in range(2)]
+    try:
+        addrs = [c.address for c in comms]
+        run_threads(2, lambda r: comms[r].connect(addrs))
+        pg = pgs[0]
+        old = pg.attach(comms[1])
+        assert old is not None and pg.comm is comms[1] and pg.rank() == 1 and pg.getRank() == 1
+        other = tb.create_process_group(None, 0, 2, TIMEOUT, "0", tb.Options(comm=comms[0]))
+        res = run_threads(2, lambda r: (lambda t: ((other if r == 0 else pg).allreduce([t], ar_opts()).wait(), t)[1])(
+            torch.full((4,), float(r + 1))))
+        assert torch.equal(res[0], torch.full((4,), 3.0)) and torch.equal(res[1], res[0])
+        with pytest.raises(ValueError, match="world size"):
+            pg.attach(tn.Communicator(0, 3, "x", 0, tn.Options()))
+        with pytest.raises(ValueError, match="Options.comm is rank 0"):
+            tb.create_process_group(None, 1, 2, TIMEOUT, "0", tb.Options(comm=comms[0]))
+        pg.attach(old)  # back to the original (closed by the fixture)
+        assert pg.rank() == 0
+    finally:
+        for c in comms:
+            c.close()
+
+
+def test_staging_helpers_on_cpu() -> None:
+    t = torch.arange(6.0)
+    assert tb._to_host(t) is t
+    nc = torch.arange(12.0).reshape(3, 4)[:, ::2]
+    h = tb._to_host(nc)
+    assert h.is_contiguous() and torch.equal(h, nc)
+    h.fill_(1.0)
+    tb._from_host(nc, h)
+    assert torch.equal(nc, torch.ones(3, 2))
+    assert not tb._to_host(nc, copy=False).data_ptr() == nc.data_ptr()
+    with pytest.raises(tb.UnsupportedError, match="meta"):
+        tb._to_host(torch.ones(2, device="meta"))

@@ -1,0 +1,1074 @@
+"""The ``torch.distributed`` backend "tmrun": a ProcessGroup over the native TCP communicator.
+
+    import tmrun                                   # registers the backend (idempotent)
+    dist.init_process_group("tmrun")               # env:// or store=..., rank=..., world_size=...
+    dist.all_reduce(t)                             # CPU tensors; CUDA tensors via host staging
+
+Design (see ``docs/backend.md``):
+
+* :class:`TmrunProcessGroup` is a Python subclass of ``torch.distributed.ProcessGroup`` (torch's
+  ``PyProcessGroup`` trampoline forwards the C++ virtual calls of DDP's reducer to it). It owns a
+  native :class:`tmrun_native.Communicator`, bootstrapped through the store torch hands to the
+  backend creator (:func:`tmrun.comm.native.connect_via_store`).
+* Every collective checks its arguments on the caller's thread (clear ``ValueError`` /
+  ``TypeError``), stages tensors that are not contiguous CPU tensors through host memory, and
+  submits a native ``*_async`` operation. The native operations of one communicator run in
+  submission order on its own thread. A per-group *completer* thread waits for them in the same
+  order, copies staged results back, and completes the ``torch.futures.Future`` of the
+  :class:`TmrunWork` the caller got. Synchronous calls (``opts.asyncOp == False``, which is what
+  ``dist.all_reduce(t)`` passes) are completed on the caller's thread instead. Tensors (and
+  staging buffers) stay referenced by the operation until it is over.
+* Resilience hooks for the worker runtime: :meth:`TmrunProcessGroup.attach` (swap the
+  communicator), :meth:`~TmrunProcessGroup.set_failure_handler` + the *aborted* state +
+  :meth:`~TmrunProcessGroup.clear_aborted`, :meth:`~TmrunProcessGroup.set_local` (sandbox: every
+  collective served locally, no network), :meth:`~TmrunProcessGroup.counters` /
+  :meth:`~TmrunProcessGroup.links` passthrough, :meth:`~TmrunProcessGroup.synchronize`.
+
+Creating a group in local mode (a standby's sandbox; no store traffic, no communicator)::
+
+    TMRUN_COMM_LOCAL=1  ->  dist.init_process_group("tmrun", store=dist.HashStore(), rank=0, world_size=n)
+    or  dist.init_process_group("tmrun", ..., pg_options=tmrun.comm.backend.Options(local=True))
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import (
+    AllgatherOptions,
+    AllreduceCoalescedOptions,
+    AllreduceOptions,
+    BarrierOptions,
+    BroadcastOptions,
+    GatherOptions,
+    ReduceOptions,
+    ReduceScatterOptions,
+    ScatterOptions,
+)
+
+try:  # ``import tmrun`` must work without a build of the native module (the CLI, a source tree)
+    import tmrun_native as tn
+    from tmrun.comm.native import as_buffer, connect_via_store, make_options
+
+    _NATIVE_ERROR: Optional[BaseException] = None
+except (ImportError, AttributeError) as _exc:  # pragma: no cover - only without a build
+    tn = None  # type: ignore[assignment]
+    _NATIVE_ERROR = _exc
+
+log = logging.getLogger(__name__)
+
+BACKEND_NAME = "tmrun"
+ENV_LOCAL = "TMRUN_COMM_LOCAL"
+ENV_TIMEOUT = "TMRUN_COMM_TIMEOUT"
+ENV_BIND = "TMRUN_COMM_BIND"
+ENV_ADVERTISE = "TMRUN_COMM_ADVERTISE"
+STORE_PREFIX = "tmrun/pg"
+
+__all__ = [
+    "BACKEND_NAME",
+    "Options",
+    "TmrunProcessGroup",
+    "TmrunWork",
+    "UnsupportedError",
+    "create_process_group",
+    "get_group",
+    "register",
+]
+
+
+class UnsupportedError(NotImplementedError):
+    """An operation, reduction or dtype the tmrun backend does not implement."""
+
+
+_RED = dist.ReduceOp.RedOpType
+_NATIVE_OPS = {} if tn is None else {
+    _RED.SUM: tn.ReduceOp.SUM,
+    _RED.AVG: tn.ReduceOp.AVG,
+    _RED.MIN: tn.ReduceOp.MIN,
+    _RED.MAX: tn.ReduceOp.MAX,
+    _RED.PRODUCT: tn.ReduceOp.PRODUCT,
+}
+_REDUCIBLE = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8)
+
+
+# ---------------------------------------------------------------------------------------- options
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass
+class Options:
+    """``pg_options`` of ``init_process_group("tmrun", ...)`` / ``new_group(..., pg_options=...)``.
+
+    local:   create the group in local (sandbox) mode: no store traffic, no communicator; every
+             collective is served locally. ``None``: ``TMRUN_COMM_LOCAL=1`` in the environment.
+    comm:    use this already connected :class:`tmrun_native.Communicator` instead of
+             bootstrapping one (its rank and world size must match the group's).
+    job_id:  the native job id (a mismatch rejects connections). Default:
+             ``f"{TMRUN_RUN_ID or TORCHELASTIC_RUN_ID or 'tmrun'}/{group_name}"``.
+    epoch:   the native epoch of the bootstrap.
+    failure_handler: see :meth:`TmrunProcessGroup.set_failure_handler`.
+    native:  extra :class:`tmrun_native.Options` fields (``timeout=2.0``, ``bind_address=...``).
+    """
+
+    local: Optional[bool] = None
+    comm: Any = None
+    job_id: Optional[str] = None
+    epoch: int = 0
+    failure_handler: Optional[Callable[[BaseException], bool]] = None
+    native: dict = field(default_factory=dict)
+
+
+def default_job_id(group_name: str) -> str:
+    run = os.environ.get("TMRUN_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or "tmrun"
+    return f"{run}/{group_name}"
+
+
+def _native_options(timeout: Optional[datetime.timedelta], extra: dict) -> tn.Options:
+    kw: dict = {}
+    if timeout is not None and timeout.total_seconds() > 0:
+        secs = timeout.total_seconds()
+        kw["op_timeout"] = secs
+        kw["connect_timeout"] = secs
+    if os.environ.get(ENV_TIMEOUT):
+        kw["timeout"] = float(os.environ[ENV_TIMEOUT])
+    bind = os.environ.get(ENV_BIND)
+    if bind is None and _multi_host():
+        bind = "0.0.0.0"
+    if bind:
+        kw["bind_address"] = bind
+    advertise = os.environ.get(ENV_ADVERTISE)
+    if advertise is None and bind in ("0.0.0.0", "::"):
+        advertise = socket.gethostname()
+    if advertise:
+        kw["advertise_host"] = advertise
+    kw.update(extra)
+    return make_options(**kw)
+
+
+def _multi_host() -> bool:
+    """True when torchrun's environment says the job spans several nodes."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")) > int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) > 0
+    except ValueError:
+        return False
+
+
+# ---------------------------------------------------------------------------------------- staging
+def _to_host(t: torch.Tensor, copy: bool = True) -> torch.Tensor:
+    """A contiguous CPU tensor with ``t``'s values (``copy=False``: only its shape and dtype).
+
+    ``t`` itself when it already is one. This is the whole CUDA path (host staging, used because
+    the backend has no GPU transport): wait for the work queued on the current stream (so ``t``
+    holds the values the caller produced), then copy into pinned host memory. Not run on a GPU."""
+    if t.device.type == "cpu":
+        if t.is_contiguous():
+            return t
+        return t.contiguous() if copy else torch.empty(t.shape, dtype=t.dtype)
+    if t.device.type == "cuda":
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        if copy:
+            torch.cuda.current_stream(t.device).synchronize()
+            host.copy_(t)  # pinned destination, non_blocking=False: done when this returns
+        return host
+    raise UnsupportedError(f"tmrun backend: tensors on {t.device.type} are not supported (cpu, cuda)")
+
+
+def _from_host(t: torch.Tensor, host: torch.Tensor) -> None:
+    """Copy a staged result back into ``t`` (no-op when ``t`` was used in place).
+
+    For CUDA this is a blocking host-to-device copy, so the result is in device memory before
+    the operation's future completes."""
+    if host is not t:
+        t.copy_(host)
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous CPU tensor as a flat uint8 tensor sharing its memory."""
+    flat = t.reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    buf, _ = as_buffer(_bytes_of(t))
+    return buf
+
+
+# ---------------------------------------------------------------------------------------- work
+class TmrunWork(dist.Work):
+    """The Work of one tmrun operation: completes when every native operation behind it did.
+
+    ``wait(timeout)`` raises the operation's error (a :class:`tmrun_native.CommError` subclass
+    for communication failures, message naming the lost rank) or ``TimeoutError``;
+    ``get_future()`` is a ``torch.futures.Future`` whose value is the list of output tensors."""
+
+    def __init__(self, op: "_Op") -> None:
+        super().__init__()
+        self._op = op
+
+    def wait(self, timeout: Any = None) -> bool:
+        secs = _seconds(timeout)
+        if not self._op.done.wait(secs):
+            raise TimeoutError(f"tmrun {self._op.name}: not completed within {secs} s")
+        self._op.future.wait()  # raises the operation's error
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._op.future
+
+    def is_completed(self) -> bool:
+        return self._op.done.is_set()
+
+    def is_success(self) -> bool:
+        return self._op.done.is_set() and self._op.error is None
+
+    def exception(self) -> Optional[BaseException]:
+        return self._op.error
+
+    def result(self) -> list:
+        self.wait()
+        return self._op.result
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def source_rank(self) -> int:
+        return self._op.source_rank
+
+    def __repr__(self) -> str:
+        state = "done" if self._op.done.is_set() else "pending"
+        return f"<TmrunWork {self._op.name} {state}>"
+
+
+def _seconds(timeout: Any) -> Optional[float]:
+    if timeout is None:
+        return None
+    secs = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+    return None if secs <= 0 else secs  # c10d's kNoTimeout is 0
+
+
+class _Op:
+    """One operation: native works, what to run after them, and everything it keeps alive."""
+
+    __slots__ = ("name", "result", "keep", "native", "finish", "future", "done", "error", "gen",
+                 "local", "source_rank")
+
+    def __init__(self, name: str, result: list, local: Optional[Callable[[], None]] = None) -> None:
+        self.name = name
+        self.result = result
+        self.keep: list = []  # tensors and staging buffers referenced until the op is over
+        self.native: list = []
+        self.finish: list = []
+        self.future: torch.futures.Future = torch.futures.Future()
+        self.done = threading.Event()
+        self.error: Optional[BaseException] = None
+        self.gen = 0
+        self.local = local
+        self.source_rank = -1
+
+    def complete(self, error: Optional[BaseException] = None) -> None:
+        self.error = error
+        if error is None:
+            self.future.set_result(self.result)
+        else:
+            self.future.set_exception(error)
+        self.done.set()
+        self.keep = []
+        self.native = []
+
+
+class _Completer:
+    """One thread per group: waits for submitted operations in order and completes them."""
+
+    def __init__(self, group: "TmrunProcessGroup") -> None:
+        self._group = group
+        self._cv = threading.Condition()
+        self._queue: list = []
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = False
+
+    def put(self, op: _Op) -> None:
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("tmrun process group was shut down")
+            self._queue.append(op)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="tmrun-completer", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+
+    def pending(self) -> int:
+        with self._cv:
+            return len(self._queue)
+
+    def drain(self, timeout: Optional[float]) -> bool:
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._queue, timeout)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._queue or self._stopping)
+                if not self._queue:
+                    return  # stopping and drained
+                op = self._queue[0]
+            self._group._finish(op)
+            with self._cv:
+                self._queue.pop(0)
+                self._cv.notify_all()
+
+
+# ---------------------------------------------------------------------------------------- group
+class TmrunProcessGroup(dist.ProcessGroup):
+    """torch ProcessGroup over :class:`tmrun_native.Communicator` (see the module docstring)."""
+
+    def __init__(self, rank: int, world_size: int, comm: Any = None, *, local: bool = False,
+                 job_id: str = "", failure_handler: Optional[Callable[[BaseException], bool]] = None) -> None:
+        super().__init__(rank, world_size)
+        if comm is None and not local:
+            raise ValueError("a tmrun process group needs a communicator unless it is in local mode")
+        self._rank = int(rank)
+        self._size = int(world_size)
+        self._comm = None
+        self._local = bool(local)
+        self._aborted = False
+        self._abort_gen = 0
+        self._handler = failure_handler
+        self._handler_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._completer = _Completer(self)
+        self._closed = False
+        self._stats = {"local_ops": 0, "network_ops": 0, "absorbed_errors": 0, "raised_errors": 0, "aborts": 0}
+        self.job_id = job_id
+        if comm is not None:
+            self.attach(comm)
+
+    # ------------------------------------------------------------------ identity (torch-visible)
+    def getBackendName(self) -> str:  # noqa: N802  (C++ virtual name)
+        return BACKEND_NAME
+
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    def getRank(self) -> int:  # noqa: N802
+        return self._rank
+
+    def getSize(self) -> int:  # noqa: N802
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    def __repr__(self) -> str:
+        mode = "local" if self._local else ("aborted" if self._aborted else "network")
+        return f"TmrunProcessGroup(rank={self._rank}, size={self._size}, {mode})"
+
+    # ------------------------------------------------------------------ resilience hooks
+    @property
+    def comm(self) -> Any:
+        """The native communicator in use (``None`` for a group created in local mode)."""
+        return self._comm
+
+    def attach(self, comm: Any) -> Any:
+        """Use ``comm`` for every later operation and return the previous communicator (not
+        closed). The group's rank becomes ``comm.rank`` (``pg.rank()`` and ``dist.get_rank()``
+        follow it; see docs/backend.md for what torch caches). ``comm.world_size`` must equal the
+        group size. Call at a safe point: operations already submitted finish on the old one.
+        Local mode and the aborted state are left as they are."""
+        if comm is not None and int(comm.world_size) != self._size:
+            raise ValueError(f"tmrun attach: communicator world size {comm.world_size} != group size {self._size}")
+        with self._lock:
+            old, self._comm = self._comm, comm
+            if comm is not None:
+                self._rank = int(comm.rank)
+        return old
+
+    def set_local(self, local: bool = True) -> None:
+        """Local (sandbox) mode: every later collective is served locally, at once, with no
+        network traffic (allreduce leaves the tensor as is, broadcast no-op, allgather copies the
+        input into every slot, reduce_scatter takes this rank's block, barrier no-op, recv fills
+        zeros). Leaving local mode needs an attached communicator."""
+        with self._lock:
+            if not local and self._comm is None:
+                raise RuntimeError("tmrun set_local(False): no communicator attached (attach(comm) first)")
+            self._local = bool(local)
+
+    @property
+    def local(self) -> bool:
+        return self._local
+
+    def set_failure_handler(self, fn: Optional[Callable[[BaseException], bool]]) -> None:
+        """``fn(exc) -> bool`` is called when a native operation fails with a
+        :class:`tmrun_native.CommError` (from the completer thread or the calling thread; it must
+        not issue collectives on this group). True: the operation's Work completes successfully
+        (tensor contents unspecified) and the group enters the *aborted* state, in which every
+        later collective completes at once without touching the network (local semantics) and
+        operations already in flight complete successfully whatever their outcome, until
+        :meth:`clear_aborted`. False or no handler: the error reaches the caller. The handler is
+        called once per failure, not for the other operations that the same failure fails."""
+        self._handler = fn
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted
+
+    def abort_collectives(self) -> None:
+        """Enter the aborted state by hand (e.g. the runtime learnt of a failure elsewhere)."""
+        with self._handler_lock:
+            if not self._aborted:
+                self._aborted = True
+                self._abort_gen += 1
+                self._stats["aborts"] += 1
+
+    def clear_aborted(self) -> None:
+        """Leave the aborted state: later collectives use the network again (typically after the
+        communicator was repaired with ``prepare``/``commit`` or replaced with :meth:`attach`)."""
+        with self._handler_lock:
+            self._aborted = False
+
+    def synchronize(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every submitted operation has completed; False on timeout."""
+        return self._completer.drain(timeout)
+
+    def pending(self) -> int:
+        return self._completer.pending()
+
+    def counters(self) -> dict:
+        """The native communicator's counters (zeros when none is attached)."""
+        if self._comm is None:
+            return {"links_opened": 0, "links_closed": 0, "collectives": 0, "p2p_ops": 0, "bytes_sent": 0,
+                    "bytes_recv": 0, "rejected_connections": 0, "commits": 0, "last_reject_reason": "",
+                    "per_peer": {}}
+        return self._comm.counters()
+
+    def links(self) -> list:
+        return [] if self._comm is None else self._comm.links()
+
+    def stats(self) -> dict:
+        """Backend-level counts: local_ops, network_ops, absorbed_errors, raised_errors, aborts."""
+        return dict(self._stats)
+
+    # ------------------------------------------------------------------ lifecycle
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._completer.stop()
+        if self._comm is not None:
+            try:
+                self._comm.close()
+            except Exception:  # noqa: BLE001
+                log.debug("closing the tmrun communicator failed", exc_info=True)
+
+    def abort(self) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------ machinery
+    def _serve_locally(self) -> bool:
+        return self._local or self._aborted
+
+    def _comm_or_raise(self) -> Any:
+        comm = self._comm
+        if comm is None:
+            raise RuntimeError("tmrun: no communicator attached (the group was created in local mode)")
+        if self._closed:
+            raise RuntimeError("tmrun: the process group was shut down")
+        return comm
+
+    def _run(self, op: _Op, opts: Any, launch: Callable[[Any], None]) -> TmrunWork:
+        """Serve ``op`` locally, or launch it on the communicator and complete it (here when the
+        caller waits right away, else on the completer thread)."""
+        if self._serve_locally():
+            self._stats["local_ops"] += 1
+            if op.local is not None:
+                op.local()
+            op.complete()
+            return TmrunWork(op)
+        comm = self._comm_or_raise()
+        self._stats["network_ops"] += 1
+        op.gen = self._abort_gen
+        try:
+            launch(comm)
+        except tn.CommError as exc:
+            self._fail(op, exc)
+            return TmrunWork(op)
+        if getattr(opts, "asyncOp", True):
+            self._completer.put(op)
+        else:
+            self._finish(op)
+        return TmrunWork(op)
+
+    def _finish(self, op: _Op) -> None:
+        error: Optional[BaseException] = None
+        for w in op.native:
+            try:
+                w.wait()
+            except BaseException as exc:  # noqa: BLE001  keep waiting: buffers must outlive every native op
+                error = error or exc
+        if error is None:
+            try:
+                for fn in op.finish:
+                    fn()
+            except BaseException as exc:  # noqa: BLE001
+                error = exc
+        if error is None:
+            op.complete()
+        else:
+            self._fail(op, error)
+
+    def _fail(self, op: _Op, error: BaseException) -> None:
+        if isinstance(error, tn.CommError) and self._absorb(error, op.gen):
+            self._stats["absorbed_errors"] += 1
+            op.complete()
+            return
+        self._stats["raised_errors"] += 1
+        op.complete(_annotate(error, op.name))
+
+    def _absorb(self, error: BaseException, gen: int) -> bool:
+        with self._handler_lock:
+            if self._aborted or gen != self._abort_gen:
+                return True  # the group already gave up on this epoch's operations
+            handler = self._handler
+            if handler is None:
+                return False
+            try:
+                absorb = bool(handler(error))
+            except Exception:  # noqa: BLE001
+                log.exception("tmrun failure handler raised; the error goes to the caller")
+                absorb = False
+            if absorb:
+                self._aborted = True
+                self._abort_gen += 1
+                self._stats["aborts"] += 1
+            return absorb
+
+    # ------------------------------------------------------------------ argument helpers
+    def _reduce_args(self, what: str, tensors: Sequence[torch.Tensor], red: Any) -> tuple:
+        rtype = getattr(red, "op", red)
+        if rtype not in _NATIVE_OPS:
+            raise UnsupportedError(f"tmrun {what}: reduce op {rtype} is not supported (SUM, AVG, MIN, MAX, PRODUCT)")
+        nop = _NATIVE_OPS[rtype]
+        dtypes = {t.dtype for t in tensors}
+        for dt in dtypes:
+            if dt == torch.bool:
+                if nop in (tn.ReduceOp.SUM, tn.ReduceOp.MAX):
+                    nop = tn.ReduceOp.MAX  # logical or
+                elif nop in (tn.ReduceOp.PRODUCT, tn.ReduceOp.MIN):
+                    nop = tn.ReduceOp.MIN  # logical and
+                else:
+                    raise UnsupportedError(f"tmrun {what}: {rtype} is not defined for torch.bool")
+            elif dt.is_complex:
+                if nop not in (tn.ReduceOp.SUM, tn.ReduceOp.AVG):
+                    raise UnsupportedError(f"tmrun {what}: {rtype} is not defined for complex tensors")
+            elif dt not in _REDUCIBLE:
+                raise UnsupportedError(
+                    f"tmrun {what}: dtype {dt} is not supported for reductions "
+                    "(float32, float64, float16, bfloat16, int32, int64, uint8, bool)")
+        return nop
+
+    def _check_rank(self, what: str, r: int, name: str = "root") -> int:
+        r = int(r)
+        if not 0 <= r < self._size:
+            raise ValueError(f"tmrun {what}: {name} {r} is not a rank of a group of {self._size}")
+        return r
+
+    # ------------------------------------------------------------------ collectives
+    def allreduce(self, tensors: Any, opts: Any = None) -> TmrunWork:
+        if opts is None or not hasattr(opts, "reduceOp"):
+            red = opts if opts is not None else dist.ReduceOp.SUM
+            opts = AllreduceOptions()
+            opts.reduceOp = red
+        tensors = _tensor_list(tensors, "allreduce")
+        nop = self._reduce_args("allreduce", tensors, opts.reduceOp)
+        op = _Op("allreduce", tensors)
+
+        def launch(comm: Any) -> None:
+            for t in tensors:
+                host = _to_host(t)
+                view = _typed_view(host)
+                buf, dt = as_buffer(view)
+                op.native.append(comm.allreduce_async(buf, nop, dt))
+                op.keep += [t, host, view]
+                op.finish.append(lambda t=t, host=host: _from_host(t, host))
+
+        return self._run(op, opts, launch)
+
+    def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> TmrunWork:
+        o = AllreduceOptions()
+        if opts is not None:
+            o.reduceOp = opts.reduceOp
+            o.asyncOp = getattr(opts, "asyncOp", True)
+        return self.allreduce(list(tensors), o)
+
+    def broadcast(self, tensors: Any, opts: Any = None) -> TmrunWork:
+        if opts is None or not hasattr(opts, "rootRank"):
+            root = 0 if opts is None else int(opts)
+            opts = BroadcastOptions()
+            opts.rootRank = root
+        tensors = _tensor_list(tensors, "broadcast")
+        root = self._check_rank("broadcast", opts.rootRank)
+        op = _Op("broadcast", tensors)
+        op.source_rank = root
+
+        def launch(comm: Any) -> None:
+            for t in tensors:
+                host = _to_host(t, copy=self._rank == root)
+                buf = _raw(host)
+                op.native.append(comm.broadcast_async(buf, root, tn.DType.UINT8))
+                op.keep += [t, host]
+                op.finish.append(lambda t=t, host=host: _from_host(t, host))
+
+        return self._run(op, opts, launch)
+
+    def allgather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> TmrunWork:
+        opts = opts if opts is not None else AllgatherOptions()
+        inputs = _tensor_list(input_tensors, "allgather input")
+        if len(inputs) != 1 or len(output_tensors) != 1:
+            raise ValueError("tmrun allgather: one input tensor and one output list per call")
+        inp, outs = inputs[0], list(output_tensors[0])
+        if len(outs) != self._size:
+            raise ValueError(f"tmrun allgather: the output list holds {len(outs)} tensors, the group has {self._size}")
+        for o in outs:
+            _same_layout("allgather", o, inp)
+        op = _Op("allgather", [outs])
+
+        def local() -> None:
+            for o in outs:
+                o.copy_(inp)
+
+        op.local = local
+
+        def launch(comm: Any) -> None:
+            host_in = _to_host(inp)
+            nbytes = host_in.numel() * host_in.element_size()
+            flat = torch.empty(nbytes * self._size, dtype=torch.uint8)
+            op.native.append(comm.allgather_async(_raw(flat), _raw(host_in), tn.DType.UINT8))
+            op.keep += [inp, host_in, flat, outs]
+
+            def finish() -> None:
+                for i, o in enumerate(outs):
+                    o.copy_(flat[i * nbytes:(i + 1) * nbytes].view(o.dtype).view(o.shape))
+
+            op.finish.append(finish)
+
+        return self._run(op, opts, launch)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> TmrunWork:  # noqa: A002
+        opts = opts if opts is not None else AllgatherOptions()
+        _check_tensor("all_gather_single output", output)
+        _check_tensor("all_gather_single input", input)
+        if output.dtype != input.dtype or output.numel() != input.numel() * self._size:
+            raise ValueError(
+                f"tmrun all_gather_single: output must be {self._size} x input ({input.numel()} x {input.dtype}); "
+                f"got {output.numel()} x {output.dtype}")
+        op = _Op("all_gather_single", [output])
+
+        def local() -> None:
+            if input.numel():
+                output.copy_(input.reshape(1, -1).expand(self._size, -1).reshape(output.shape))
+
+        op.local = local
+
+        def launch(comm: Any) -> None:
+            host_in = _to_host(input)
+            host_out = _to_host(output, copy=False)
+            op.native.append(comm.allgather_async(_raw(host_out), _raw(host_in), tn.DType.UINT8))
+            op.keep += [output, input, host_in, host_out]
+            op.finish.append(lambda: _from_host(output, host_out))
+
+        return self._run(op, opts, launch)
+
+    _allgather_base = all_gather_single
+
+    def allgather_coalesced(self, output_lists: Any, input_tensors: Any, opts: Any = None) -> TmrunWork:
+        opts = opts if opts is not None else AllgatherOptions()
+        works = [self.allgather([outs], [inp], _async(AllgatherOptions()))
+                 for outs, inp in zip(output_lists, input_tensors)]
+        return self._join("allgather_coalesced", works, list(output_lists), opts)
+
+    def all_gather_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> TmrunWork:
+        opts = opts if opts is not None else AllgatherOptions()
+        works = [self.all_gather_single(o, i, _async(AllgatherOptions())) for o, i in zip(outputs, inputs)]
+        return self._join("all_gather_single_coalesced", works, list(outputs), opts)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def reduce_scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> TmrunWork:
+        opts = opts if opts is not None else ReduceScatterOptions()
+        outputs = _tensor_list(output_tensors, "reduce_scatter output")
+        if len(outputs) != 1 or len(input_tensors) != 1:
+            raise ValueError("tmrun reduce_scatter: one output tensor and one input list per call")
+        out, ins = outputs[0], list(input_tensors[0])
+        if len(ins) != self._size:
+            raise ValueError(f"tmrun reduce_scatter: the input list holds {len(ins)} tensors, the group has {self._size}")
+        for i in ins:
+            _same_layout("reduce_scatter", i, out)
+        nop = self._reduce_args("reduce_scatter", [out], opts.reduceOp)
+        op = _Op("reduce_scatter", [out])
+        op.local = lambda: out.copy_(ins[self._rank])
+
+        def launch(comm: Any) -> None:
+            n = out.numel()
+            flat = torch.empty(n * self._size, dtype=out.dtype)
+            for r, t in enumerate(ins):
+                flat[r * n:(r + 1) * n].copy_(_to_host(t).reshape(-1))
+            host_out = _to_host(out, copy=False)
+            vout, vin = _typed_view(host_out), _typed_view(flat)
+            bout, dt = as_buffer(vout)
+            bin_, _ = as_buffer(vin)
+            op.native.append(comm.reduce_scatter_async(bout, bin_, nop, dt))
+            op.keep += [out, ins, flat, host_out, vout, vin]
+            op.finish.append(lambda: _from_host(out, host_out))
+
+        return self._run(op, opts, launch)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> TmrunWork:  # noqa: A002
+        opts = opts if opts is not None else ReduceScatterOptions()
+        _check_tensor("reduce_scatter_single output", output)
+        _check_tensor("reduce_scatter_single input", input)
+        if output.dtype != input.dtype or input.numel() != output.numel() * self._size:
+            raise ValueError(
+                f"tmrun reduce_scatter_single: input must be {self._size} x output ({output.numel()} x "
+                f"{output.dtype}); got {input.numel()} x {input.dtype}")
+        nop = self._reduce_args("reduce_scatter_single", [output], opts.reduceOp)
+        op = _Op("reduce_scatter_single", [output])
+        n = output.numel()
+        op.local = lambda: output.copy_(input.reshape(-1)[self._rank * n:(self._rank + 1) * n].view(output.shape))
+
+        def launch(comm: Any) -> None:
+            host_in = _to_host(input)
+            host_out = _to_host(output, copy=False)
+            vout, vin = _typed_view(host_out), _typed_view(host_in)
+            bout, dt = as_buffer(vout)
+            bin_, _ = as_buffer(vin)
+            op.native.append(comm.reduce_scatter_async(bout, bin_, nop, dt))
+            op.keep += [output, input, host_in, host_out, vout, vin]
+            op.finish.append(lambda: _from_host(output, host_out))
+
+        return self._run(op, opts, launch)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> TmrunWork:
+        opts = opts if opts is not None else ReduceScatterOptions()
+        works = []
+        for o, i in zip(outputs, inputs):
+            o2 = ReduceScatterOptions()
+            o2.reduceOp = opts.reduceOp
+            works.append(self.reduce_scatter_single(o, i, o2))
+        return self._join("reduce_scatter_single_coalesced", works, list(outputs), opts)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def barrier(self, opts: Any = None) -> TmrunWork:
+        opts = opts if opts is not None else BarrierOptions()
+        op = _Op("barrier", [])
+
+        def launch(comm: Any) -> None:
+            op.native.append(comm.barrier_async())
+
+        return self._run(op, opts, launch)
+
+    def reduce(self, tensors: Any, opts: Any = None) -> TmrunWork:
+        """Allreduce on a scratch copy for non-root ranks (their tensors are left unchanged)."""
+        opts = opts if opts is not None else ReduceOptions()
+        tensors = _tensor_list(tensors, "reduce")
+        root = self._check_rank("reduce", opts.rootRank)
+        nop = self._reduce_args("reduce", tensors, opts.reduceOp)
+        op = _Op("reduce", tensors)
+
+        def launch(comm: Any) -> None:
+            for t in tensors:
+                host = _to_host(t)
+                if self._rank != root and host is t:
+                    host = t.clone()
+                view = _typed_view(host)
+                buf, dt = as_buffer(view)
+                op.native.append(comm.allreduce_async(buf, nop, dt))
+                op.keep += [t, host, view]
+                if self._rank == root:
+                    op.finish.append(lambda t=t, host=host: _from_host(t, host))
+
+        return self._run(op, opts, launch)
+
+    def gather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> TmrunWork:
+        """An allgather whose result only the root keeps."""
+        opts = opts if opts is not None else GatherOptions()
+        inputs = _tensor_list(input_tensors, "gather input")
+        if len(inputs) != 1:
+            raise ValueError("tmrun gather: one input tensor per call")
+        inp = inputs[0]
+        root = self._check_rank("gather", opts.rootRank)
+        if self._rank == root:
+            if len(output_tensors) != 1 or len(output_tensors[0]) != self._size:
+                raise ValueError(f"tmrun gather: the root needs one output list of {self._size} tensors")
+            outs = list(output_tensors[0])
+        else:
+            if len(output_tensors) and len(output_tensors[0]):
+                raise ValueError("tmrun gather: only the root passes output tensors")
+            outs = [torch.empty_like(inp, device="cpu") for _ in range(self._size)]
+        work = self.allgather([outs], [inp], opts)
+        return work
+
+    def scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> TmrunWork:
+        """The root sends block r to every rank r (point-to-point, in rank order)."""
+        opts = opts if opts is not None else ScatterOptions()
+        outputs = _tensor_list(output_tensors, "scatter output")
+        if len(outputs) != 1:
+            raise ValueError("tmrun scatter: one output tensor per call")
+        out = outputs[0]
+        root = self._check_rank("scatter", opts.rootRank)
+        if self._rank == root:
+            if len(input_tensors) != 1 or len(input_tensors[0]) != self._size:
+                raise ValueError(f"tmrun scatter: the root needs one input list of {self._size} tensors")
+            ins = list(input_tensors[0])
+            for i in ins:
+                _same_layout("scatter", i, out)
+        else:
+            if len(input_tensors) and len(input_tensors[0]):
+                raise ValueError("tmrun scatter: only the root passes input tensors")
+            ins = []
+        op = _Op("scatter", [out])
+        op.source_rank = root
+        op.local = (lambda: out.copy_(ins[self._rank])) if ins else (lambda: out.zero_())
+
+        def launch(comm: Any) -> None:
+            if self._rank == root:
+                for r, t in enumerate(ins):
+                    if r == root:
+                        continue
+                    host = _to_host(t)
+                    op.native.append(comm.send_async(_raw(host), r, 0))
+                    op.keep += [t, host]
+                op.finish.append(lambda: out.copy_(ins[root]))
+            else:
+                host = _to_host(out, copy=False)
+                op.native.append(comm.recv_async(_raw(host), root, 0))
+                op.keep += [out, host]
+                op.finish.append(lambda: _from_host(out, host))
+
+        return self._run(op, opts, launch)
+
+    def send(self, tensors: Any, dst: int, tag: int = 0) -> TmrunWork:
+        tensors = _tensor_list(tensors, "send")
+        dst = self._check_rank("send", dst, "destination")
+        if dst == self._rank:
+            raise ValueError("tmrun send: destination is this rank")
+        op = _Op("send", tensors)
+
+        def launch(comm: Any) -> None:
+            for t in tensors:
+                host = _to_host(t)
+                op.native.append(comm.send_async(_raw(host), dst, _tag(tag)))
+                op.keep += [t, host]
+
+        return self._run(op, None, launch)
+
+    def recv(self, tensors: Any, src: int, tag: int = 0) -> TmrunWork:
+        tensors = _tensor_list(tensors, "recv")
+        src = self._check_rank("recv", src, "source")
+        if src == self._rank:
+            raise ValueError("tmrun recv: source is this rank")
+        op = _Op("recv", tensors)
+        op.source_rank = src
+
+        def local() -> None:
+            for t in tensors:
+                t.zero_()
+
+        op.local = local
+
+        def launch(comm: Any) -> None:
+            for t in tensors:
+                host = _to_host(t, copy=False)
+                op.native.append(comm.recv_async(_raw(host), src, _tag(tag)))
+                op.keep += [t, host]
+                op.finish.append(lambda t=t, host=host: _from_host(t, host))
+
+        return self._run(op, None, launch)
+
+    def recv_anysource(self, tensors: Any, tag: int = 0) -> TmrunWork:
+        raise UnsupportedError("tmrun: recv from any source is not supported; pass src=")
+
+    def alltoall(self, *args: Any, **kwargs: Any) -> TmrunWork:
+        raise UnsupportedError("tmrun: all_to_all is not supported")
+
+    def all_to_all_single(self, *args: Any, **kwargs: Any) -> TmrunWork:
+        raise UnsupportedError("tmrun: all_to_all_single is not supported")
+
+    alltoall_base = all_to_all_single
+
+    def monitored_barrier(self, *args: Any, **kwargs: Any) -> None:
+        raise UnsupportedError("tmrun: monitored_barrier is not supported; use barrier()")
+
+    # ------------------------------------------------------------------ helpers
+    def _join(self, name: str, works: list, result: list, opts: Any) -> TmrunWork:
+        """One Work that completes when ``works`` did (the first error wins)."""
+        op = _Op(name, result)
+        ops = [w._op for w in works]
+
+        def finish_all() -> None:
+            error = None
+            for o in ops:
+                o.done.wait()
+                error = error or o.error
+            op.complete(error)
+
+        if all(o.done.is_set() for o in ops) or not getattr(opts, "asyncOp", True):
+            finish_all()
+        else:
+            remaining = [len(ops)]
+            lock = threading.Lock()
+
+            def one_done(_: Any) -> None:
+                with lock:
+                    remaining[0] -= 1
+                    last = remaining[0] == 0
+                if last:
+                    finish_all()
+
+            for o in ops:
+                o.future.add_done_callback(one_done)
+        return TmrunWork(op)
+
+
+# ---------------------------------------------------------------------------------------- helpers
+def _async(opts: Any) -> Any:
+    opts.asyncOp = True
+    return opts
+
+
+def _tag(tag: int) -> int:
+    tag = int(tag)
+    if not 0 <= tag < (1 << 32):
+        raise ValueError(f"tmrun: tag {tag} is outside 0..2**32-1")
+    return tag
+
+
+def _check_tensor(what: str, t: Any) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"tmrun {what}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.device.type not in ("cpu", "cuda"):
+        raise UnsupportedError(f"tmrun {what}: tensors on {t.device.type} are not supported (cpu, cuda)")
+    if t.is_sparse or t.layout != torch.strided:
+        raise UnsupportedError(f"tmrun {what}: only dense (strided) tensors are supported")
+
+
+def _tensor_list(tensors: Any, what: str) -> list:
+    if isinstance(tensors, torch.Tensor):
+        tensors = [tensors]
+    tensors = list(tensors)
+    for t in tensors:
+        _check_tensor(what, t)
+    return tensors
+
+
+def _same_layout(what: str, a: torch.Tensor, b: torch.Tensor) -> None:
+    _check_tensor(what, a)
+    _check_tensor(what, b)
+    if a.dtype != b.dtype or a.numel() != b.numel():
+        raise ValueError(f"tmrun {what}: tensors must have the same dtype and number of elements "
+                         f"({a.dtype} x {a.numel()} vs {b.dtype} x {b.numel()})")
+
+
+def _typed_view(host: torch.Tensor) -> torch.Tensor:
+    """A view the native reduction understands: bool as uint8, complex as its real parts."""
+    if host.dtype == torch.bool:
+        return host.view(torch.uint8)
+    if host.is_complex():
+        return torch.view_as_real(host)
+    return host
+
+
+def _annotate(error: BaseException, what: str) -> BaseException:
+    """The same exception type with the operation's name in front (attributes kept)."""
+    if not isinstance(error, tn.CommError):
+        return error
+    try:
+        new = type(error)(f"tmrun {what} failed: {error}")
+        new.__dict__.update(getattr(error, "__dict__", {}))
+        new.__cause__ = error
+        return new
+    except Exception:  # noqa: BLE001
+        return error
+
+
+# ---------------------------------------------------------------------------------------- creation
+_GENERATION_KEY = "tmrun/generation"
+
+
+def create_process_group(store: Any, rank: int, world_size: int, timeout: Optional[datetime.timedelta] = None,
+                         group_name: str = "0", options: Optional[Options] = None) -> TmrunProcessGroup:
+    """Build a :class:`TmrunProcessGroup` (what the registered creator does).
+
+    Network mode: every rank publishes its communicator's address in ``store`` (keys under
+    ``tmrun/pg/g{generation}/...``; the generation counter keeps a re-created group from reading
+    the addresses of a previous one) and connects. Local mode touches neither store nor network."""
+    if tn is None:
+        raise ImportError(f"the tmrun backend needs the tmrun_native extension: {_NATIVE_ERROR}")
+    options = options if options is not None else Options()
+    if not isinstance(options, Options):
+        raise TypeError(f"tmrun backend: pg_options must be tmrun.comm.backend.Options, got {type(options).__name__}")
+    local = options.local if options.local is not None else _env_flag(ENV_LOCAL)
+    job_id = options.job_id or default_job_id(group_name)
+    comm = options.comm
+    if comm is None and not local:
+        # every rank adds 1: ranks of the same creation read the same generation
+        generation = (int(store.add(_GENERATION_KEY, 1)) - 1) // world_size
+        comm = connect_via_store(store, rank, world_size, job_id, options.epoch,
+                                 options=_native_options(timeout, options.native),
+                                 prefix=f"{STORE_PREFIX}/g{generation}")
+    elif comm is not None and (int(comm.rank) != rank or int(comm.world_size) != world_size):
+        raise ValueError(f"tmrun backend: Options.comm is rank {comm.rank} of {comm.world_size}, "
+                         f"the group wants rank {rank} of {world_size}")
+    pg = TmrunProcessGroup(rank, world_size, comm, local=local, job_id=job_id,
+                           failure_handler=options.failure_handler)
+    return pg
+
+
+def _creator(common: Any, backend_options: Any) -> TmrunProcessGroup:
+    return create_process_group(common.store, common.group_rank, common.group_size, common.timeout,
+                                str(common.group_id), backend_options)
+
+
+_registered = False
+_register_lock = threading.Lock()
+
+
+def register() -> None:
+    """Register the "tmrun" backend with torch.distributed (idempotent; ``import tmrun`` calls it)."""
+    global _registered
+    with _register_lock:
+        if _registered:
+            return
+        plugins = getattr(dist.Backend, "_plugins", {})
+        if BACKEND_NAME.upper() not in plugins:
+            dist.Backend.register_backend(BACKEND_NAME, _creator, extended_api=True, devices=["cpu", "cuda"])
+        _registered = True
+
+
+def get_group(group: Any = None) -> TmrunProcessGroup:
+    """The :class:`TmrunProcessGroup` behind ``group`` (default: the default group)."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    if not isinstance(pg, TmrunProcessGroup):
+        raise ValueError(f"not a tmrun process group: {pg!r} (use init_process_group('tmrun'))")
+    return pg
