@@ -70,6 +70,10 @@ def test_killed_rank_is_replaced_in_place(tmp_path: Path, reference: str, point:
     code, log, final, steps = _run(tmp_path, point, "--inject-failure", f"rank=1,step=5,at={point}")
     _check(code, log, final, steps, reference, survivors=[0])
     assert "signal SIGKILL" in log
+    # the standby warmed up in its sandbox: collectives served locally, nothing on the network
+    assert re.search(r"standby 0 warm after 2 shadow steps \([1-9]\d* collectives served locally, 0 bytes on "
+                     r"the network, tracked values finite\)", log), log
+    assert "generation 1: all 2 ranks recovered" in log
     pids = {pid for _, pid in steps[1]}
     assert len(pids) == 2, "rank 1 should have been played by two processes"
 
@@ -95,6 +99,37 @@ def test_joiner_killed_during_promotion(tmp_path: Path, reference: str) -> None:
     )
     _check(code, log, final, steps, reference, survivors=[0])
     assert len(re.findall(r"in-place replacement, generation \d", log)) == 2
+
+
+def test_standby_killed_before_the_failure(tmp_path: Path, reference: str) -> None:
+    """The standby dies while it waits (drill on the first standby via a timer is not possible,
+    so the test kills it by PID as soon as it is warm); the pool starts another one in time."""
+    import threading
+
+    work_log = tmp_path / "standby" / "agent.log"
+    killed: list[int] = []
+
+    def kill_first_standby() -> None:
+        import os
+        import signal as sig
+        import time
+
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not killed:
+            text = work_log.read_text() if work_log.exists() else ""
+            found = re.search(r"\[tmrun worker (\d+) [^\]]*\] standby 0 warm", text)
+            if found:
+                os.kill(int(found.group(1)), sig.SIGKILL)
+                killed.append(int(found.group(1)))
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_first_standby, daemon=True)
+    killer.start()
+    code, log, final, steps = _run(tmp_path, "standby", "--inject-failure", "rank=1,step=9", step_time=0.4)
+    killer.join(timeout=5)
+    assert killed, log
+    _check(code, log, final, steps, reference, survivors=[0])
+    assert "standby worker 0 (pid" in log and "-> standby 1" in log
 
 
 def test_donor_killed_during_state_transfer(tmp_path: Path, reference: str) -> None:

@@ -64,6 +64,7 @@ class InplaceController:
         self.gen = 0
         self.replacements = 0
         self.slots: dict[int, Slot] = {}
+        self._awaiting: dict[int, float] = {}  # generation -> when its failure was seen
 
     def adopt(self, processes: dict[int, subprocess.Popen[bytes]]) -> None:
         """The worker group just started: ``processes`` rank -> its process."""
@@ -83,7 +84,9 @@ class InplaceController:
 
     def step(self) -> Outcome:
         """One look at the workers and the reports; replaces what failed."""
+        self._pool.fill()  # a standby that died while waiting is replaced before it is needed
         self._read_reports()
+        self._check_recovered()
         codes = {s.rank: s.poll() for s in self.slots.values()}
         for rank, code in sorted(codes.items()):
             if code not in (None, 0):
@@ -93,6 +96,16 @@ class InplaceController:
         if all(s.poll() == 0 for s in self.slots.values()):
             return Outcome(finished=True)
         return Outcome()
+
+    def _check_recovered(self) -> None:
+        for gen, seen in list(self._awaiting.items()):
+            if self._store.add(proto.recovered(gen), 0) >= self._world_size:
+                del self._awaiting[gen]
+                elapsed = time.monotonic() - seen
+                say(f"generation {gen}: all {self._world_size} ranks recovered, {elapsed:.3f}s after the failure was seen")
+                record_event(self._events, "recovered", gen, f"{self._world_size} ranks back in {elapsed:.3f}s")
+            elif gen < self.gen:
+                del self._awaiting[gen]  # superseded by a later failure
 
     def _read_reports(self) -> None:
         count = self._store.add(proto.REPORT_SEQ, 0)
@@ -147,6 +160,7 @@ class InplaceController:
         if member is None:
             return self._abandon(rank, exitcode, f"no standby ready within {self._standby_wait:.0f}s")
         self.gen += 1
+        self._awaiting[self.gen] = started
         self._replacements_left -= 1
         self.replacements += 1
         plan = proto.ReplacementPlan(self.gen, self._world_size, {rank: member.index},

@@ -64,3 +64,16 @@ def attach(communicator: Any) -> None:
     b = _backend()
     b.attach(communicator)
     b.set_local(False)
+
+
+def traffic() -> dict[str, int]:
+    """Collectives served locally and bytes this process put on the network (a standby's
+    sandbox must show zero bytes)."""
+    b = _backend()
+    counters = b.counters()
+    return {
+        "local_ops": int(b.stats().get("local_ops", 0)),
+        "network_ops": int(b.stats().get("network_ops", 0)),
+        "bytes_sent": int(counters.get("bytes_sent", 0)),
+        "bytes_recv": int(counters.get("bytes_recv", 0)),
+    }

@@ -13,6 +13,7 @@ waits inside until the controller promotes it to a rank.
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import signal
@@ -274,8 +275,16 @@ class Runtime:
 
     def _wait_for_promotion(self) -> int:
         assert self._store is not None
-        self._store.set(proto.standby_ready(self._env.standby_id), str(os.getpid()))
-        _log(f"standby {self._env.standby_id} warm after {self._env.shadow_steps} shadow steps; waiting")
+        traffic = group.traffic()
+        finite = all(bool(torch.isfinite(t).all()) for _, t in self._state.tensors() if t.is_floating_point())
+        report = {"pid": os.getpid(), "shadow_steps": self._env.shadow_steps, "finite": finite, **traffic}
+        self._store.set(proto.standby_ready(self._env.standby_id), json.dumps(report))
+        _log(
+            f"standby {self._env.standby_id} warm after {self._env.shadow_steps} shadow steps "
+            f"({traffic['local_ops']} collectives served locally, "
+            f"{traffic['bytes_sent'] + traffic['bytes_recv']} bytes on the network, "
+            f"tracked values {'finite' if finite else 'NOT finite'}); waiting"
+        )
         key = proto.standby_assign(self._env.standby_id)
         raw = self._await_key(key, float("inf"))
         started = time.monotonic()
