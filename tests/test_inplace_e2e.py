@@ -139,3 +139,59 @@ def test_donor_killed_during_state_transfer(tmp_path: Path, reference: str) -> N
     )
     assert code == 0, log
     assert len(re.findall(r"in-place replacement, generation \d", log)) == 2
+
+
+def test_planned_migration_recomputes_nothing(tmp_path: Path) -> None:
+    """tmrun-ctl migrate 1 while the job trains: the leaver hands its state to the standby at a
+    step boundary and exits 0; no step is redone; the result equals a run without migration."""
+    import os
+    import subprocess
+    import threading
+    import time
+
+    from tests.helpers import tmrun_cmd as cmd
+
+    steps = 24
+    _, ref_log, ref_final, _ = _run(tmp_path, "noswitch", steps=steps, step_time=0.15)
+    assert ref_final, ref_log
+    work = tmp_path / "migrate"
+    requested: list[str] = []
+
+    def request() -> None:
+        deadline = time.monotonic() + 120
+        log_path = work / "agent.log"
+        while time.monotonic() < deadline:
+            if log_path.exists() and "standby 0 warm" in log_path.read_text():
+                result = subprocess.run(
+                    [*cmd()[:2], "tmrun.cli.ctl", "migrate", "1", "--reason", "drill"], capture_output=True,
+                    text=True, timeout=60, env={**os.environ, "TMRUN_STATE_DIR": str(work / "state")},
+                )  # fmt: skip
+                requested.append(result.stdout + result.stderr)
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=request, daemon=True)
+    thread.start()
+    code, log, final, by_rank = _run(tmp_path, "migrate", steps=steps, step_time=0.15)
+    thread.join(timeout=5)
+    assert requested and "migration of rank 1 requested" in requested[0], requested
+    assert code == 0, log
+    assert "planned migration, generation 1" in log and "handed over and left cleanly" in log
+    assert final == ref_final
+    for rank in (0, 1):
+        done = [s for s, _ in by_rank[rank]]
+        assert done == list(range(steps)), (rank, done)  # nothing recomputed
+    assert len({pid for _, pid in by_rank[0]}) == 1 and len({pid for _, pid in by_rank[1]}) == 2
+
+
+def test_migrate_without_a_job_is_a_clear_error(tmp_path: Path) -> None:
+    import os
+    import subprocess
+
+    env = {**os.environ, "TMRUN_STATE_DIR": str(tmp_path / "none")}
+    result = subprocess.run([*tmrun_cmd()[:2], "tmrun.cli.ctl", "migrate", "1"], capture_output=True, text=True,
+                            timeout=60, env=env)
+    assert result.returncode == 1 and "no running tmrun job" in result.stderr and "Traceback" not in result.stderr
+    result = subprocess.run([*tmrun_cmd()[:2], "tmrun.cli.ctl", "migrate", "--", "-3"], capture_output=True,
+                            text=True, timeout=60, env=env)
+    assert result.returncode == 2 and "Traceback" not in result.stderr

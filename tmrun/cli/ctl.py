@@ -79,6 +79,31 @@ def events(run_id: str | None = RunIdOption, endpoint: str | None = EndpointOpti
         typer.echo(f"{stamp} epoch {event.epoch} {event.kind}: {event.detail}")
 
 
+@app.command()
+def migrate(
+    rank: int = typer.Argument(..., help="The rank to move to a warm standby."),
+    reason: str = typer.Option("operator request", "--reason", help="Recorded with the event."),
+    run_id: str | None = RunIdOption,
+    endpoint: str | None = EndpointOption,
+) -> None:
+    """Move a rank to a warm standby at the next step boundary (planned: nothing is recomputed)."""
+    from tmrun.control.inplace_protocol import request_migration
+    from tmrun.control.status import connect
+    from tmrun.rendezvous.endpoint import EndpointError, parse_endpoint
+
+    if rank < 0:
+        fail(f"rank must be 0 or more, got {rank}")
+        raise typer.Exit(2)
+    try:
+        found_id, found_endpoint = _locate(run_id, endpoint)
+        store = connect(parse_endpoint(found_endpoint, 29400), found_id)
+    except (EndpointError, typer.BadParameter) as exc:
+        fail(str(exc))
+        raise typer.Exit(1) from None
+    seq = request_migration(store, rank, reason)
+    typer.echo(f"migration of rank {rank} requested (request {seq}); see tmrun-ctl events")
+
+
 def main() -> None:
     app()
 

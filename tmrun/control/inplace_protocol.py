@@ -20,6 +20,24 @@ REPORT_SEQ = "report_seq"  # counter of worker reports
 ABORT = "abort"  # JSON AbortNotice: in-place replacement is over for this job generation
 
 
+# Planned migrations are requested at the job level (tmrun/<run>/), so that tmrun-ctl needs no
+# knowledge of the worker group's prefix.
+MIGRATE_SEQ = "migrate_seq"
+
+
+def migrate_request(seq: int) -> str:
+    return f"migrate/{seq}"
+
+
+def switch(gen: int) -> str:
+    """The step at whose end a planned generation takes over (first proposer wins)."""
+    return f"switch/{gen}"
+
+
+def handoff_prefix(gen: int) -> str:
+    return f"handoff/{gen}"
+
+
 def plan(gen: int) -> str:
     return f"plan/{gen}"
 
@@ -124,6 +142,7 @@ class Assignment:
     rank: int = -1
     gen: int = 0
     stop: bool = False
+    planned: bool = False  # a migration: the state comes from the leaving process
 
     def encode(self) -> str:
         return json.dumps(asdict(self))
@@ -133,7 +152,31 @@ class Assignment:
         data = _load(key, raw)
         if data.get("stop"):
             return cls(stop=True)
-        return cls(rank=_int(key, data, "rank"), gen=_int(key, data, "gen", 1))
+        return cls(rank=_int(key, data, "rank"), gen=_int(key, data, "gen", 1), planned=bool(data.get("planned")))
+
+
+@dataclass(frozen=True)
+class MigrateRequest:
+    """An operator's request: move ``rank`` to a standby at the next step boundary."""
+
+    rank: int
+    reason: str = "operator request"
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def decode(cls, key: str, raw: bytes | str) -> MigrateRequest:
+        data = _load(key, raw)
+        return cls(rank=_int(key, data, "rank"), reason=str(data.get("reason", "operator request")))
+
+
+def request_migration(job_store: Any, rank: int, reason: str = "operator request") -> int:
+    """Ask the controller of the job behind ``job_store`` (prefix ``tmrun/<run>/``) to migrate
+    ``rank`` to a warm standby. Returns the request's number."""
+    seq = job_store.add(MIGRATE_SEQ, 1) - 1
+    job_store.set(migrate_request(seq), MigrateRequest(rank, reason).encode())
+    return seq
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,8 @@ class InplaceController:
         self.replacements = 0
         self.slots: dict[int, Slot] = {}
         self._awaiting: dict[int, float] = {}  # generation -> when its failure was seen
+        self._leavers: list[Slot] = []  # migrated ranks' old processes, leaving on their own
+        self._migrations_seen = events_store.add(proto.MIGRATE_SEQ, 0)  # older requests were for older groups
 
     def adopt(self, processes: dict[int, subprocess.Popen[bytes]]) -> None:
         """The worker group just started: ``processes`` rank -> its process."""
@@ -87,6 +89,8 @@ class InplaceController:
         self._pool.fill()  # a standby that died while waiting is replaced before it is needed
         self._read_reports()
         self._check_recovered()
+        self._check_leavers()
+        self._read_migrations()
         codes = {s.rank: s.poll() for s in self.slots.values()}
         for rank, code in sorted(codes.items()):
             if code not in (None, 0):
@@ -102,10 +106,64 @@ class InplaceController:
             if self._store.add(proto.recovered(gen), 0) >= self._world_size:
                 del self._awaiting[gen]
                 elapsed = time.monotonic() - seen
-                say(f"generation {gen}: all {self._world_size} ranks recovered, {elapsed:.3f}s after the failure was seen")
+                say(f"generation {gen}: all {self._world_size} ranks recovered, {elapsed:.3f}s after the change began")
                 record_event(self._events, "recovered", gen, f"{self._world_size} ranks back in {elapsed:.3f}s")
             elif gen < self.gen:
                 del self._awaiting[gen]  # superseded by a later failure
+
+    def _check_leavers(self) -> None:
+        for slot in list(self._leavers):
+            code = slot.poll()
+            if code is None:
+                continue
+            self._leavers.remove(slot)
+            if code == 0:
+                say(f"rank {slot.rank}'s previous process (pid {slot.pid}) handed over and left cleanly")
+            else:
+                say(f"rank {slot.rank}'s previous process (pid {slot.pid}) left with exit code {code}")
+
+    def _read_migrations(self) -> None:
+        count = self._events.add(proto.MIGRATE_SEQ, 0)
+        while self._migrations_seen < count:
+            key = proto.migrate_request(self._migrations_seen)
+            if not self._events.check([key]):
+                return  # numbered but not written yet
+            if self._awaiting or not self.enabled():
+                return  # one change at a time: retry once the current one is over
+            self._migrations_seen += 1
+            try:
+                request = proto.MigrateRequest.decode(key, self._events.get(key))
+            except proto.ProtocolMessageError as exc:
+                say(f"ignored a malformed migration request: {exc}")
+                continue
+            self._migrate(request)
+
+    def _migrate(self, request: proto.MigrateRequest) -> None:
+        slot = self.slots.get(request.rank)
+        if slot is None or slot.poll() is not None:
+            say(f"migration of rank {request.rank} refused: no such running rank on this node")
+            record_event(self._events, "migrate-refused", self.gen, f"rank {request.rank}: not running here")
+            return
+        member = self._ready_standby()
+        if member is None:
+            say(f"migration of rank {request.rank} refused: no warm standby")
+            record_event(self._events, "migrate-refused", self.gen, f"rank {request.rank}: no warm standby")
+            return
+        self.gen += 1
+        self._awaiting[self.gen] = time.monotonic()
+        plan = proto.ReplacementPlan(self.gen, self._world_size, {request.rank: member.index},
+                                     reason=request.reason, planned=True, created=time.time())
+        assignment = proto.Assignment(request.rank, self.gen, planned=True)
+        self._store.set(proto.standby_assign(member.index), assignment.encode())
+        self._store.set(proto.plan(self.gen), plan.encode())
+        self._store.set(proto.GEN, str(self.gen))
+        detail = f"rank {request.rank} (pid {slot.pid}) -> standby {member.index} (pid {member.process.pid}): {request.reason}"
+        say(f"planned migration, generation {self.gen}: {detail}")
+        record_event(self._events, "migrate", self.gen, detail)
+        self._pool.take(member)
+        self._leavers.append(slot)
+        self.slots[request.rank] = Slot(request.rank, member.process, promoted=True)
+        self._pool.fill()
 
     def _read_reports(self) -> None:
         count = self._store.add(proto.REPORT_SEQ, 0)
@@ -185,7 +243,7 @@ class InplaceController:
 
     def stop_promoted(self, timeout: float = 5.0) -> None:
         """Stop every promoted standby still running (the group is being stopped)."""
-        promoted = [s.process for s in self.slots.values() if s.promoted and s.poll() is None]
+        promoted = [s.process for s in [*self.slots.values(), *self._leavers] if s.promoted and s.poll() is None]
         for process in promoted:
             process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout

@@ -32,7 +32,7 @@ from tmrun.worker import group, rng
 from tmrun.worker.drills import DrillRunner
 from tmrun.worker.launch_env import LaunchEnv, Mode
 from tmrun.worker.tracked import TrackedState
-from tmrun.worker.transfer import agree, heal
+from tmrun.worker.transfer import HealPlan, agree, heal
 
 COMM_PREFIX = "comm"
 POLL = 0.02
@@ -58,6 +58,7 @@ class Runtime:
         self._shadow = False
         self._state = TrackedState()
         self._store: dist.Store | None = None
+        self._job_store: dist.Store | None = None
         self._gen = 0
         self._aborted_by: int | None = None  # rank whose loss aborted the current step
         self._current_step = -1
@@ -66,6 +67,8 @@ class Runtime:
         self._stop_requested = False
         self._fresh = False  # a joiner that has not received the state yet
         self._rng_recorded_for = -1
+        self._cached_plan: proto.ReplacementPlan | None = None
+        self._prepared_gen = -1
         self.recoveries: list[dict[str, float | int]] = []
         self._drills = DrillRunner.from_environ(self._rank if not self._standby else -1, promoted=False)
         self._connect()
@@ -120,6 +123,13 @@ class Runtime:
         if params:  # the last parameter's gradient is among the first of backward
             params[-1].register_hook(lambda grad: (self._fire("backward"), grad)[1])
 
+    def migrate(self, rank: int | None = None, reason: str = "requested by the job") -> None:
+        """Ask the controller to move ``rank`` (default: this one) to a warm standby at the next
+        step boundary: the leaver hands its state over, nothing is recomputed."""
+        if not self.in_place:
+            raise RecoveryError("migration needs tmrun with a standby worker (--standby 1)")
+        proto.request_migration(self._job_store, self._rank if rank is None else rank, reason)
+
     def track(self, **objects: Any) -> None:
         self._state.track(**objects)
         for obj in objects.values():
@@ -128,21 +138,29 @@ class Runtime:
 
     def steps(self, total: int) -> Iterator[int]:
         step = 0
-        while step < total:
+        while True:
             if self._standby:
-                if step >= self._env.shadow_steps:
+                if step >= min(self._env.shadow_steps, total):
                     step = self._wait_for_promotion()
                     continue
                 self._shadow = True
+            if step >= total:
+                break
             self._begin_step(step)
             yield step
             self._shadow = False
-            if self._aborted_by is not None or self._plan_waiting():
+            if self._aborted_by is not None:
                 step = self._recover()
                 continue
             self._committed_step = step
+            plan = self._pending_plan()
+            if plan is not None and not plan.planned:
+                step = self._recover()  # a failure elsewhere: this rank's step went through
+                continue
             step += 1
             self._record_rng(step)
+            if plan is not None:
+                step = self._planned_boundary(plan, done_step=step - 1)
         if self.in_place and not self._standby:
             assert self._store is not None
             self._store.set(proto.done(self._rank), str(self._committed_step))
@@ -160,6 +178,7 @@ class Runtime:
         )
         self._store = dist.PrefixStore(env.store_prefix, tcp)
         job_store = dist.PrefixStore(f"tmrun/{env.run_id}/", tcp)
+        self._job_store = job_store
         self._drills.claim = lambda index: job_store.add(f"drill/{index}", 1) == 1
         if env.mode is Mode.STANDBY:
             signal.signal(signal.SIGTERM, self._on_term)
@@ -223,11 +242,75 @@ class Runtime:
         message = proto.WorkerReport(reporter=self._rank, lost=max(lost, 0), gen=self._gen, detail=detail[:300])
         self._store.set(proto.report(seq), message.encode())
 
-    def _plan_waiting(self) -> bool:
+    def _pending_plan(self) -> proto.ReplacementPlan | None:
+        """The next generation's plan, once the controller published it."""
         if not self.in_place or self._standby:
-            return False
+            return None
         assert self._store is not None
-        return self._store.check([proto.plan(self._gen + 1)])
+        key = proto.plan(self._gen + 1)
+        if self._cached_plan is not None and self._cached_plan.gen == self._gen + 1:
+            return self._cached_plan
+        if not self._store.check([key]):
+            return None
+        self._cached_plan = proto.ReplacementPlan.decode(key, self._store.get(key))
+        return self._cached_plan
+
+    # -- planned migration ------------------------------------------------------------------
+
+    def _planned_boundary(self, plan: proto.ReplacementPlan, done_step: int) -> int:
+        """Called after every committed step while a migration is pending. Ranks are never
+        more than one step apart (every step has a collective), so the first rank to see the
+        plan fixes the switch at the end of the *next* step: nobody can be past it."""
+        assert self._store is not None
+        switch_at = int(self._store.compare_set(proto.switch(plan.gen), "", str(done_step + 1)).decode())
+        leaving = self._rank in plan.replaced
+        cstore = dist.PrefixStore(f"{COMM_PREFIX}/", self._store)
+        if not leaving and self._prepared_gen != plan.gen:
+            # phase 1 while training goes on: links to the joiner are built in the background
+            native.prepare_replacement(cstore, group.comm(), plan.replaced.keys(), plan.gen)
+            self._prepared_gen = plan.gen
+        if done_step < switch_at:
+            return done_step + 1
+        if done_step > switch_at:
+            raise RecoveryError(f"rank {self._rank} passed the switch step {switch_at} of generation {plan.gen}")
+        started = time.monotonic()
+        if leaving:
+            self._hand_over(plan, switch_at)
+        group.comm().commit()  # phase 2, at the step boundary
+        self._gen = plan.gen
+        return self._heal(started=started, aborted_step=-1)
+
+    def _handoff_comm(self, plan_gen: int, rank: int) -> Any:
+        assert self._store is not None
+        job_id = self._store.get(proto.JOB_ID).decode()
+        return native.connect_via_store(
+            dist.PrefixStore(f"{COMM_PREFIX}/", self._store), rank, 2, f"{job_id}/handoff{plan_gen}", 0,
+            prefix=proto.handoff_prefix(plan_gen), timeout=self._env.comm_timeout,
+            connect_timeout=self._env.recovery_timeout,
+        )
+
+    def _hand_over(self, plan: proto.ReplacementPlan, switch_at: int) -> None:
+        """The leaver of a migration: stream the state to the joiner, then leave cleanly."""
+        started = time.monotonic()
+        handoff = self._handoff_comm(plan.gen, 0)
+        try:
+            meta = {"committed_step": switch_at, "rng": rng.capture()}
+            moved, _ = heal(handoff, self._state, HealPlan(switch_at, [0], [1]), meta)
+        finally:
+            handoff.close()
+        _log(f"rank {self._rank}: handed {moved} bytes to the joiner in {time.monotonic() - started:.3f}s; leaving")
+        raise SystemExit(0)
+
+    def _take_over(self, plan_gen: int) -> None:
+        """The joiner of a migration: receive the state from the leaver."""
+        handoff = self._handoff_comm(plan_gen, 1)
+        try:
+            _, meta = heal(handoff, self._state, HealPlan(-1, [0], [1]), {})
+        finally:
+            handoff.close()
+        self._committed_step = int(meta["committed_step"])  # type: ignore[call-overload]
+        rng.restore(meta["rng"])  # type: ignore[arg-type]
+        self._fresh = False
 
     # -- recovery ---------------------------------------------------------------------------
 
@@ -294,7 +377,8 @@ class Runtime:
         job_id = self._store.get(proto.JOB_ID).decode()
         cstore = dist.PrefixStore(f"{COMM_PREFIX}/", self._store)
         comm = native.join_via_store(
-            cstore, assignment.rank, self._world_size, job_id, assignment.gen, timeout=self._env.comm_timeout
+            cstore, assignment.rank, self._world_size, job_id, assignment.gen, timeout=self._env.comm_timeout,
+            connect_timeout=self._env.recovery_timeout,
         )
         group.attach(comm)
         group.set_failure_handler(self._on_comm_failure)
@@ -306,6 +390,8 @@ class Runtime:
         _log(f"promoted to rank {self._rank} (generation {self._gen})")
         self._fire("promotion")
         try:
+            if assignment.planned:
+                self._take_over(assignment.gen)
             return self._heal(started=started, aborted_step=-1)
         except native.CommError as exc:
             self._on_comm_failure(exc)
