@@ -54,6 +54,20 @@ def digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
     return sha.hexdigest()
 
 
+def report(done: list[tuple[int, float]], recoveries: list[dict[str, float | int]]) -> None:
+    """What the failures cost this rank: downtime (largest gap between two completed steps minus
+    a steady step) and steps recomputed."""
+    gaps = sorted(b - a for (_, a), (_, b) in zip(done, done[1:]))
+    steady = gaps[len(gaps) // 2]
+    recomputed = len(done) - len({step for step, _ in done})
+    print(
+        f"[rank 0] {len(done)} steps, steady step {steady * 1000:.1f} ms; recoveries: {len(recoveries)}; "
+        f"downtime {max(0.0, gaps[-1] - steady):.3f} s (largest gap minus a steady step); "
+        f"steps recomputed: {recomputed}",
+        flush=True,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=20)
@@ -72,6 +86,7 @@ def main() -> None:
     model = tm.ddp(model)  # DistributedDataParallel over the resilient group
     tm.track(model=model, optimizer=opt)  # what a joiner receives; step and RNG state included
     loss_fn = torch.nn.MSELoss()
+    done: list[tuple[int, float]] = []  # (step, completion time) on this process
     for step in tm.steps(args.steps):  # re-yields a step that a failure aborted
         x, y = batch_for(step, tm.rank, tm.world_size, args.width, args.batch)
         loss = loss_fn(model(x), y)
@@ -80,9 +95,13 @@ def main() -> None:
         opt.zero_grad()
         if args.step_time:
             time.sleep(args.step_time)
+        if not tm.is_shadow:
+            done.append((step, time.monotonic()))
         if args.step_log and not tm.is_shadow:
             with open(args.step_log.replace("{rank}", str(tm.rank)), "a") as log:
                 log.write(f"{step} {time.time():.6f} {os.getpid()}\n")
+    if tm.rank == 0 and len(done) > 2:
+        report(done, tm.recoveries)
     if args.final and tm.rank == 0:
         with open(args.final, "w") as out:
             out.write(digest(model.module, opt) + "\n")
