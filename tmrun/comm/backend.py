@@ -376,6 +376,8 @@ class TmrunProcessGroup(dist.ProcessGroup):
         self._closed = False
         self._stats = {"local_ops": 0, "network_ops": 0, "absorbed_errors": 0, "raised_errors": 0, "aborts": 0}
         self.job_id = job_id
+        self._group_name = ""
+        self._group_desc = ""
         if comm is not None:
             self.attach(comm)
 
@@ -391,6 +393,18 @@ class TmrunProcessGroup(dist.ProcessGroup):
 
     def getSize(self) -> int:  # noqa: N802
         return self._size
+
+    def getGroupName(self) -> str:  # noqa: N802  (torch names the group after creation)
+        return self._group_name
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._group_name = name
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._group_desc
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._group_desc = desc
 
     def rank(self) -> int:
         return self._rank
