@@ -348,7 +348,12 @@ class _Completer:
                 if not self._queue:
                     return  # stopping and drained
                 op = self._queue[0]
-            self._group._finish(op)
+            try:
+                self._group._finish(op)
+            except BaseException as exc:  # noqa: BLE001  a bug here must not stall every later op
+                log.exception("tmrun completer: finishing %s failed", op.name)
+                if not op.done.is_set():
+                    op.complete(exc)
             with self._cv:
                 self._queue.pop(0)
                 self._cv.notify_all()
