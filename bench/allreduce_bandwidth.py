@@ -1,7 +1,15 @@
 #!/usr/bin/env python
-"""Allreduce bus bandwidth: tmrun_native TCP communicator vs torch gloo, same process count.
+"""Allreduce bus bandwidth: the "tmrun" torch.distributed backend vs gloo, same process count.
 
     python bench/allreduce_bandwidth.py --nprocs 2 4 --min-size 4K --max-size 256M
+
+Backends (``--backends``, default all three, each in fresh processes):
+
+* ``gloo``:   ``dist.all_reduce`` over ``init_process_group("gloo")``
+* ``tmrun``:  ``dist.all_reduce`` over ``init_process_group("tmrun")`` (tmrun.comm.backend: the
+              native TCP communicator behind torch's ProcessGroup API)
+* ``native``: the raw ``tmrun_native.Communicator.allreduce`` on the same tensors (no torch
+              layer), to show what the backend layer costs
 
 Each configuration starts `nprocs` fresh processes on this machine (loopback). For every message
 size (powers of 4), each rank runs warm-up iterations and then timed iterations of an in-place
@@ -54,8 +62,10 @@ def worker(args: argparse.Namespace) -> None:
     store = dist.TCPStore("127.0.0.1", args.port, n, rank == 0, timeout=__import__("datetime").timedelta(seconds=120))
     sizes = [int(x) for x in args.sizes.split(",")]
     results = {}
-    if args.backend == "gloo":
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=n)
+    if args.backend in ("gloo", "tmrun"):
+        if args.backend == "tmrun":
+            import tmrun  # noqa: F401  (registers the backend)
+        dist.init_process_group(args.backend, store=store, rank=rank, world_size=n)
 
         def allreduce(t):
             dist.all_reduce(t)
@@ -86,7 +96,7 @@ def worker(args: argparse.Namespace) -> None:
         dt = (time.perf_counter() - t0) / iters
         # the slowest rank decides
         tt = torch.tensor([dt], dtype=torch.float64)
-        if args.backend == "gloo":
+        if args.backend != "native":
             dist.all_reduce(tt, op=dist.ReduceOp.MAX)
         else:
             b, d = as_buffer(tt)
@@ -96,7 +106,7 @@ def worker(args: argparse.Namespace) -> None:
         del t
     if rank == 0:
         print("RESULT " + json.dumps(results), flush=True)
-    if args.backend == "gloo":
+    if args.backend != "native":
         dist.destroy_process_group()
     else:
         comm.close()
@@ -135,6 +145,8 @@ def main() -> None:
     ap.add_argument("--min-size", default="4K")
     ap.add_argument("--max-size", default="256M")
     ap.add_argument("--factor", type=int, default=4)
+    ap.add_argument("--backends", nargs="+", default=["gloo", "tmrun", "native"],
+                    choices=["gloo", "tmrun", "native"], help="gloo is always run (the reference)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--backend", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
@@ -153,17 +165,22 @@ def main() -> None:
     cmd = "python bench/allreduce_bandwidth.py " + " ".join(sys.argv[1:])
     print(f"Command: `{cmd.strip()}`  ")
     print(f"Machine: {os.cpu_count()} CPUs, loopback TCP; float32 SUM, in place; time = slowest rank's mean.\n")
+    others = [b for b in ("tmrun", "native") if b in args.backends]
+    names = {"tmrun": "tmrun backend", "native": "raw native"}
     for n in args.nprocs:
-        gloo = run_config("gloo", n, sizes)
-        tm = run_config("tmrun", n, sizes)
+        res = {b: run_config(b, n, sizes) for b in ["gloo"] + others}
         factor = 2 * (n - 1) / n
-        print(f"\n**{n} processes**\n")
-        print("| size | gloo GB/s | tmrun GB/s | tmrun / gloo |")
-        print("|---:|---:|---:|---:|")
+        print(f"\n**{n} processes** (bus bandwidth, GB/s)\n")
+        head = "| size | gloo |" + "".join(f" {names[b]} | {names[b]} / gloo |" for b in others)
+        print(head)
+        print("|---:" * (2 + 2 * len(others)) + "|")
         for size in sizes:
-            g = factor * size / gloo[size] / 1e9
-            t = factor * size / tm[size] / 1e9
-            print(f"| {fmt_size(size)} | {g:.3f} | {t:.3f} | {t / g:.2f} |")
+            g = factor * size / res["gloo"][size] / 1e9
+            row = f"| {fmt_size(size)} | {g:.3f} |"
+            for b in others:
+                t = factor * size / res[b][size] / 1e9
+                row += f" {t:.3f} | {t / g:.2f} |"
+            print(row)
         sys.stdout.flush()
 
 

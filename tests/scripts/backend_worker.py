@@ -137,6 +137,12 @@ def scenario_api(args) -> None:
         t = torch.ones(3)
         dist.all_reduce(t, group=sub)
         assert torch.equal(t, torch.full((3,), 2.0))
+    # functional collectives (what torch.compile traces) resolve the group by name
+    import torch.distributed._functional_collectives as fcol
+
+    assert pg.group_name, "the group has a name"
+    y = fcol.all_reduce(torch.full((3,), float(r + 1)), "sum", dist.group.WORLD)
+    assert torch.equal(y, torch.full((3,), float(n * (n + 1) / 2)))
     # non-contiguous tensors are staged and written back
     nc = torch.arange(12, dtype=torch.float32).reshape(3, 4)[:, ::2] * (r + 1)
     dist.all_reduce(nc)

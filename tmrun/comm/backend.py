@@ -174,9 +174,10 @@ def _to_host(t: torch.Tensor, copy: bool = True) -> torch.Tensor:
             return t
         return t.contiguous() if copy else torch.empty(t.shape, dtype=t.dtype)
     if t.device.type == "cuda":
+        # nothing queued on the caller's stream may still read or write t once we hand it over
+        torch.cuda.current_stream(t.device).synchronize()
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         if copy:
-            torch.cuda.current_stream(t.device).synchronize()
             host.copy_(t)  # pinned destination, non_blocking=False: done when this returns
         return host
     raise UnsupportedError(f"tmrun backend: tensors on {t.device.type} are not supported (cpu, cuda)")
@@ -185,8 +186,10 @@ def _to_host(t: torch.Tensor, copy: bool = True) -> torch.Tensor:
 def _from_host(t: torch.Tensor, host: torch.Tensor) -> None:
     """Copy a staged result back into ``t`` (no-op when ``t`` was used in place).
 
-    For CUDA this is a blocking host-to-device copy, so the result is in device memory before
-    the operation's future completes."""
+    For CUDA this is a blocking host-to-device copy (on the completing thread's current stream),
+    so the result is in device memory before the operation's future completes; that future is
+    created with the CUDA devices involved, so torch makes the waiter's stream (and DDP's
+    callbacks) wait for it as with NCCL or gloo."""
     if host is not t:
         t.copy_(host)
 
@@ -267,7 +270,7 @@ class _Op:
         self.keep: list = []  # tensors and staging buffers referenced until the op is over
         self.native: list = []
         self.finish: list = []
-        self.future: torch.futures.Future = torch.futures.Future()
+        self.future: torch.futures.Future = _future_for(result)
         self.done = threading.Event()
         self.error: Optional[BaseException] = None
         self.gen = 0
@@ -283,6 +286,23 @@ class _Op:
         self.done.set()
         self.keep = []
         self.native = []
+
+
+def _future_for(result: list) -> torch.futures.Future:
+    """A future for ``result``: CPU-only, or aware of the CUDA devices of its tensors."""
+    devices: list = []
+    stack = list(result)
+    while stack:
+        x = stack.pop()
+        if isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, torch.Tensor) and x.device.type == "cuda" and x.device not in devices:
+            devices.append(x.device)
+    return torch.futures.Future(devices=devices) if devices else torch.futures.Future()
+
+
+def _reraise(exc: BaseException) -> None:
+    raise exc
 
 
 class _Completer:
@@ -328,7 +348,12 @@ class _Completer:
                 if not self._queue:
                     return  # stopping and drained
                 op = self._queue[0]
-            self._group._finish(op)
+            try:
+                self._group._finish(op)
+            except BaseException as exc:  # noqa: BLE001  a bug here must not stall every later op
+                log.exception("tmrun completer: finishing %s failed", op.name)
+                if not op.done.is_set():
+                    op.complete(exc)
             with self._cv:
                 self._queue.pop(0)
                 self._cv.notify_all()
@@ -356,6 +381,8 @@ class TmrunProcessGroup(dist.ProcessGroup):
         self._closed = False
         self._stats = {"local_ops": 0, "network_ops": 0, "absorbed_errors": 0, "raised_errors": 0, "aborts": 0}
         self.job_id = job_id
+        self._group_name = ""
+        self._group_desc = ""
         if comm is not None:
             self.attach(comm)
 
@@ -371,6 +398,18 @@ class TmrunProcessGroup(dist.ProcessGroup):
 
     def getSize(self) -> int:  # noqa: N802
         return self._size
+
+    def getGroupName(self) -> str:  # noqa: N802  (torch names the group after creation)
+        return self._group_name
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._group_name = name
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._group_desc
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._group_desc = desc
 
     def rank(self) -> int:
         return self._rank
@@ -468,16 +507,19 @@ class TmrunProcessGroup(dist.ProcessGroup):
         return dict(self._stats)
 
     # ------------------------------------------------------------------ lifecycle
-    def shutdown(self) -> None:
+    def shutdown(self, drain_timeout: float = 10.0) -> None:
+        """Wait up to ``drain_timeout`` s for submitted operations, close the communicator (what
+        is still running fails with "communicator is closed"), stop the completer thread."""
         if self._closed:
             return
         self._closed = True
-        self._completer.stop()
+        self._completer.drain(drain_timeout)
         if self._comm is not None:
             try:
                 self._comm.close()
             except Exception:  # noqa: BLE001
                 log.debug("closing the tmrun communicator failed", exc_info=True)
+        self._completer.stop()
 
     def abort(self) -> None:
         self.shutdown()
@@ -508,9 +550,15 @@ class TmrunProcessGroup(dist.ProcessGroup):
         op.gen = self._abort_gen
         try:
             launch(comm)
-        except tn.CommError as exc:
-            self._fail(op, exc)
-            return TmrunWork(op)
+        except BaseException as exc:  # noqa: BLE001
+            if op.native:  # part of it was submitted: keep its buffers alive until that part is over
+                op.finish = [lambda: _reraise(exc)]
+                self._completer.put(op)
+            elif isinstance(exc, tn.CommError):
+                self._fail(op, exc)
+            if isinstance(exc, tn.CommError):
+                return TmrunWork(op)
+            raise
         if getattr(opts, "asyncOp", True):
             self._completer.put(op)
         else:
