@@ -19,7 +19,7 @@ JOB_TIMEOUT = 240
 
 
 def _run(tmp: Path, name: str, *tmrun_args: str, nproc: int = 2, standby: int = 1, steps: int = STEPS,
-         step_time: float = 0.0) -> tuple[int, str, str, dict[int, list[tuple[int, int]]]]:
+         step_time: float = 0.0, env: dict[str, str] | None = None) -> tuple[int, str, str, dict[int, list[tuple[int, int]]]]:
     """Run the example under tmrun; returns (exit code, agent log, final digest, step logs)."""
     work = tmp / name
     work.mkdir()
@@ -28,7 +28,7 @@ def _run(tmp: Path, name: str, *tmrun_args: str, nproc: int = 2, standby: int = 
         str(EXAMPLES / "train_inplace.py"), "--steps", str(steps), "--width", "48", "--batch", "16",
         "--step-time", str(step_time), "--step-log", str(work / "steps-{rank}.log"), "--final", str(work / "final"),
     )  # fmt: skip
-    agent = start(cmd, log=work / "agent.log", env={"TMRUN_STATE_DIR": str(work / "state")})
+    agent = start(cmd, log=work / "agent.log", env={"TMRUN_STATE_DIR": str(work / "state"), **(env or {})})
     try:
         code = agent.wait(timeout=JOB_TIMEOUT)
     finally:
@@ -82,6 +82,15 @@ def test_worker_that_raises_is_replaced(tmp_path: Path, reference: str) -> None:
     code, log, final, steps = _run(tmp_path, "raise", "--inject-failure", "rank=0,step=4,signal=RAISE")
     _check(code, log, final, steps, reference, survivors=[1])
     assert "InjectedFailure" in log and "exit code 1" in log
+
+
+def test_hung_rank_is_reported_by_survivors_and_fenced(tmp_path: Path, reference: str) -> None:
+    """SIGSTOP: the rank's process lives but says nothing. Its peers lose it after the comm
+    timeout, report it; the controller SIGKILLs it (fencing) and replaces it in place."""
+    code, log, final, steps = _run(tmp_path, "hung", "--inject-failure", "rank=1,step=5,signal=STOP",
+                                   env={"TMRUN_COMM_TIMEOUT": "1.5"})
+    _check(code, log, final, steps, reference, survivors=[0])
+    assert re.search(r"rank 1 \(pid \d+\) lost by rank 0; stopping it", log), log
 
 
 def test_two_failures_with_one_standby(tmp_path: Path, reference: str) -> None:
@@ -195,3 +204,21 @@ def test_migrate_without_a_job_is_a_clear_error(tmp_path: Path) -> None:
     result = subprocess.run([*tmrun_cmd()[:2], "tmrun.cli.ctl", "migrate", "--", "-3"], capture_output=True,
                             text=True, timeout=60, env=env)
     assert result.returncode == 2 and "Traceback" not in result.stderr
+
+
+def test_api_script_runs_unchanged_under_torchrun(tmp_path: Path, reference: str) -> None:
+    """Without a standby (plain torchrun) the worker API trains normally, with the same result."""
+    from tests.helpers import free_port, torchrun_cmd
+
+    cmd = torchrun_cmd(
+        "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+        str(EXAMPLES / "train_inplace.py"), "--steps", str(STEPS), "--width", "48", "--batch", "16",
+        "--final", str(tmp_path / "final"),
+    )  # fmt: skip
+    proc = start(cmd, log=tmp_path / "torchrun.log")
+    try:
+        assert proc.wait(timeout=JOB_TIMEOUT) == 0, (tmp_path / "torchrun.log").read_text()
+    finally:
+        kill_tree(proc)
+        assert leftovers(proc) == []
+    assert (tmp_path / "final").read_text().strip() == reference
