@@ -149,21 +149,11 @@ class InplaceController:
             say(f"migration of rank {request.rank} refused: no warm standby")
             record_event(self._events, "migrate-refused", self.gen, f"rank {request.rank}: no warm standby")
             return
-        self.gen += 1
-        self._awaiting[self.gen] = time.monotonic()
-        plan = proto.ReplacementPlan(self.gen, self._world_size, {request.rank: member.index},
-                                     reason=request.reason, planned=True, created=time.time())
-        assignment = proto.Assignment(request.rank, self.gen, planned=True)
-        self._store.set(proto.standby_assign(member.index), assignment.encode())
-        self._store.set(proto.plan(self.gen), plan.encode())
-        self._store.set(proto.GEN, str(self.gen))
         detail = f"rank {request.rank} (pid {slot.pid}) -> standby {member.index} (pid {member.process.pid}): {request.reason}"
+        self._promote(request.rank, member, time.monotonic(), request.reason, planned=True)
         say(f"planned migration, generation {self.gen}: {detail}")
         record_event(self._events, "migrate", self.gen, detail)
-        self._pool.take(member)
         self._leavers.append(slot)
-        self.slots[request.rank] = Slot(request.rank, member.process, promoted=True)
-        self._pool.fill()
 
     def _read_reports(self) -> None:
         count = self._store.add(proto.REPORT_SEQ, 0)
@@ -217,23 +207,28 @@ class InplaceController:
             member = self._ready_standby()
         if member is None:
             return self._abandon(rank, exitcode, f"no standby ready within {self._standby_wait:.0f}s")
-        self.gen += 1
-        self._awaiting[self.gen] = started
         self._replacements_left -= 1
         self.replacements += 1
-        plan = proto.ReplacementPlan(self.gen, self._world_size, {rank: member.index},
-                                     reason=f"exit code {exitcode}", created=time.time())
-        self._store.set(proto.standby_assign(member.index), proto.Assignment(rank, self.gen).encode())
-        self._store.set(proto.plan(self.gen), plan.encode())
-        self._store.set(proto.GEN, str(self.gen))
         how = f"signal {signal.Signals(-exitcode).name}" if exitcode < 0 else f"exit code {exitcode}"
         detail = f"rank {rank} (pid {slot.pid}, {how}) -> standby {member.index} (pid {member.process.pid})"
+        self._promote(rank, member, started, f"exit code {exitcode}", planned=False)
         say(f"in-place replacement, generation {self.gen}: {detail}")
         record_event(self._events, "replace", self.gen, detail)
+        return None
+
+    def _promote(self, rank: int, member: StandbyMember, started: float, reason: str, planned: bool) -> None:
+        """Publish generation gen+1 in which ``member`` plays ``rank`` (assignment first, so the
+        standby can connect while survivors read the plan), and refill the pool."""
+        self.gen += 1
+        self._awaiting[self.gen] = started
+        plan = proto.ReplacementPlan(self.gen, self._world_size, {rank: member.index}, reason=reason,
+                                     planned=planned, created=time.time())
+        self._store.set(proto.standby_assign(member.index), proto.Assignment(rank, self.gen, planned=planned).encode())
+        self._store.set(proto.plan(self.gen), plan.encode())
+        self._store.set(proto.GEN, str(self.gen))
         self._pool.take(member)
         self.slots[rank] = Slot(rank, member.process, promoted=True)
         self._pool.fill()
-        return None
 
     def _abandon(self, rank: int, exitcode: int, why: str) -> Outcome:
         say(f"rank {rank} failed and {why}: falling back to restarting the worker group (as torchrun)")
