@@ -21,6 +21,10 @@ CASES = {
     "standby with static backend": (["--nnodes", "2", "--rdzv-backend", "static", "--standby", "1", SCRIPT], "tmrun rendezvous backend"),
     "no script": (["--standalone"], "required"),
     "module and no-python": (["--standalone", "--no-python", "-m", "json.tool"], "--no-python"),
+    "malformed drill": (["--standalone", "--inject-failure", "rank=1", SCRIPT], "step=N or time"),
+    "drill with an unknown point": (["--standalone", "--inject-failure", "rank=1,step=2,at=lunch", SCRIPT], "at="),
+    "negative standby wait": (["--standalone", "--standby-wait", "-1", SCRIPT], "--standby-wait"),
+    "negative shadow steps": (["--standalone", "--shadow-steps", "-2", SCRIPT], "--shadow-steps"),
 }
 
 

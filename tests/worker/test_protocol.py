@@ -1,0 +1,82 @@
+"""Messages of the in-place protocol and drill specs: bad input is a one-line error, never a
+traceback deep in training."""
+
+from __future__ import annotations
+
+import pytest
+
+from tmrun.control import inplace_protocol as proto
+from tmrun.worker.drills import Drill, DrillRunner, DrillSpecError, InjectedFailure, parse_all
+
+
+def test_plan_round_trip() -> None:
+    plan = proto.ReplacementPlan(gen=3, world_size=8, replaced={5: 2, 6: 3}, reason="x", planned=True)
+    assert proto.ReplacementPlan.decode("k", plan.encode()) == plan
+
+
+@pytest.mark.parametrize(
+    "raw,match",
+    [
+        (b"\xff\xfe", "not JSON"),
+        ("[1, 2]", "JSON object"),
+        ('{"gen": 0, "world_size": 2, "replaced": {"1": 0}}', "gen"),
+        ('{"gen": 1, "world_size": 2, "replaced": {}}', "non-empty"),
+        ('{"gen": 1, "world_size": 2, "replaced": {"x": 0}}', "not an integer"),
+        ('{"gen": 1, "world_size": 2, "replaced": {"2": 0}}', "bad replacement"),
+        ('{"gen": 1, "world_size": 2, "replaced": {"1": -1}}', "bad replacement"),
+        ('{"gen": true, "world_size": 2, "replaced": {"1": 0}}', "gen"),
+    ],
+)
+def test_bad_plans_are_refused_with_the_key(raw: bytes | str, match: str) -> None:
+    with pytest.raises(proto.ProtocolMessageError, match=match) as info:
+        proto.ReplacementPlan.decode("plan/1", raw)
+    assert str(info.value).startswith("plan/1: ") and "\n" not in str(info.value)
+
+
+def test_other_messages() -> None:
+    assert proto.Assignment.decode("a", proto.Assignment(2, 4, planned=True).encode()) == proto.Assignment(2, 4, False, True)
+    assert proto.Assignment.decode("a", '{"stop": true}').stop
+    with pytest.raises(proto.ProtocolMessageError):
+        proto.Assignment.decode("a", '{"rank": -1, "gen": 1}')
+    report = proto.WorkerReport(reporter=0, lost=3, gen=2, detail="d")
+    assert proto.WorkerReport.decode("r", report.encode()) == report
+    with pytest.raises(proto.ProtocolMessageError):
+        proto.WorkerReport.decode("r", '{"reporter": "0", "lost": 1, "gen": 0}')
+    with pytest.raises(proto.ProtocolMessageError):
+        proto.MigrateRequest.decode("m", "{}")
+
+
+def test_drill_specs() -> None:
+    drill = Drill.parse("rank=1,step=8,at=backward")
+    assert (drill.rank, drill.step, drill.at, drill.signal_name) == (1, 8, "backward", "KILL")
+    assert Drill.parse(drill.encode()) == drill
+    assert parse_all(f"{drill.encode()};rank=0,who=joiner")[1].at == "promotion"
+    for bad, match in [
+        ("rank", "key=value"),
+        ("step=3", "rank=N"),
+        ("rank=1", "step=N or time"),
+        ("rank=x,step=1", "integers"),
+        ("rank=1,step=1,at=lunch", "at="),
+        ("rank=1,step=1,signal=NOPE", "signal"),
+        ("rank=1,step=1,colour=red", "unknown key"),
+        ("rank=1,rank=2,step=1", "twice"),
+        ("rank=-1,step=1", ">= 0"),
+    ]:
+        with pytest.raises(DrillSpecError, match=match):
+            Drill.parse(bad)
+
+
+def test_drill_fires_once_and_only_where_it_should() -> None:
+    claimed: list[int] = []
+    runner = DrillRunner([Drill.parse("rank=1,step=2,signal=RAISE")], rank=1, promoted=False)
+    runner.claim = lambda index: (claimed.append(index), len(claimed) == 1)[1]
+    runner.fire("step", 1)  # other step
+    runner.fire("forward", 2)  # other point
+    with pytest.raises(InjectedFailure):
+        runner.fire("step", 2)
+    runner.fire("step", 2)  # fired already
+    joiner = DrillRunner([Drill.parse("rank=1,step=2,signal=RAISE")], rank=1, promoted=True)
+    joiner.fire("step", 2)  # an original-rank drill never fires in a joiner
+    other = DrillRunner([Drill.parse("rank=1,step=2,signal=RAISE")], rank=0, promoted=False)
+    other.fire("step", 2)
+    assert claimed == [0]
