@@ -167,9 +167,11 @@ class TmrunAgent(LocalElasticAgent):
         store = PrefixStore(prefix, handler._tcp_store)
         events = handler.store
         world_size = worker_group.workers[0].world_size if worker_group.workers else spec.local_world_size
+        gen_file = os.path.join(self._standby_pool.directory, f"gen-{self._group_starts - 1}")
         self._inplace = InplaceController(store, self._standby_pool, world_size, self._standby_wait,
-                                          max(spec.max_restarts, 0), events)
+                                          max(spec.max_restarts, 0), events, gen_file)
         shared = {
+            "TMRUN_IP_GEN_FILE": gen_file,
             "TMRUN_IP_STORE": str(handler.endpoint),
             "TMRUN_IP_PREFIX": prefix,
             "TMRUN_RUN_ID": handler.get_run_id(),

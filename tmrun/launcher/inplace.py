@@ -52,13 +52,14 @@ class Outcome:
 
 class InplaceController:
     def __init__(self, store: Store, pool: StandbyPool, world_size: int, standby_wait: float,
-                 max_replacements: int, events_store: Store) -> None:
+                 max_replacements: int, events_store: Store, gen_file: str) -> None:
         self._store = store
         self._pool = pool
         self._world_size = world_size
         self._standby_wait = standby_wait
         self._replacements_left = max_replacements
         self._events = events_store
+        self._gen_file = gen_file
         self._enabled = False
         self._reports_seen = 0
         self.gen = 0
@@ -67,11 +68,13 @@ class InplaceController:
         self._awaiting: dict[int, float] = {}  # generation -> when its failure was seen
         self._leavers: list[Slot] = []  # migrated ranks' old processes, leaving on their own
         self._migrations_seen = events_store.add(proto.MIGRATE_SEQ, 0)  # older requests were for older groups
+        self._write_gen_file()
 
     def adopt(self, processes: dict[int, subprocess.Popen[bytes]]) -> None:
         """The worker group just started: ``processes`` rank -> its process."""
         self.slots = {rank: Slot(rank, process) for rank, process in processes.items()}
         self.gen = 0
+        self._write_gen_file()
         self._enabled = False
         self._reports_seen = 0
 
@@ -226,9 +229,18 @@ class InplaceController:
         self._store.set(proto.standby_assign(member.index), proto.Assignment(rank, self.gen, planned=planned).encode())
         self._store.set(proto.plan(self.gen), plan.encode())
         self._store.set(proto.GEN, str(self.gen))
+        self._write_gen_file()  # after the plan is in the store: a reader that sees it finds the plan
         self._pool.take(member)
         self.slots[rank] = Slot(rank, member.process, promoted=True)
         self._pool.fill()
+
+    def _write_gen_file(self) -> None:
+        """Workers on this node read the generation here at every step boundary (a file read
+        instead of a store round trip); replaced atomically."""
+        partial = f"{self._gen_file}.{os.getpid()}"
+        with open(partial, "w") as flag:
+            flag.write(str(self.gen))
+        os.replace(partial, self._gen_file)
 
     def _abandon(self, rank: int, exitcode: int, why: str) -> Outcome:
         say(f"rank {rank} failed and {why}: falling back to restarting the worker group (as torchrun)")

@@ -47,6 +47,11 @@ class StandbyPool:
         self._last_states: list[str] = []
 
     @property
+    def directory(self) -> str:
+        """The pool's private directory (ready files; the controller's generation file)."""
+        return self._dir
+
+    @property
     def members(self) -> list[StandbyMember]:
         return list(self._members)
 

@@ -9,6 +9,7 @@ from enum import Enum
 ENV_ROLE = "TMRUN_ROLE"  # "standby" for a standby worker; unset for an active one
 ENV_STORE = "TMRUN_IP_STORE"  # host:port of the agent's store; set when in-place replacement is on
 ENV_RUN_ID = "TMRUN_RUN_ID"
+ENV_GEN_FILE = "TMRUN_IP_GEN_FILE"  # the controller's generation, in a file on this node
 ENV_PREFIX = "TMRUN_IP_PREFIX"  # key prefix of this worker group's in-place protocol
 ENV_STANDBY_ID = "TMRUN_STANDBY_ID"
 ENV_AGENT_PID = "TMRUN_AGENT_PID"
@@ -49,6 +50,7 @@ class LaunchEnv:
     store_host: str
     store_port: int
     store_prefix: str
+    gen_file: str
     run_id: str
     standby_id: int
     agent_pid: int
@@ -76,6 +78,7 @@ class LaunchEnv:
             store_host=host,
             store_port=port,
             store_prefix=os.environ.get(ENV_PREFIX, "tmrun/ip/"),
+            gen_file=os.environ.get(ENV_GEN_FILE, ""),
             run_id=os.environ.get(ENV_RUN_ID, os.environ.get("TORCHELASTIC_RUN_ID", "none")),
             standby_id=int(os.environ.get(ENV_STANDBY_ID, "-1")),
             agent_pid=int(os.environ.get(ENV_AGENT_PID, "0")),

@@ -27,3 +27,15 @@ def restore(states: dict[str, Any]) -> None:
     numpy = sys.modules.get("numpy")
     if "numpy" in states and numpy is not None:
         numpy.random.set_state(states["numpy"])
+
+
+def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """True when two captures hold the same states (cheap: a few kB compared)."""
+    if a.keys() != b.keys() or not torch.equal(a["torch"], b["torch"]) or a["python"] != b["python"]:
+        return False
+    if "cuda" in a and not all(torch.equal(x, y) for x, y in zip(a["cuda"], b["cuda"])):
+        return False
+    if "numpy" in a:
+        na, nb = a["numpy"], b["numpy"]
+        return na[0] == nb[0] and bytes(memoryview(na[1])) == bytes(memoryview(nb[1])) and na[2:] == nb[2:]
+    return True

@@ -67,6 +67,7 @@ class Runtime:
         self._stop_requested = False
         self._fresh = False  # a joiner that has not received the state yet
         self._rng_recorded_for = -1
+        self._rng_published: dict[str, Any] | None = None
         self._cached_plan: proto.ReplacementPlan | None = None
         self._prepared_gen = -1
         self.recoveries: list[dict[str, float | int]] = []
@@ -223,10 +224,14 @@ class Runtime:
     def _record_rng(self, step: int) -> None:
         """Publish the random state this rank starts ``step`` with (a joiner taking this rank
         over continues from it). Written when a step commits, so a rank that dies at the very
-        start of the next step has already left it behind."""
+        start of the next step has already left it behind; skipped while the state is the one
+        already published (a loop that draws no random numbers costs no store write)."""
         if self.in_place and not self._standby:
             assert self._store is not None
-            self._store.set(proto.rng(self._rank), pickle.dumps((step, rng.capture())))
+            states = rng.capture()
+            if self._rng_published is None or not rng.same(states, self._rng_published):
+                self._store.set(proto.rng(self._rank), pickle.dumps((step, states)))
+                self._rng_published = states
             self._rng_recorded_for = step
 
     def _on_comm_failure(self, exc: BaseException) -> bool:
@@ -250,10 +255,20 @@ class Runtime:
         key = proto.plan(self._gen + 1)
         if self._cached_plan is not None and self._cached_plan.gen == self._gen + 1:
             return self._cached_plan
+        if self._env.gen_file and self._published_gen() <= self._gen:
+            return None  # the controller's generation file (same node): no store round trip per step
         if not self._store.check([key]):
             return None
         self._cached_plan = proto.ReplacementPlan.decode(key, self._store.get(key))
         return self._cached_plan
+
+    def _published_gen(self) -> int:
+        """The generation in the controller's file (written after the plan is in the store)."""
+        try:
+            with open(self._env.gen_file, "rb") as flag:
+                return int(flag.read() or b"0")
+        except (OSError, ValueError):
+            return self._gen + 1  # unreadable: ask the store
 
     # -- planned migration ------------------------------------------------------------------
 
@@ -427,9 +442,9 @@ class Runtime:
         if not self._store.check([key]):
             return
         recorded_step, states = pickle.loads(self._store.get(key))
-        if recorded_step != step:
-            _log(f"rank {rank}'s random state was recorded at step {recorded_step}, not {step}; using it")
-        rng.restore(states)
+        if recorded_step > step:
+            _log(f"rank {rank}'s random state was recorded at step {recorded_step}, after {step}; using it")
+        rng.restore(states)  # unchanged since it was recorded (only changes are written)
 
 
 _runtime: Runtime | None = None
