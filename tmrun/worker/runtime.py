@@ -43,7 +43,8 @@ class RecoveryError(RuntimeError):
 
 
 def _log(message: str) -> None:
-    stamp = time.strftime("%H:%M:%S") + f".{int(time.time() * 1000) % 1000:03d}"
+    now = time.time()  # one reading: seconds and milliseconds of the same instant
+    stamp = time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now * 1000) % 1000:03d}"
     print(f"[tmrun worker {os.getpid()} {stamp}] {message}", file=sys.stderr, flush=True)
 
 
