@@ -131,12 +131,23 @@ class JobEnd:
     log: str
     left: list[int]  # PIDs that would not die
     stopped: str = ""  # why the bench stopped it
+    others: float = float("nan")  # CPU cores busy with processes other than this bench's, on average
+
+
+def busy_cpu() -> tuple[float, float]:
+    """(CPU seconds the whole machine was busy, CPU seconds of this process and its reaped children)."""
+    total = psutil.cpu_times()
+    busy = sum(total) - total.idle - getattr(total, "iowait", 0.0)
+    mine = os.times()
+    return busy, mine.user + mine.system + mine.children_user + mine.children_system
 
 
 def run_job(cmd: list[str], work: Path, env: dict[str, str], timeout: float, stop_on: str = "") -> JobEnd:
     """Run to completion, at most ``timeout`` seconds; stop early (2 s later) when a launcher
     log line matches the regex ``stop_on``."""
     log_path = work / "launcher.log"
+    busy0, mine0 = busy_cpu()
+    wall0 = time.monotonic()
     job = Job(cmd, log_path, env)
     LIVE_JOBS.append(job)
     stopped = ""
@@ -159,7 +170,9 @@ def run_job(cmd: list[str], work: Path, env: dict[str, str], timeout: float, sto
     finally:
         left = job.cleanup()
         LIVE_JOBS.remove(job)
-    return JobEnd(code if not stopped else None, log_path.read_text(errors="replace"), left, stopped)
+    busy1, mine1 = busy_cpu()
+    others = max(0.0, (busy1 - busy0) - (mine1 - mine0)) / max(1e-9, time.monotonic() - wall0)
+    return JobEnd(code if not stopped else None, log_path.read_text(errors="replace"), left, stopped, others)
 
 
 def cleanup_all(*_: object) -> None:
@@ -268,9 +281,10 @@ def torchrun_run(args: argparse.Namespace, work: Path) -> Result:
     end = run_job(cmd, work, env, args.timeout)
     rows = read_steps(work / "steps-0.log")
     if end.code is None:
-        return Result(case, False, f"{end.stopped}; {len(rows)} step lines")
+        return Result(case, False, f"{end.stopped}; {len(rows)} step lines", extra={"others": end.others})
     if end.code != 0 or not rows or rows[-1][0] != args.steps:
-        return Result(case, False, f"exit code {end.code}, last step {rows[-1][0] if rows else None}")
+        return Result(case, False, f"exit code {end.code}, last step {rows[-1][0] if rows else None}",
+                      extra={"others": end.others})
     # train_checkpoint logs steps completed (1-based): the kill comes before step index S, so
     # steps 1..S are the ones before the failure.
     before = [t for s, t, _ in rows[: args.fail_step] if s <= args.fail_step]
@@ -281,7 +295,7 @@ def torchrun_run(args: argparse.Namespace, work: Path) -> Result:
     if end.left:
         note += f"; {len(end.left)} processes would not die"
     return Result(case, True, note, steady, largest_gap(times) - steady,
-                  largest_gap(committed_times(rows)) - steady, recomputed)
+                  largest_gap(committed_times(rows)) - steady, recomputed, extra={"others": end.others})
 
 
 # Signs that in-place replacement is over for this run: the controller fences a live survivor,
@@ -312,7 +326,7 @@ def tmrun_run(args: argparse.Namespace, work: Path, case: str, nproc: int, model
     if len({pid for _, _, pid in rows}) > 1:
         problems.append("rank 0 changed process")
     if not rows:
-        return Result(case, False, "; ".join(problems) or "no step lines")
+        return Result(case, False, "; ".join(problems) or "no step lines", extra={"others": end.others})
     near = rows[-1][1]
     replaced_at = log_time(log, r"^in-place replacement, generation 1", near)
     warm_at = log_time(log, r"^standby 0 warm", near)
@@ -327,7 +341,7 @@ def tmrun_run(args: argparse.Namespace, work: Path, case: str, nproc: int, model
     recomputed = len(rows) - len({s for s, _, _ in rows})
     result = Result(case, not problems, "", steady, largest_gap(times) - steady,
                     largest_gap(committed_times(rows)) - steady, recomputed,
-                    float(recovered.group(1)) if recovered else float("nan"))
+                    float(recovered.group(1)) if recovered else float("nan"), extra={"others": end.others})
     # the joiner: rank 1's lines written by a process other than the original rank 1; its first
     # step is timed from its own "recovered into generation" line
     rank1 = read_steps(work / "steps-1.log")
@@ -423,12 +437,12 @@ def main() -> None:
     tiny = ["--width", "64", "--depth", "2", "--batch", "16", "--step-time", str(args.scale_step_time)]
     params = args.depth * (args.width * args.width + args.width) + args.width + 1
     print(f"machine: {machine()}", flush=True)
-    print(f"logs: {root}", flush=True)
+    print(f"logs: {root}" + ("" if args.keep else " (removed at the end; --keep keeps them)"), flush=True)
 
     def record(result: Result) -> None:
         results.append(result)
-        load = os.getloadavg()[0]
-        print(f"  [{time.monotonic() - started:6.0f}s, load {load:.1f}] {result.line()}", flush=True)
+        others = result.extra.get("others", float("nan"))
+        print(f"  [{time.monotonic() - started:4.0f}s, others {others:.2f} cores] {result.line()}", flush=True)
 
     try:
         for index in range(args.runs if "failover" in args.parts else 0):
@@ -453,6 +467,9 @@ def main() -> None:
     print()
     print("Command: " + " ".join(["python", "bench/inplace_failover.py", *sys.argv[1:]]))
     print(f"Machine: {machine()}; total {time.monotonic() - started:.0f} s")
+    others = [r.extra.get("others", float("nan")) for r in results]
+    print(f"Other processes on the machine (not this bench's) kept {spread(others)} CPU cores busy during a run "
+          "(min / median / max over the runs).")
     if "failover" in args.parts:
         report_failover(args, of, params)
     if "scale" in args.parts:
