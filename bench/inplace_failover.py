@@ -24,8 +24,8 @@ Per run, from the step logs (one line per completed step, with unix time):
   so the work redone after the failure is included;
 * steps recomputed: step numbers that rank 0 logged more than once;
 * joiner (tmrun): its first step is timed from its own "recovered into generation" line (agent
-  log); warm-up = joiner steps slower than 1.2 x steady before the first one within 1.2 x, and
-  the seconds from its recovery until that first step started.
+  log); warm-up = the joiner's steps before the first run of 3 consecutive steps within 1.2 x
+  steady, and the seconds from its recovery until that run started.
 
 Every process is started with a tag in its environment; on exit the bench SIGKILLs, by PID,
 every process carrying its tag that is still alive (workers run in sessions of their own).
@@ -59,6 +59,7 @@ CHECKPOINT_SCRIPT = ROOT / "examples" / "train_checkpoint.py"
 INPLACE_SCRIPT = ROOT / "examples" / "train_inplace.py"
 TAG_VAR = "TMRUN_BENCH_TAG"
 WARM_FACTOR = 1.2
+WARM_RUN = 3  # the joiner is warm once this many consecutive steps are within WARM_FACTOR x steady
 STEADY_WINDOW = 8
 
 
@@ -260,7 +261,8 @@ class Result:
         if self.recovery == self.recovery:
             text += f", recovery {self.recovery:.3f}s"
         if self.first_ratio == self.first_ratio:
-            text += f", joiner first step {self.first_ratio:.2f}x steady, {self.warm_steps} slow steps / {self.warm_seconds:.2f}s"
+            text += (f", joiner first step {self.first_ratio:.2f}x steady, warm-up {self.warm_steps} steps / "
+                     f"{self.warm_seconds:.2f}s")
         return text + (f" [{self.note}]" if self.note else "")
 
 
@@ -357,12 +359,13 @@ def tmrun_run(args: argparse.Namespace, work: Path, case: str, nproc: int, model
         marks = [start] + joined
         intervals = [b - a for a, b in zip(marks, marks[1:])]
         result.first_ratio = intervals[0] / steady
-        slow = next((i for i, v in enumerate(intervals) if v <= WARM_FACTOR * steady), len(intervals))
-        if slow < len(intervals):
-            result.warm_steps = slow
-            result.warm_seconds = marks[slow] - start
-        else:
-            notes.append(f"the joiner's {len(intervals)} steps were all slower than {WARM_FACTOR} x steady")
+        within = [v <= WARM_FACTOR * steady for v in intervals]
+        settled = next((i for i in range(len(within) - WARM_RUN + 1) if all(within[i:i + WARM_RUN])), -1)
+        if settled >= 0:
+            result.warm_steps = settled
+            result.warm_seconds = marks[settled] - start
+        elif not problems:
+            notes.append(f"the joiner's step never stayed within {WARM_FACTOR} x steady for {WARM_RUN} steps")
     else:
         notes.append("no completed step of the joiner found")
     refill = log_time(log, r"^standby 1 warm", near)
@@ -410,7 +413,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=25)
+    parser.add_argument("--steps", type=int, default=35)
     parser.add_argument("--fail-step", type=int, default=15, help="rank 1 dies at the start of this step (0-based)")
     parser.add_argument("--ckpt-every", type=int, default=10, help="torchrun script's checkpoint interval")
     parser.add_argument("--scale", default="2,4,8", help="world sizes for the scaling runs")
@@ -510,8 +513,9 @@ def report_failover(args: argparse.Namespace, of: Callable[[str], list[Result]],
     print("### 3. The joiner (rank 1's new process) after the same failure: warm standby vs cold joiner")
     print()
     print(f"First step: from the joiner's \"recovered\" line to its first completed step, in steady steps. "
-          f"Warm-up: joiner steps slower than {WARM_FACTOR} x steady before the first one within, and seconds "
-          "from its recovery to the start of that step.")
+          f"Warm-up: the joiner's steps before the first {WARM_RUN} consecutive steps within {WARM_FACTOR} x steady, "
+          "and seconds from its recovery to the start of those. New standby warm: when the standby that the "
+          "pool starts at the promotion reported warm.")
     print()
     print("| joiner | runs in place | first step / steady | warm-up steps | warm-up s "
           "| new standby warm, s after the failure |")
@@ -519,7 +523,8 @@ def report_failover(args: argparse.Namespace, of: Callable[[str], list[Result]],
     for case, label in (("tmrun", "warm (2 shadow steps, default)"), ("tmrun cold", "cold (`--shadow-steps 0`)")):
         runs = of(case)
         seen = [r for r in runs if r.first_ratio == r.first_ratio]  # a failed run may still have a first step
-        print(f"| {label} | {len([r for r in runs if r.ok])} of {len(runs)} | {spread([r.first_ratio for r in seen])} | "
+        ok = len([r for r in runs if r.ok])
+        print(f"| {label} | {ok} of {len(runs)} | {spread([r.first_ratio for r in seen])} | "
               f"{int_spread([r.warm_steps for r in seen])} | {spread([r.warm_seconds for r in seen])} | "
               f"{spread([r.extra.get('refill_warm', float('nan')) for r in seen], '{:.1f}')} |")
     print()

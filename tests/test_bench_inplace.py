@@ -25,8 +25,10 @@ def test_log_stamp_takes_the_date_nearest_the_reference() -> None:
     bench = _bench()
     just_after_midnight = dt.datetime(2026, 11, 23, 0, 0, 1).timestamp()
     # a line stamped just before midnight belongs to the previous day
-    assert bench.wall_time("23:59:59.500", just_after_midnight) == dt.datetime(2026, 11, 22, 23, 59, 59, 500000).timestamp()
-    assert bench.wall_time("00:00:00.250", just_after_midnight) == dt.datetime(2026, 11, 23, 0, 0, 0, 250000).timestamp()
+    before = dt.datetime(2026, 11, 22, 23, 59, 59, 500000).timestamp()
+    after = dt.datetime(2026, 11, 23, 0, 0, 0, 250000).timestamp()
+    assert bench.wall_time("23:59:59.500", just_after_midnight) == before
+    assert bench.wall_time("00:00:00.250", just_after_midnight) == after
 
 
 def test_downtime_and_time_lost() -> None:
