@@ -206,12 +206,20 @@ def wall_time(stamp: str, near: float) -> float:
     return min(candidates, key=lambda t: abs(t - near))
 
 
-def log_time(log: str, pattern: str, near: float) -> float | None:
-    """Unix time of the first log line matching ``pattern`` (regex on the text after the stamp)."""
-    for line in log.splitlines():
-        found = re.match(r"\[tmrun (?:worker \d+ )?(\d\d:\d\d:\d\d\.\d{3})\] (.*)", line)
-        if found and re.search(pattern, found.group(2)):
-            return wall_time(found.group(1), near)
+ENTRY = re.compile(r"\[tmrun (?:worker (\d+) )?(\d\d:\d\d:\d\d\.\d{3})\] ((?:(?!\[tmrun )[^\n])*)")
+
+
+def log_entries(log: str) -> list[tuple[str, str, str]]:
+    """(worker pid or "", stamp, message) of every tmrun line; lines that several processes
+    wrote at the same instant can be glued together in the file, so entries are found anywhere."""
+    return [(m.group(1) or "", m.group(2), m.group(3).strip()) for m in ENTRY.finditer(log)]
+
+
+def log_time(log: str, pattern: str, near: float, pid: str = "") -> float | None:
+    """Unix time of the first tmrun log entry whose message matches ``pattern`` (of worker ``pid``)."""
+    for who, stamp, message in log_entries(log):
+        if (not pid or who == pid) and re.search(pattern, message):
+            return wall_time(stamp, near)
     return None
 
 
@@ -349,12 +357,7 @@ def tmrun_run(args: argparse.Namespace, work: Path, case: str, nproc: int, model
     rank1 = read_steps(work / "steps-1.log")
     joiner = next((pid for _, _, pid in rank1 if pid != rank1[0][2]), "") if rank1 else ""
     joined = [t for _, t, pid in rank1 if pid == joiner] if joiner else []
-    start = None
-    for line in log.splitlines():
-        found = re.match(rf"\[tmrun worker {joiner} (\d\d:\d\d:\d\d\.\d{{3}})\] rank \d+: recovered", line)
-        if joiner and found:
-            start = wall_time(found.group(1), near)
-            break
+    start = log_time(log, r"^rank \d+: recovered into generation", near, pid=joiner) if joiner else None
     if joined and start is not None:
         marks = [start] + joined
         intervals = [b - a for a, b in zip(marks, marks[1:])]
