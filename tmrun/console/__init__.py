@@ -10,7 +10,8 @@ def say(message: str) -> None:
     """One line for the operator: ``[tmrun HH:MM:SS.mmm] message``."""
     now = time.time()
     stamp = time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now * 1000) % 1000:03d}"
-    print(f"[tmrun {stamp}] {message}", file=sys.stderr, flush=True)
+    sys.stderr.write(f"[tmrun {stamp}] {message}\n")  # one write: no gluing with workers' lines
+    sys.stderr.flush()
 
 
 def fail(message: str) -> None:

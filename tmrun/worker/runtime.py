@@ -43,8 +43,12 @@ class RecoveryError(RuntimeError):
 
 
 def _log(message: str) -> None:
-    stamp = time.strftime("%H:%M:%S") + f".{int(time.time() * 1000) % 1000:03d}"
-    print(f"[tmrun worker {os.getpid()} {stamp}] {message}", file=sys.stderr, flush=True)
+    now = time.time()  # one reading: seconds and milliseconds of the same instant
+    stamp = time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now * 1000) % 1000:03d}"
+    # one write per line: stderr is write-through, and print() writes the newline separately, so
+    # lines of processes sharing the file could be glued together
+    sys.stderr.write(f"[tmrun worker {os.getpid()} {stamp}] {message}\n")
+    sys.stderr.flush()
 
 
 class Runtime:

@@ -1,0 +1,52 @@
+"""bench/inplace_failover.py: its log arithmetic, and one short end-to-end run (about 15 s) so that
+the bench notices when tmrun's log lines or the example's step log change under it."""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib.util
+import sys
+
+from tests.helpers import ROOT, run
+
+BENCH = ROOT / "bench" / "inplace_failover.py"
+
+
+def _bench():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("inplace_failover", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_log_stamp_takes_the_date_nearest_the_reference() -> None:
+    bench = _bench()
+    just_after_midnight = dt.datetime(2026, 11, 23, 0, 0, 1).timestamp()
+    # a line stamped just before midnight belongs to the previous day
+    before = dt.datetime(2026, 11, 22, 23, 59, 59, 500000).timestamp()
+    after = dt.datetime(2026, 11, 23, 0, 0, 0, 250000).timestamp()
+    assert bench.wall_time("23:59:59.500", just_after_midnight) == before
+    assert bench.wall_time("00:00:00.250", just_after_midnight) == after
+
+
+def test_downtime_and_time_lost() -> None:
+    bench = _bench()
+    # steps every 1 s; step 3 aborted at t=3.2 and redone at t=4.5
+    rows = [(0, 0.0, "p"), (1, 1.0, "p"), (2, 2.0, "p"), (3, 3.2, "p"), (3, 4.5, "p"), (4, 5.5, "p")]
+    times = [t for _, t, _ in rows]
+    steady = bench.steady_step(times[:3])
+    assert steady == 1.0
+    assert round(bench.largest_gap(times) - steady, 6) == 0.3  # raw log: 3.2 -> 4.5
+    assert round(bench.largest_gap(bench.committed_times(rows)) - steady, 6) == 1.5  # committed: 2.0 -> 4.5
+
+
+def test_short_scale_run() -> None:
+    out = run(
+        [sys.executable, str(BENCH), "--runs", "1", "--parts", "scale", "--scale", "2", "--scale-steps", "20",
+         "--scale-fail-step", "14", "--timeout", "90"],
+        timeout=150,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout
+    assert "| 2 | 1 of 1 |" in out.stdout, out.stdout
