@@ -35,7 +35,8 @@ from tmrun.worker.tracked import TrackedState
 from tmrun.worker.transfer import HealPlan, agree, heal
 
 COMM_PREFIX = "comm"
-POLL = 0.02
+POLL = 0.02  # a standby waiting to be needed
+FAST_POLL = 0.002  # a survivor waiting for the plan (downtime)
 
 
 class RecoveryError(RuntimeError):
@@ -333,11 +334,18 @@ class Runtime:
 
     # -- recovery ---------------------------------------------------------------------------
 
-    def _await_key(self, key: str, deadline: float) -> bytes:
+    def _await_key(self, key: str, deadline: float, poll: float = POLL) -> bytes:
+        """Wait for ``key`` (polled: a timed-out store wait would log a warning each time),
+        watching for the controller's abort, SIGTERM, the agent's death and ``deadline``."""
         assert self._store is not None
+        polls = 0
         while True:
             if self._store.check([key]):
                 return self._store.get(key)
+            polls += 1
+            if polls % 10 and poll < POLL:
+                time.sleep(poll)
+                continue  # the other checks at POLL's pace
             if self._store.check([proto.ABORT]):
                 notice = proto.AbortNotice.decode(proto.ABORT, self._store.get(proto.ABORT))
                 raise RecoveryError(f"in-place recovery abandoned by the controller: {notice.reason}")
@@ -347,7 +355,7 @@ class Runtime:
                 raise SystemExit(0)  # orphaned standby: the agent is gone
             if time.monotonic() > deadline:
                 raise RecoveryError(f"no replacement plan within {self._env.recovery_timeout:.0f}s ({key})")
-            time.sleep(POLL)
+            time.sleep(poll)
 
     def _recover(self) -> int:
         """Wait for the controller's plan, switch the communicator to it, heal; repeat when a
@@ -359,7 +367,8 @@ class Runtime:
         aborted_step = self._current_step
         while True:
             key = proto.plan(self._gen + 1)
-            plan = proto.ReplacementPlan.decode(key, self._await_key(key, started + self._env.recovery_timeout))
+            raw = self._await_key(key, started + self._env.recovery_timeout, poll=FAST_POLL)
+            plan = proto.ReplacementPlan.decode(key, raw)
             try:
                 comm = group.comm()
                 cstore = dist.PrefixStore(f"{COMM_PREFIX}/", self._store)
@@ -388,7 +397,7 @@ class Runtime:
             f"tracked values {'finite' if finite else 'NOT finite'}); waiting"
         )
         key = proto.standby_assign(self._env.standby_id)
-        raw = self._await_key(key, float("inf"))
+        raw = self._await_key(key, float("inf"), poll=POLL / 2)
         started = time.monotonic()
         assignment = proto.Assignment.decode(key, raw)
         if assignment.stop:
