@@ -24,8 +24,8 @@ Per run, from the step logs (one line per completed step, with unix time):
   so the work redone after the failure is included;
 * steps recomputed: step numbers that rank 0 logged more than once;
 * joiner (tmrun): its first step is timed from its own "recovered into generation" line (agent
-  log); warm-up = the joiner's steps before the first run of 3 consecutive steps within 1.2 x
-  steady, and the seconds from its recovery until that run started.
+  log); warm-up = the joiner's steps before the first step from which the median of 3 steps is
+  within 1.2 x steady, and the seconds from its recovery until that step started.
 
 Every process is started with a tag in its environment; on exit the bench SIGKILLs, by PID,
 every process carrying its tag that is still alive (workers run in sessions of their own).
@@ -59,7 +59,7 @@ CHECKPOINT_SCRIPT = ROOT / "examples" / "train_checkpoint.py"
 INPLACE_SCRIPT = ROOT / "examples" / "train_inplace.py"
 TAG_VAR = "TMRUN_BENCH_TAG"
 WARM_FACTOR = 1.2
-WARM_RUN = 3  # the joiner is warm once this many consecutive steps are within WARM_FACTOR x steady
+WARM_RUN = 3  # warm from the first step where the median of this many steps is within WARM_FACTOR x steady
 STEADY_WINDOW = 8
 
 
@@ -362,13 +362,13 @@ def tmrun_run(args: argparse.Namespace, work: Path, case: str, nproc: int, model
         marks = [start] + joined
         intervals = [b - a for a, b in zip(marks, marks[1:])]
         result.first_ratio = intervals[0] / steady
-        within = [v <= WARM_FACTOR * steady for v in intervals]
-        settled = next((i for i in range(len(within) - WARM_RUN + 1) if all(within[i:i + WARM_RUN])), -1)
+        settled = next((i for i in range(len(intervals) - WARM_RUN + 1)
+                        if statistics.median(intervals[i:i + WARM_RUN]) <= WARM_FACTOR * steady), -1)
         if settled >= 0:
             result.warm_steps = settled
             result.warm_seconds = marks[settled] - start
         elif not problems:
-            notes.append(f"the joiner's step never stayed within {WARM_FACTOR} x steady for {WARM_RUN} steps")
+            notes.append(f"the joiner's steps never got within {WARM_FACTOR} x steady (median of {WARM_RUN})")
     else:
         notes.append("no completed step of the joiner found")
     refill = log_time(log, r"^standby 1 warm", near)
@@ -516,9 +516,9 @@ def report_failover(args: argparse.Namespace, of: Callable[[str], list[Result]],
     print("### 3. The joiner (rank 1's new process) after the same failure: warm standby vs cold joiner")
     print()
     print(f"First step: from the joiner's \"recovered\" line to its first completed step, in steady steps. "
-          f"Warm-up: the joiner's steps before the first {WARM_RUN} consecutive steps within {WARM_FACTOR} x steady, "
-          "and seconds from its recovery to the start of those. New standby warm: when the standby that the "
-          "pool starts at the promotion reported warm.")
+          f"Warm-up: the joiner's steps before the first step from which the median of {WARM_RUN} steps is within "
+          f"{WARM_FACTOR} x steady, and seconds from its recovery to the start of that step. New standby warm: "
+          "when the standby that the pool starts at the promotion reported warm.")
     print()
     print("| joiner | runs in place | first step / steady | warm-up steps | warm-up s "
           "| new standby warm, s after the failure |")
