@@ -222,3 +222,12 @@ def test_api_script_runs_unchanged_under_torchrun(tmp_path: Path, reference: str
         kill_tree(proc)
         assert leftovers(proc) == []
     assert (tmp_path / "final").read_text().strip() == reference
+
+
+def test_cold_standby_warms_up_after_its_assignment(tmp_path: Path, reference: str) -> None:
+    """--shadow-steps 0: the standby did no step before the failure; it runs DDP's first two
+    iterations locally once assigned (DDP rebuilds its buckets with a collective in the second),
+    then joins, and the result is still exact."""
+    code, log, final, steps = _run(tmp_path, "cold", "--shadow-steps", "0", "--inject-failure", "rank=1,step=5")
+    _check(code, log, final, steps, reference, survivors=[0])
+    assert "assigned rank 1 cold: warming up first" in log

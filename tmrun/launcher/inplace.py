@@ -89,7 +89,11 @@ class InplaceController:
 
     def step(self) -> Outcome:
         """One look at the workers and the reports; replaces what failed."""
-        self._pool.fill()  # a standby that died while waiting is replaced before it is needed
+        if not self._awaiting:
+            # A standby that died while waiting is replaced before it is needed; after a
+            # promotion the new one starts only once the job recovered (its warm-up competes for
+            # the node's CPUs with the recovery).
+            self._pool.fill()
         self._read_reports()
         self._check_recovered()
         self._check_leavers()
@@ -232,7 +236,6 @@ class InplaceController:
         self._write_gen_file()  # after the plan is in the store: a reader that sees it finds the plan
         self._pool.take(member)
         self.slots[rank] = Slot(rank, member.process, promoted=True)
-        self._pool.fill()
 
     def _write_gen_file(self) -> None:
         """Workers on this node read the generation here at every step boundary (a file read

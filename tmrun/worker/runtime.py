@@ -72,6 +72,10 @@ class Runtime:
         self._stop_requested = False
         self._fresh = False  # a joiner that has not received the state yet
         self._rng_recorded_for = -1
+        self._assignment: proto.Assignment | None = None
+        self._assigned_at = 0.0
+        self._shadow_done = 0
+        self._ddp_used = False
         self._rng_published: dict[str, Any] | None = None
         self._cached_plan: proto.ReplacementPlan | None = None
         self._prepared_gen = -1
@@ -112,11 +116,18 @@ class Runtime:
         return self._state.values
 
     @property
+    def aborted(self) -> bool:
+        """True for the rest of a step whose collectives lost a peer: its results are void and
+        ``steps()`` will yield it again (skip logging metrics of such a step)."""
+        return self._aborted_by is not None
+
+    @property
     def committed_step(self) -> int:
         return self._committed_step
 
     def ddp(self, module: torch.nn.Module, **kwargs: Any) -> torch.nn.parallel.DistributedDataParallel:
         self._install_drill_hooks(module)
+        self._ddp_used = True
         return torch.nn.parallel.DistributedDataParallel(module, process_group=group.process_group(), **kwargs)
 
     def _fire(self, point: str) -> None:
@@ -146,15 +157,21 @@ class Runtime:
         step = 0
         while True:
             if self._standby:
-                if step >= min(self._env.shadow_steps, total):
-                    step = self._wait_for_promotion()
+                if self._assignment is None and step >= min(self._env.shadow_steps, total):
+                    self._assignment = self._await_assignment()
+                if self._assignment is not None and self._warm():
+                    step = self._join(self._assignment)
                     continue
+                # a shadow step: before waiting, or (a cold standby) after it was assigned
                 self._shadow = True
+                step %= max(total, 1)
             if step >= total:
                 break
             self._begin_step(step)
             yield step
-            self._shadow = False
+            if self._shadow:
+                self._shadow = False
+                self._shadow_done += 1
             if self._aborted_by is not None:
                 step = self._recover()
                 continue
@@ -240,6 +257,10 @@ class Runtime:
             self._rng_recorded_for = step
 
     def _on_comm_failure(self, exc: BaseException) -> bool:
+        if isinstance(exc, native.ProtocolError):
+            # Not a lost peer: two live ranks disagree (different collectives, a foreign frame).
+            # That is a bug to report, not a member to replace: it raises into the script.
+            return False
         lost = getattr(exc, "peer", -1)
         if self._aborted_by is None:
             self._aborted_by = lost if isinstance(lost, int) else -1
@@ -384,24 +405,38 @@ class Runtime:
                 self._on_comm_failure(exc)
                 _log(f"rank {self._rank}: lost a member again during recovery ({exc}); waiting for the next plan")
 
-    def _wait_for_promotion(self) -> int:
+    def _warm(self) -> bool:
+        """DDP rebuilds its gradient buckets once, with a broadcast, in its second iteration:
+        a joiner must have done that locally or its first collectives would not match the
+        survivors'. A cold standby therefore runs its two local steps after it is assigned."""
+        return not self._ddp_used or self._shadow_done >= 2
+
+    def _await_assignment(self) -> proto.Assignment:
         assert self._store is not None
         traffic = group.traffic()
         finite = all(bool(torch.isfinite(t).all()) for _, t in self._state.tensors() if t.is_floating_point())
-        report = {"pid": os.getpid(), "shadow_steps": self._env.shadow_steps, "finite": finite, **traffic}
+        report = {"pid": os.getpid(), "shadow_steps": self._shadow_done, "finite": finite, **traffic}
         self._store.set(proto.standby_ready(self._env.standby_id), json.dumps(report))
         _log(
-            f"standby {self._env.standby_id} warm after {self._env.shadow_steps} shadow steps "
+            f"standby {self._env.standby_id} warm after {self._shadow_done} shadow steps "
             f"({traffic['local_ops']} collectives served locally, "
             f"{traffic['bytes_sent'] + traffic['bytes_recv']} bytes on the network, "
             f"tracked values {'finite' if finite else 'NOT finite'}); waiting"
         )
         key = proto.standby_assign(self._env.standby_id)
         raw = self._await_key(key, float("inf"), poll=POLL / 2)
-        started = time.monotonic()
+        self._assigned_at = time.monotonic()
         assignment = proto.Assignment.decode(key, raw)
         if assignment.stop:
             raise SystemExit(0)
+        if not self._warm():
+            _log(f"standby {self._env.standby_id} assigned rank {assignment.rank} cold: warming up first")
+        return assignment
+
+    def _join(self, assignment: proto.Assignment) -> int:
+        """Take the assigned rank: connect for the new generation, then heal."""
+        assert self._store is not None
+        started = self._assigned_at
         job_id = self._store.get(proto.JOB_ID).decode()
         cstore = dist.PrefixStore(f"{COMM_PREFIX}/", self._store)
         comm = native.join_via_store(

@@ -120,13 +120,12 @@ def _donate(comm: tmrun_native.Communicator, state: TrackedState, plan: HealPlan
         blob = pickle.dumps({"specs": state.specs(), "rest": state.rest(), "meta": step_meta})
         _send_blob(comm, blob, needy)
     pieces = _stripe(_byte_views([t for _, t in state.tensors()]), index, len(plan.donors))
+    buffers = [as_buffer(piece)[0] for piece in pieces]
+    works = [comm.send_async(buffer, needy, TAG_STRIPE) for buffer in buffers]  # sending starts
     crc = 0
-    works = []
-    for piece in pieces:
-        buffer, _ = as_buffer(piece)
+    for buffer in buffers:  # the checksum is computed while the bytes go out (GIL released)
         crc = tmrun_native.crc32c(buffer, crc)
-        works.append((comm.send_async(buffer, needy, TAG_STRIPE), piece))
-    for work, _piece in works:
+    for work in works:
         work.wait()
     comm.send(struct.pack("<I", crc), needy, TAG_CRC)
     return sum(p.numel() for p in pieces)
