@@ -231,3 +231,14 @@ def test_cold_standby_warms_up_after_its_assignment(tmp_path: Path, reference: s
     code, log, final, steps = _run(tmp_path, "cold", "--shadow-steps", "0", "--inject-failure", "rank=1,step=5")
     _check(code, log, final, steps, reference, survivors=[0])
     assert "assigned rank 1 cold: warming up first" in log
+
+
+def test_no_warm_standby_falls_back_to_a_group_restart(tmp_path: Path, reference: str) -> None:
+    """Rank 1 dies at step 0, long before the standby is warm (it runs all 12 steps in its
+    sandbox at 0.3 s each first); with --standby-wait 0 tmrun says so and restarts the group as
+    torchrun would; the drill does not fire again and the job finishes."""
+    code, log, final, _ = _run(tmp_path, "fallback", "--standby-wait", "0", "--shadow-steps", "12",
+                               "--inject-failure", "rank=1,step=0", step_time=0.3)
+    assert code == 0, log
+    assert "no standby ready within 0s: falling back to restarting the worker group" in log
+    assert final == reference
