@@ -120,6 +120,8 @@ class TmrunAgent(LocalElasticAgent):
                 error_file = "" if slot.promoted or self._pcontext is None else self._pcontext.error_files.get(local_rank, "")
                 failures[rank] = ProcessFailure(local_rank=local_rank, pid=slot.pid, exitcode=code, error_file=error_file)
             result = RunResult(state=WorkerState.FAILED, failures=failures)
+            if outcome.final:
+                self._remaining_restarts = 0
             self._report_failure(result)
             return result
         return RunResult(state=WorkerState.HEALTHY)

@@ -48,6 +48,7 @@ class Outcome:
     finished: bool = False
     failed: dict[int, int] = field(default_factory=dict)  # rank -> exit code
     reason: str = ""
+    final: bool = False  # do not restart the group: the training is over (restarting would redo it)
 
 
 class InplaceController:
@@ -198,7 +199,10 @@ class InplaceController:
         slot = self.slots[rank]
         others_done = all(self._store.check([proto.done(r)]) for r in self.slots if r != rank)
         if others_done:
-            return Outcome(failed={rank: exitcode}, reason=f"rank {rank} failed after every other rank finished")
+            say(f"rank {rank} failed with exit code {exitcode} after every other rank finished its steps; "
+                "the job ends failed (a restart would redo the whole training)")
+            return Outcome(failed={rank: exitcode}, reason=f"rank {rank} failed after every other rank finished",
+                           final=True)
         if self._replacements_left <= 0:
             return self._abandon(rank, exitcode, "no in-place replacements left (--max-restarts)")
         started = time.monotonic()

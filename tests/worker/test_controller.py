@@ -1,0 +1,134 @@
+"""The in-place controller's decisions, with a real store (HashStore) and real processes (tiny
+Python children, killed by PID), and a pool that only holds what the test gives it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from tmrun.control import inplace_protocol as proto
+from tmrun.launcher.inplace import InplaceController
+
+
+def child(code: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+@dataclass
+class FakeMember:
+    index: int
+    process: subprocess.Popen[bytes]
+
+
+@dataclass
+class FakePool:
+    members: list[FakeMember] = field(default_factory=list)
+    failing: str = ""
+    fills: int = 0
+
+    def fill(self) -> None:
+        self.fills += 1
+
+    def take(self, member: FakeMember) -> None:
+        self.members.remove(member)
+
+
+@pytest.fixture
+def procs():  # type: ignore[no-untyped-def]
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=10)
+
+
+def make(tmp_path: Path, pool: FakePool, world: int = 2, replacements: int = 3, wait: float = 0.0):
+    store = dist.HashStore()
+    controller = InplaceController(store, pool, world, wait, replacements, dist.HashStore(), str(tmp_path / "gen"))  # type: ignore[arg-type]
+    return store, controller
+
+
+def wait_exit(process: subprocess.Popen[bytes]) -> None:
+    process.wait(timeout=30)
+
+
+def test_a_dead_rank_is_replaced_by_a_ready_standby(tmp_path: Path, procs) -> None:  # type: ignore[no-untyped-def]
+    survivor, victim, standby = child("import time; time.sleep(60)"), child("raise SystemExit(7)"), child("import time; time.sleep(60)")
+    procs += [survivor, victim, standby]
+    pool = FakePool([FakeMember(4, standby)])
+    store, controller = make(tmp_path, pool)
+    controller.adopt({0: survivor, 1: victim})
+    store.set(proto.standby_ready(4), "{}")
+    wait_exit(victim)
+    outcome = controller.step()
+    assert not outcome.failed and not outcome.finished
+    plan = proto.ReplacementPlan.decode("p", store.get(proto.plan(1)))
+    assert plan.replaced == {1: 4} and not plan.planned
+    assert proto.Assignment.decode("a", store.get(proto.standby_assign(4))) == proto.Assignment(1, 1)
+    assert (tmp_path / "gen").read_text() == "1"  # the workers' per-step view of the generation
+    assert controller.slots[1].process is standby and pool.members == []
+
+
+def test_without_a_standby_it_falls_back_and_tells_the_workers(tmp_path: Path, procs) -> None:  # type: ignore[no-untyped-def]
+    survivor, victim = child("import time; time.sleep(60)"), child("raise SystemExit(3)")
+    procs += [survivor, victim]
+    store, controller = make(tmp_path, FakePool(), wait=0.2)
+    controller.adopt({0: survivor, 1: victim})
+    wait_exit(victim)
+    outcome = controller.step()
+    assert outcome.failed == {1: 3} and not outcome.final
+    assert "no standby ready" in proto.AbortNotice.decode("a", store.get(proto.ABORT)).reason
+
+
+def test_a_rank_failing_after_the_others_finished_ends_the_job(tmp_path: Path, procs) -> None:  # type: ignore[no-untyped-def]
+    done, victim = child("pass"), child("raise SystemExit(5)")
+    procs += [done, victim]
+    store, controller = make(tmp_path, FakePool())
+    controller.adopt({0: done, 1: victim})
+    store.set(proto.done(0), "11")
+    wait_exit(victim)
+    wait_exit(done)
+    outcome = controller.step()
+    assert outcome.failed == {1: 5} and outcome.final  # no group restart: it would redo everything
+
+
+def test_a_reported_rank_that_still_runs_is_fenced(tmp_path: Path, procs) -> None:  # type: ignore[no-untyped-def]
+    survivor, hung = child("import time; time.sleep(60)"), child("import time; time.sleep(60)")
+    procs += [survivor, hung]
+    store, controller = make(tmp_path, FakePool(), wait=0.0)
+    controller.adopt({0: survivor, 1: hung})
+    seq = store.add(proto.REPORT_SEQ, 1) - 1
+    store.set(proto.report(seq), proto.WorkerReport(reporter=0, lost=1, gen=0).encode())
+    stale = store.add(proto.REPORT_SEQ, 1) - 1
+    store.set(proto.report(stale), proto.WorkerReport(reporter=1, lost=0, gen=7).encode())  # another generation
+    store.set(proto.report(store.add(proto.REPORT_SEQ, 1) - 1), "not json")  # ignored, no crash
+    controller.step()
+    assert hung.wait(timeout=10) == -9  # SIGKILLed
+    assert survivor.poll() is None  # the stale report about rank 0 was not acted on
+
+
+def test_migration_requests(tmp_path: Path, procs) -> None:  # type: ignore[no-untyped-def]
+    a, b, standby = (child("import time; time.sleep(60)") for _ in range(3))
+    procs += [a, b, standby]
+    pool = FakePool([FakeMember(2, standby)])
+    store = dist.HashStore()
+    job = dist.HashStore()
+    controller = InplaceController(store, pool, 2, 0.0, 3, job, str(tmp_path / "gen"))  # type: ignore[arg-type]
+    controller.adopt({0: a, 1: b})
+    store.set(proto.API, "1")
+    store.add(proto.MEMBERS, 2)
+    proto.request_migration(job, 5)  # no such rank: refused, nothing published
+    controller.step()
+    assert not store.check([proto.plan(1)])
+    store.set(proto.standby_ready(2), "{}")
+    proto.request_migration(job, 1, "drain")
+    controller.step()
+    plan = proto.ReplacementPlan.decode("p", store.get(proto.plan(1)))
+    assert plan.planned and plan.replaced == {1: 2} and plan.reason == "drain"
+    assert controller.slots[1].process is standby
