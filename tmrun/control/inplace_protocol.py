@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable, Iterator
 
 API = "api"  # set by the first worker whose script called tmrun.init() (value: "1")
 MEMBERS = "members"  # counter: active ranks that initialised the runtime
@@ -69,6 +69,16 @@ JOB_ID = "job_id"  # the communicator's job id (rank 0 writes it; joiners read i
 def recovered(gen: int) -> str:
     """Counter: members that finished recovery into ``gen``."""
     return f"recovered/{gen}"
+
+
+def numbered(store: Any, seq_key: str, key_of: Callable[[int], str], start: int) -> Iterator[tuple[int, str]]:
+    """(number, key) of the messages written since ``start``, in order; stops at the first one
+    whose writer took the number but has not written it yet."""
+    for number in range(start, store.add(seq_key, 0)):
+        key = key_of(number)
+        if not store.check([key]):
+            return
+        yield number, key
 
 
 class ProtocolMessageError(ValueError):

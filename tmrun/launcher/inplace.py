@@ -20,7 +20,7 @@ from torch.distributed import Store
 from tmrun.console import say
 from tmrun.control import inplace_protocol as proto
 from tmrun.control.events import record_event
-from tmrun.launcher.standby_pool import StandbyMember, StandbyPool
+from tmrun.launcher.standby_pool import StandbyMember, StandbyPool, terminate
 
 
 @dataclass
@@ -131,14 +131,10 @@ class InplaceController:
                 say(f"rank {slot.rank}'s previous process (pid {slot.pid}) left with exit code {code}")
 
     def _read_migrations(self) -> None:
-        count = self._events.add(proto.MIGRATE_SEQ, 0)
-        while self._migrations_seen < count:
-            key = proto.migrate_request(self._migrations_seen)
-            if not self._events.check([key]):
-                return  # numbered but not written yet
+        for number, key in proto.numbered(self._events, proto.MIGRATE_SEQ, proto.migrate_request, self._migrations_seen):
             if self._awaiting or not self.enabled():
                 return  # one change at a time: retry once the current one is over
-            self._migrations_seen += 1
+            self._migrations_seen = number + 1
             try:
                 request = proto.MigrateRequest.decode(key, self._events.get(key))
             except proto.ProtocolMessageError as exc:
@@ -164,12 +160,8 @@ class InplaceController:
         self._leavers.append(slot)
 
     def _read_reports(self) -> None:
-        count = self._store.add(proto.REPORT_SEQ, 0)
-        while self._reports_seen < count:
-            key = proto.report(self._reports_seen)
-            if not self._store.check([key]):
-                break  # numbered but not written yet
-            self._reports_seen += 1
+        for number, key in proto.numbered(self._store, proto.REPORT_SEQ, proto.report, self._reports_seen):
+            self._reports_seen = number + 1
             try:
                 report = proto.WorkerReport.decode(key, self._store.get(key))
             except proto.ProtocolMessageError as exc:
@@ -257,13 +249,4 @@ class InplaceController:
 
     def stop_promoted(self, timeout: float = 5.0) -> None:
         """Stop every promoted standby still running (the group is being stopped)."""
-        promoted = [s.process for s in [*self.slots.values(), *self._leavers] if s.promoted and s.poll() is None]
-        for process in promoted:
-            process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for process in promoted:
-            try:
-                process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=5)
+        terminate([s.process for s in [*self.slots.values(), *self._leavers] if s.promoted], timeout)

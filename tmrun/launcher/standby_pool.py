@@ -18,6 +18,20 @@ from dataclasses import dataclass
 from tmrun.console import say
 
 
+def terminate(processes: list[subprocess.Popen[bytes]], timeout: float) -> None:
+    """SIGTERM every process still running, then SIGKILL what is left after ``timeout``; reaps all."""
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=5)
+
+
 @dataclass
 class StandbyMember:
     index: int
@@ -122,17 +136,7 @@ class StandbyPool:
         the pool's directory (no later ``fill``)."""
         if self._closed:
             return
-        for member in self._members:
-            if member.process.poll() is None:
-                member.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for member in self._members:
-            remaining = max(0.0, deadline - time.monotonic())
-            try:
-                member.process.wait(timeout=remaining)
-            except subprocess.TimeoutExpired:
-                member.process.kill()
-                member.process.wait(timeout=5)
+        terminate([member.process for member in self._members], timeout)
         self._members = []
         if not final:
             return
