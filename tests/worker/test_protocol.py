@@ -61,6 +61,7 @@ def test_drill_specs() -> None:
         ("rank=1,step=1,colour=red", "unknown key"),
         ("rank=1,rank=2,step=1", "twice"),
         ("rank=-1,step=1", ">= 0"),
+        ("rank=1,time=2,signal=RAISE", "RAISE needs step"),
     ]:
         with pytest.raises(DrillSpecError, match=match):
             Drill.parse(bad)

@@ -73,6 +73,8 @@ class Drill:
             raise DrillSpecError(f"--inject-failure: unknown signal {fields.get('signal')!r}")
         if rank < 0:
             raise DrillSpecError("--inject-failure: rank must be >= 0")
+        if name == "RAISE" and seconds >= 0:
+            raise DrillSpecError("--inject-failure: signal=RAISE needs step=N (an exception cannot be raised from a timer)")
         if who == "original" and step < 0 and seconds < 0:
             raise DrillSpecError("--inject-failure needs step=N or time=SECONDS")
         return cls(rank=rank, step=step, at=at, seconds=seconds, signal_name=name, who=who)
@@ -126,19 +128,20 @@ class DrillRunner:
             return False
         return drill.step < 0 or drill.step == step or point == "promotion"
 
+    def _trigger(self, drill: Drill, where: str) -> None:
+        """Fire ``drill`` once per job: the first process to claim it kills itself (or raises)."""
+        self._drills.remove(drill)
+        if not self.claim(self._index[drill]):
+            return
+        if drill.signal_name == "RAISE":
+            raise InjectedFailure(f"injected failure: rank {self._rank} at {where}")
+        os.kill(os.getpid(), getattr(signal, f"SIG{drill.signal_name}"))
+
     def _fire_timed(self, drill: Drill) -> None:
         if drill.rank == self._rank and not self._promoted and drill in self._drills:
-            self._drills.remove(drill)
-            if not self.claim(self._index[drill]):
-                return
-            os.kill(os.getpid(), getattr(signal, f"SIG{drill.signal_name}", signal.SIGKILL))
+            self._trigger(drill, f"{drill.seconds}s")
 
     def fire(self, point: str, step: int) -> None:
         for drill in list(self._drills):
             if self._matches(drill, point, step):
-                self._drills.remove(drill)
-                if not self.claim(self._index[drill]):
-                    continue
-                if drill.signal_name == "RAISE":
-                    raise InjectedFailure(f"injected failure: rank {self._rank} at {point} of step {step}")
-                os.kill(os.getpid(), getattr(signal, f"SIG{drill.signal_name}"))
+                self._trigger(drill, f"{point} of step {step}")
