@@ -10,7 +10,7 @@ one-line :class:`ProtocolMessageError` instead of a traceback deep in training.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator
 
 API = "api"  # set by the first worker whose script called tmrun.init() (value: "1")
@@ -216,7 +216,6 @@ class WorkerReport:
 class AbortNotice:
     reason: str
     gen: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def encode(self) -> str:
         return json.dumps(asdict(self))

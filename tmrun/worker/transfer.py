@@ -34,13 +34,6 @@ class HealPlan:
     needy: list[int]  # members behind (joiners, or a survivor that missed the last commit)
 
 
-@dataclass(frozen=True)
-class HealResult:
-    plan: HealPlan
-    received_bytes: int
-    sent_bytes: int
-
-
 def agree(comm: tmrun_native.Communicator, committed_step: int, digest: int, fresh: bool) -> HealPlan:
     """Allgather (committed step, layout digest, fresh) and derive the same plan on every member."""
     mine = torch.tensor([committed_step, digest, 1 if fresh else 0], dtype=torch.int64)
