@@ -157,6 +157,68 @@ std::unique_ptr<Work> launch(py::object self, std::function<void()> fn, std::vec
 
 void finish(std::unique_ptr<Work> w) { w->wait(std::nullopt); }
 
+// The operations. Each returns the Work of the queued operation; the blocking form of the
+// binding is the same call followed by a wait (see sync()).
+std::unique_ptr<Work> allreduce_async(py::object self, py::buffer buf, ReduceOp op, std::optional<DType> dtype) {
+  Buf b = get_buf(buf, dtype, true, "allreduce");
+  Comm* c = &self.cast<Comm&>();
+  auto ptr = b.ptr; auto n = b.count; auto dt = b.dt;
+  return launch(self, [c, ptr, n, dt, op] { c->do_allreduce(ptr, n, dt, op); }, {&b});
+}
+
+std::unique_ptr<Work> broadcast_async(py::object self, py::buffer buf, int root, std::optional<DType> dtype) {
+  Buf b = get_buf(buf, dtype, true, "broadcast");
+  Comm* c = &self.cast<Comm&>();
+  auto ptr = b.ptr; auto n = b.count; auto dt = b.dt;
+  return launch(self, [c, ptr, n, dt, root] { c->do_broadcast(ptr, n, dt, root); }, {&b});
+}
+
+std::unique_ptr<Work> allgather_async(py::object self, py::buffer output, py::buffer input, std::optional<DType> dtype) {
+  Buf o = get_buf(output, dtype, true, "allgather output");
+  Buf i = get_buf(input, dtype ? dtype : std::optional<DType>(o.dt), false, "allgather input");
+  Comm* c = &self.cast<Comm&>();
+  if (o.bytes != i.bytes * size_t(c->world_size()))
+    throw py::value_error("allgather: output must hold world_size * input elements");
+  auto op = o.ptr; auto ip = i.ptr; auto n = i.count; auto dt = o.dt;
+  return launch(self, [c, op, ip, n, dt] { c->do_allgather(op, ip, n, dt); }, {&o, &i});
+}
+
+std::unique_ptr<Work> reduce_scatter_async(py::object self, py::buffer output, py::buffer input, ReduceOp rop,
+                                           std::optional<DType> dtype) {
+  Buf o = get_buf(output, dtype, true, "reduce_scatter output");
+  Buf i = get_buf(input, dtype ? dtype : std::optional<DType>(o.dt), false, "reduce_scatter input");
+  Comm* c = &self.cast<Comm&>();
+  if (i.bytes != o.bytes * size_t(c->world_size()))
+    throw py::value_error("reduce_scatter: input must hold world_size * output elements");
+  auto op = o.ptr; auto ip = i.ptr; auto n = o.count; auto dt = o.dt;
+  return launch(self, [c, op, ip, n, dt, rop] { c->do_reduce_scatter(op, ip, n, dt, rop); }, {&o, &i});
+}
+
+std::unique_ptr<Work> barrier_async(py::object self) {
+  Comm* c = &self.cast<Comm&>();
+  return launch(self, [c] { c->do_barrier(); }, {});
+}
+
+std::unique_ptr<Work> send_async(py::object self, py::buffer buf, int dst, uint32_t tag) {
+  Buf b = get_buf(buf, std::nullopt, false, "send", true);
+  Comm* c = &self.cast<Comm&>();
+  auto ptr = b.ptr; auto n = b.bytes;
+  return launch(self, [c, ptr, n, dst, tag] { c->do_send(ptr, n, dst, tag); }, {&b});
+}
+
+std::unique_ptr<Work> recv_async(py::object self, py::buffer buf, int src, uint32_t tag) {
+  Buf b = get_buf(buf, std::nullopt, true, "recv", true);
+  Comm* c = &self.cast<Comm&>();
+  auto ptr = b.ptr; auto n = b.bytes;
+  return launch(self, [c, ptr, n, src, tag] { c->do_recv(ptr, n, src, tag); }, {&b});
+}
+
+// The blocking binding of an *_async operation: the same arguments, waits, returns None.
+template <typename... Args>
+auto sync(std::unique_ptr<Work> (*op)(py::object, Args...)) {
+  return [op](py::object self, Args... args) { finish(op(std::move(self), std::move(args)...)); };
+}
+
 }  // namespace
 
 void bind_comm(py::module_& m) {
@@ -257,134 +319,28 @@ a Work. Operations run in submission order on the communicator's worker thread.)
       .def_property_readonly("options", &Comm::options)
       .def("connect", &Comm::connect, py::arg("addresses"), py::call_guard<py::gil_scoped_release>(),
            "Build the links of this epoch (addresses[r] = 'host:port' of rank r). Joiners call this too.")
-      // ---- allreduce
-      .def("allreduce_async",
-           [](py::object self, py::buffer buf, ReduceOp op, std::optional<DType> dtype) {
-             Buf b = get_buf(buf, dtype, true, "allreduce");
-             Comm* c = &self.cast<Comm&>();
-             auto ptr = b.ptr; auto n = b.count; auto dt = b.dt;
-             return launch(self, [c, ptr, n, dt, op] { c->do_allreduce(ptr, n, dt, op); }, {&b});
-           },
-           py::arg("buf"), py::arg("op") = ReduceOp::kSum, py::arg("dtype") = py::none())
-      .def("allreduce",
-           [](py::object self, py::buffer buf, ReduceOp op, std::optional<DType> dtype) {
-             Buf b = get_buf(buf, dtype, true, "allreduce");
-             Comm* c = &self.cast<Comm&>();
-             auto ptr = b.ptr; auto n = b.count; auto dt = b.dt;
-             finish(launch(self, [c, ptr, n, dt, op] { c->do_allreduce(ptr, n, dt, op); }, {&b}));
-           },
-           py::arg("buf"), py::arg("op") = ReduceOp::kSum, py::arg("dtype") = py::none(),
-           "In-place allreduce; every rank ends with identical bits.")
-      // ---- broadcast
-      .def("broadcast_async",
-           [](py::object self, py::buffer buf, int root, std::optional<DType> dtype) {
-             Buf b = get_buf(buf, dtype, true, "broadcast");
-             Comm* c = &self.cast<Comm&>();
-             auto ptr = b.ptr; auto n = b.count; auto dt = b.dt;
-             return launch(self, [c, ptr, n, dt, root] { c->do_broadcast(ptr, n, dt, root); }, {&b});
-           },
-           py::arg("buf"), py::arg("root"), py::arg("dtype") = py::none())
-      .def("broadcast",
-           [](py::object self, py::buffer buf, int root, std::optional<DType> dtype) {
-             Buf b = get_buf(buf, dtype, true, "broadcast");
-             Comm* c = &self.cast<Comm&>();
-             auto ptr = b.ptr; auto n = b.count; auto dt = b.dt;
-             finish(launch(self, [c, ptr, n, dt, root] { c->do_broadcast(ptr, n, dt, root); }, {&b}));
-           },
-           py::arg("buf"), py::arg("root"), py::arg("dtype") = py::none())
-      // ---- allgather
-      .def("allgather_async",
-           [](py::object self, py::buffer output, py::buffer input, std::optional<DType> dtype) {
-             Buf o = get_buf(output, dtype, true, "allgather output");
-             Buf i = get_buf(input, dtype ? dtype : std::optional<DType>(o.dt), false, "allgather input");
-             Comm* c = &self.cast<Comm&>();
-             if (o.bytes != i.bytes * size_t(c->world_size()))
-               throw py::value_error("allgather: output must hold world_size * input elements");
-             auto op = o.ptr; auto ip = i.ptr; auto n = i.count; auto dt = o.dt;
-             return launch(self, [c, op, ip, n, dt] { c->do_allgather(op, ip, n, dt); }, {&o, &i});
-           },
-           py::arg("output"), py::arg("input"), py::arg("dtype") = py::none())
-      .def("allgather",
-           [](py::object self, py::buffer output, py::buffer input, std::optional<DType> dtype) {
-             Buf o = get_buf(output, dtype, true, "allgather output");
-             Buf i = get_buf(input, dtype ? dtype : std::optional<DType>(o.dt), false, "allgather input");
-             Comm* c = &self.cast<Comm&>();
-             if (o.bytes != i.bytes * size_t(c->world_size()))
-               throw py::value_error("allgather: output must hold world_size * input elements");
-             auto op = o.ptr; auto ip = i.ptr; auto n = i.count; auto dt = o.dt;
-             finish(launch(self, [c, op, ip, n, dt] { c->do_allgather(op, ip, n, dt); }, {&o, &i}));
-           },
-           py::arg("output"), py::arg("input"), py::arg("dtype") = py::none(),
+      // ---- collectives and point to point: each sync form is its *_async form, waited for
+      .def("allreduce_async", &allreduce_async, py::arg("buf"), py::arg("op") = ReduceOp::kSum,
+           py::arg("dtype") = py::none())
+      .def("allreduce", sync(&allreduce_async), py::arg("buf"), py::arg("op") = ReduceOp::kSum,
+           py::arg("dtype") = py::none(), "In-place allreduce; every rank ends with identical bits.")
+      .def("broadcast_async", &broadcast_async, py::arg("buf"), py::arg("root"), py::arg("dtype") = py::none())
+      .def("broadcast", sync(&broadcast_async), py::arg("buf"), py::arg("root"), py::arg("dtype") = py::none())
+      .def("allgather_async", &allgather_async, py::arg("output"), py::arg("input"), py::arg("dtype") = py::none())
+      .def("allgather", sync(&allgather_async), py::arg("output"), py::arg("input"), py::arg("dtype") = py::none(),
            "output = concatenation of every rank's input, in rank order.")
-      // ---- reduce_scatter
-      .def("reduce_scatter_async",
-           [](py::object self, py::buffer output, py::buffer input, ReduceOp rop, std::optional<DType> dtype) {
-             Buf o = get_buf(output, dtype, true, "reduce_scatter output");
-             Buf i = get_buf(input, dtype ? dtype : std::optional<DType>(o.dt), false, "reduce_scatter input");
-             Comm* c = &self.cast<Comm&>();
-             if (i.bytes != o.bytes * size_t(c->world_size()))
-               throw py::value_error("reduce_scatter: input must hold world_size * output elements");
-             auto op = o.ptr; auto ip = i.ptr; auto n = o.count; auto dt = o.dt;
-             return launch(self, [c, op, ip, n, dt, rop] { c->do_reduce_scatter(op, ip, n, dt, rop); }, {&o, &i});
-           },
-           py::arg("output"), py::arg("input"), py::arg("op") = ReduceOp::kSum, py::arg("dtype") = py::none())
-      .def("reduce_scatter",
-           [](py::object self, py::buffer output, py::buffer input, ReduceOp rop, std::optional<DType> dtype) {
-             Buf o = get_buf(output, dtype, true, "reduce_scatter output");
-             Buf i = get_buf(input, dtype ? dtype : std::optional<DType>(o.dt), false, "reduce_scatter input");
-             Comm* c = &self.cast<Comm&>();
-             if (i.bytes != o.bytes * size_t(c->world_size()))
-               throw py::value_error("reduce_scatter: input must hold world_size * output elements");
-             auto op = o.ptr; auto ip = i.ptr; auto n = o.count; auto dt = o.dt;
-             finish(launch(self, [c, op, ip, n, dt, rop] { c->do_reduce_scatter(op, ip, n, dt, rop); }, {&o, &i}));
-           },
-           py::arg("output"), py::arg("input"), py::arg("op") = ReduceOp::kSum, py::arg("dtype") = py::none(),
+      .def("reduce_scatter_async", &reduce_scatter_async, py::arg("output"), py::arg("input"),
+           py::arg("op") = ReduceOp::kSum, py::arg("dtype") = py::none())
+      .def("reduce_scatter", sync(&reduce_scatter_async), py::arg("output"), py::arg("input"),
+           py::arg("op") = ReduceOp::kSum, py::arg("dtype") = py::none(),
            "output = block `rank` of the elementwise reduction of every rank's input (world_size blocks).")
-      // ---- barrier
-      .def("barrier_async",
-           [](py::object self) {
-             Comm* c = &self.cast<Comm&>();
-             return launch(self, [c] { c->do_barrier(); }, {});
-           })
-      .def("barrier",
-           [](py::object self) {
-             Comm* c = &self.cast<Comm&>();
-             finish(launch(self, [c] { c->do_barrier(); }, {}));
-           })
-      // ---- point to point
-      .def("send_async",
-           [](py::object self, py::buffer buf, int dst, uint32_t tag) {
-             Buf b = get_buf(buf, std::nullopt, false, "send", true);
-             Comm* c = &self.cast<Comm&>();
-             auto ptr = b.ptr; auto n = b.bytes;
-             return launch(self, [c, ptr, n, dst, tag] { c->do_send(ptr, n, dst, tag); }, {&b});
-           },
-           py::arg("buf"), py::arg("dst"), py::arg("tag") = 0)
-      .def("send",
-           [](py::object self, py::buffer buf, int dst, uint32_t tag) {
-             Buf b = get_buf(buf, std::nullopt, false, "send", true);
-             Comm* c = &self.cast<Comm&>();
-             auto ptr = b.ptr; auto n = b.bytes;
-             finish(launch(self, [c, ptr, n, dst, tag] { c->do_send(ptr, n, dst, tag); }, {&b}));
-           },
-           py::arg("buf"), py::arg("dst"), py::arg("tag") = 0,
+      .def("barrier_async", &barrier_async)
+      .def("barrier", sync(&barrier_async))
+      .def("send_async", &send_async, py::arg("buf"), py::arg("dst"), py::arg("tag") = 0)
+      .def("send", sync(&send_async), py::arg("buf"), py::arg("dst"), py::arg("tag") = 0,
            "Send the buffer's bytes to rank dst (links to non-neighbours are opened on first use).")
-      .def("recv_async",
-           [](py::object self, py::buffer buf, int src, uint32_t tag) {
-             Buf b = get_buf(buf, std::nullopt, true, "recv", true);
-             Comm* c = &self.cast<Comm&>();
-             auto ptr = b.ptr; auto n = b.bytes;
-             return launch(self, [c, ptr, n, src, tag] { c->do_recv(ptr, n, src, tag); }, {&b});
-           },
-           py::arg("buf"), py::arg("src"), py::arg("tag") = 0)
-      .def("recv",
-           [](py::object self, py::buffer buf, int src, uint32_t tag) {
-             Buf b = get_buf(buf, std::nullopt, true, "recv", true);
-             Comm* c = &self.cast<Comm&>();
-             auto ptr = b.ptr; auto n = b.bytes;
-             finish(launch(self, [c, ptr, n, src, tag] { c->do_recv(ptr, n, src, tag); }, {&b}));
-           },
-           py::arg("buf"), py::arg("src"), py::arg("tag") = 0,
+      .def("recv_async", &recv_async, py::arg("buf"), py::arg("src"), py::arg("tag") = 0)
+      .def("recv", sync(&recv_async), py::arg("buf"), py::arg("src"), py::arg("tag") = 0,
            "Receive exactly len(buf) bytes from rank src (sizes and tags must match the send).")
       // ---- replacement
       .def("prepare",
