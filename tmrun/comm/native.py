@@ -134,8 +134,9 @@ def prepare_replacement(
     Call :meth:`Communicator.commit` at the next safe point."""
     replaced = sorted(set(int(r) for r in replaced))
     store.set(address_key(comm.job_id, new_epoch, comm.rank, prefix), comm.address)
-    needed = [r for r in replaced if r in comm.ring_peers]
-    new_addresses = {r: _get(store, address_key(comm.job_id, new_epoch, r, prefix)) for r in needed}
+    # every joiner's new address, not only the ring neighbours': a point-to-point link to a
+    # joiner that is not a neighbour (state transfer) is dialled lazily, at that address
+    new_addresses = {r: _get(store, address_key(comm.job_id, new_epoch, r, prefix)) for r in replaced}
     comm.prepare(replaced, new_addresses, new_epoch)
 
 

@@ -66,6 +66,23 @@ def done(rank: int) -> str:
 JOB_ID = "job_id"  # the communicator's job id (rank 0 writes it; joiners read it)
 
 
+# Several nodes (the prefix is per epoch, ``tmrun/<run>/ip/e<epoch>/``): every active agent
+# says which ranks its node runs, every standby agent which standby workers it keeps warm.
+def node_ranks(group_rank: int) -> str:
+    """JSON {"node_id": N, "ranks": [...]} of the node at ``group_rank`` (its agent writes it)."""
+    return f"node/{group_rank}/ranks"
+
+
+def standby_node(node_id: int) -> str:
+    """JSON {"ids": [...]}: the standby workers of standby node ``node_id``, by local rank."""
+    return f"standby_node/{node_id}"
+
+
+def node_prefix(run_id: str, epoch: int) -> str:
+    """The in-place protocol's prefix of a multi-node job's ``epoch``."""
+    return f"tmrun/{run_id}/ip/e{epoch}/"
+
+
 def recovered(gen: int) -> str:
     """Counter: members that finished recovery into ``gen``."""
     return f"recovered/{gen}"

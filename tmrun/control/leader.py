@@ -19,6 +19,7 @@ from tmrun.console import say
 from tmrun.control import planner
 from tmrun.control.events import record_event
 from tmrun.control.liveness import LivenessMonitor
+from tmrun.control.node_inplace import Decision, NodeInplaceCoordinator
 from tmrun.control.planner import FailureReport, GroupLimits
 from tmrun.rendezvous import keys
 from tmrun.rendezvous.state import Membership, Phase
@@ -34,6 +35,7 @@ class LeaderConfig:
     join_timeout: float  # how long to wait for min_nodes, or for a lost rank's replacement
     failure_settle: float  # how long to wait for a root cause after a plain worker exception
     heartbeat_timeout: float
+    standby_wait: float = 60.0  # in-place: how long a failed node waits for a warm standby node
     poll_interval: float = 0.02
 
 
@@ -44,7 +46,9 @@ class _Pending:
 
 
 class Leader:
-    def __init__(self, store: Store, config: LeaderConfig) -> None:
+    def __init__(self, store: Store, config: LeaderConfig, raw_store: Store | None = None) -> None:
+        """``store`` is the job's prefixed store; ``raw_store`` the unprefixed one (the in-place
+        protocol's keys are full paths shared with the workers); the same store by default."""
         self._store = store
         self._config = config
         self._membership = Membership()
@@ -59,6 +63,8 @@ class Leader:
         self._lost: dict[int, str] = {}
         self._stop = threading.Event()
         self._monitor = LivenessMonitor(config.run_id, config.heartbeat_timeout)
+        self._inplace = NodeInplaceCoordinator(raw_store if raw_store is not None else store, config.run_id,
+                                               config.standby_wait)
         self._thread = threading.Thread(target=self._run, name="tmrun-leader", daemon=True)
         self.error: BaseException | None = None
 
@@ -96,6 +102,8 @@ class Leader:
                 else:
                     self._maybe_replace()
                     self._check_hole()
+                    for line in self._inplace.recovered():
+                        self._event("recovered", line)
         except Exception as exc:  # the store went away or a bug: the job cannot continue
             if not self._stop.is_set():
                 log.error("tmrun leader stopped: %s", exc)
@@ -206,9 +214,24 @@ class Leader:
         certain = any(r.by_signal or r.node_dead for r in pending.reports)
         if not certain and time.monotonic() - pending.first_seen < self._config.failure_settle:
             return
-        self._pending = None
-        culprits = planner.blame(pending.reports)
+        culprits = [n for n in planner.blame(pending.reports) if n in self._membership.active]
         dead = {r.node_id for r in pending.reports if r.node_dead}
+        if not culprits:  # late reports about nodes already replaced: nothing to do
+            self._pending = None
+            return
+        decision, swapped, why = self._inplace.decide(self._membership, culprits, dead, pending.first_seen)
+        if decision is Decision.WAIT:
+            return
+        self._pending = None
+        if swapped is not None:
+            self._publish(swapped)
+            self._event("failure", "; ".join(f"node {r.node_id}: {r.detail}" for r in pending.reports))
+            self._event("replace", why)
+            return
+        if decision is Decision.FALLBACK:
+            self._event("fallback", f"{why}: the group restarts (as torchrun)")
+        else:
+            log.info("no in-place replacement: %s", why)
         plan = planner.replace_failed(self._membership, culprits, dead, self._config.limits)
         causes = "; ".join(f"node {r.node_id}: {r.detail}" for r in pending.reports if r.node_id in culprits)
         self._publish(plan)

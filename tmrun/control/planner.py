@@ -134,6 +134,27 @@ def replace_failed(
     return plan
 
 
+def replace_in_place(membership: Membership, moves: dict[int, int], dead: set[int]) -> Membership:
+    """Standby nodes take failed nodes' group ranks *without* a new epoch: the survivors keep
+    their workers (in-place replacement). ``moves`` maps a failed node to the standby node that
+    takes its group rank; a failed node that is still alive is retired (it leaves the job)."""
+    swapped = _copy(membership)
+    steps: list[str] = []
+    for culprit, replacement in moves.items():
+        if culprit not in swapped.active or replacement not in swapped.standby:
+            raise ValueError(f"node {replacement} cannot replace node {culprit} in place")
+        rank = swapped.active.index(culprit)
+        swapped.active[rank] = replacement
+        swapped.standby.remove(replacement)
+        if culprit in dead:
+            swapped.dead = sorted(set(swapped.dead) | {culprit})
+        else:
+            swapped.retired = sorted(set(swapped.retired) | {culprit})
+        steps.append(f"node {replacement} replaces node {culprit} at group rank {rank} in place")
+    swapped.reason = "; ".join(steps)
+    return swapped
+
+
 def drop_standby(membership: Membership, node_id: int) -> Membership:
     """A standby node is gone: remove it from the pool (the active group is untouched)."""
     dropped = _copy(membership)

@@ -15,7 +15,7 @@ from tmrun.console import say
 from tmrun.launcher.agent import TmrunAgent
 from tmrun.launcher.runfile import remove_runfile, write_runfile
 from tmrun.rendezvous import register_tmrun_backend
-from tmrun.rendezvous.handler import TmrunRendezvousHandler
+from tmrun.rendezvous.handler import NodeRetiredError, TmrunRendezvousHandler
 from tmrun.rendezvous.state import Phase
 
 
@@ -36,6 +36,7 @@ def launch(config: LaunchConfig, entrypoint: str, args: list[Any], options: Tmru
     rdzv_configs = dict(config.rdzv_configs)
     if config.rdzv_backend == "tmrun":
         rdzv_configs["standby"] = 0 if single_node else options.standby
+        rdzv_configs.setdefault("standby_wait", options.standby_wait)
     params = RendezvousParameters(
         backend=config.rdzv_backend,
         endpoint=config.rdzv_endpoint,
@@ -72,6 +73,7 @@ def launch(config: LaunchConfig, entrypoint: str, args: list[Any], options: Tmru
         monitor_interval=config.monitor_interval,
         standby_workers=options.standby if single_node else 0,
         standby_wait=options.standby_wait,
+        standby_nodes=0 if single_node else options.standby,
         log_line_prefix_template=config.log_line_prefix_template,
         shutdown_timeout=int(config.shutdown_timeout),
     )
@@ -93,6 +95,9 @@ def launch(config: LaunchConfig, entrypoint: str, args: list[Any], options: Tmru
 def _run(agent: TmrunAgent, handler: TmrunRendezvousHandler | None) -> int:
     try:
         result = agent.run()
+    except NodeRetiredError as exc:
+        say(f"{exc}; this node leaves, the job goes on")
+        return 0
     except RendezvousClosedError as exc:
         closed = handler.closed_reason() if handler is not None else None
         if closed is not None and closed[0] is Phase.SUCCEEDED:

@@ -37,6 +37,7 @@ class StandbyMember:
     index: int
     process: subprocess.Popen[bytes]
     ready_file: str
+    local_rank: int = 0
 
     @property
     def ready(self) -> bool:
@@ -44,15 +45,20 @@ class StandbyMember:
 
     def describe(self) -> dict[str, object]:
         state = "exited" if self.process.poll() is not None else ("ready" if self.ready else "warming")
-        return {"index": self.index, "pid": self.process.pid, "state": state}
+        return {"index": self.index, "pid": self.process.pid, "state": state, "local_rank": self.local_rank}
 
 
 class StandbyPool:
-    def __init__(self, size: int, run_id: str) -> None:
+    """``size`` standby worker processes. On a single node they are interchangeable (local rank
+    0 each); a standby node's pool (``by_local_rank``) holds one per local rank of a node, so
+    that each takes over the rank with the same local rank (and the same device)."""
+
+    def __init__(self, size: int, run_id: str, first_index: int = 0, by_local_rank: bool = False) -> None:
         self._size = size
         self._run_id = run_id
         self._members: list[StandbyMember] = []
-        self._next_index = 0
+        self._next_index = first_index
+        self._by_local_rank = by_local_rank
         self._closed = False
         self._early_exits = 0  # standbys that died before they were ever taken, in a row
         self._last_start = 0.0
@@ -101,7 +107,9 @@ class StandbyPool:
             return
         while len(self._members) < self._size:
             self._last_start = time.monotonic()
-            self._members.append(self._start(self._next_index))
+            taken = {m.local_rank for m in self._members}
+            local_rank = min(set(range(self._size)) - taken) if self._by_local_rank else 0
+            self._members.append(self._start(self._next_index, local_rank))
             self._next_index += 1
 
     def take(self, member: StandbyMember) -> None:
@@ -109,7 +117,7 @@ class StandbyPool:
         self._members.remove(member)
         self._early_exits = 0
 
-    def _start(self, index: int) -> StandbyMember:
+    def _start(self, index: int, local_rank: int) -> StandbyMember:
         ready_file = os.path.join(self._dir, f"standby-{index}.ready")
         env = dict(os.environ)
         env.update(self.worker_env)
@@ -123,13 +131,15 @@ class StandbyPool:
                 "TMRUN_AGENT_PID": str(os.getpid()),
             }
         )
+        if self._by_local_rank:
+            env["LOCAL_RANK"] = str(local_rank)
         process = subprocess.Popen(
             [sys.executable, "-m", "tmrun.launcher.standby_worker"],
             env=env,
             stdin=subprocess.DEVNULL,
         )
         say(f"standby worker {index} started (pid {process.pid})")
-        return StandbyMember(index, process, ready_file)
+        return StandbyMember(index, process, ready_file, local_rank)
 
     def stop(self, timeout: float = 5.0, final: bool = True) -> None:
         """Stop every member (SIGTERM, then SIGKILL after ``timeout``); ``final`` also removes

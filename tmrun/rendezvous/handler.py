@@ -13,6 +13,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch.distributed import PrefixStore, Store
@@ -39,6 +40,11 @@ DEFAULT_PORT = 29400
 BACKEND_NAME = "tmrun"
 
 
+class NodeRetiredError(RendezvousClosedError):
+    """This node's ranks were taken over in place by a standby node: its agent leaves (the job
+    goes on without it)."""
+
+
 class RendezvousConfigError(ValueError):
     """A rendezvous option is invalid (reported to the user as one line)."""
 
@@ -58,6 +64,7 @@ class TmrunRendezvousConfig:
     connect_timeout: float
     read_timeout: float
     close_grace: float
+    standby_wait: float
     may_host: bool  # rdzv-conf is_host (as torch's c10d backend): false = always a client
 
     @classmethod
@@ -89,6 +96,7 @@ class TmrunRendezvousConfig:
             connect_timeout=number("connect_timeout", 60),
             read_timeout=number("read_timeout", 60),
             close_grace=number("close_grace", 10),
+            standby_wait=number("standby_wait", 60),
             may_host=str(params.get("is_host", "auto")).lower() not in ("0", "false", "no"),
         )
 
@@ -112,6 +120,9 @@ class TmrunRendezvousHandler(RendezvousHandler):
         self._leader: Leader | None = None
         self._beacon: LivenessBeacon | None = None
         self._left = False
+        # called while this node stands by, with the current membership (the agent keeps its
+        # standby workers warm for the active group's epoch)
+        self.on_standby: Callable[[Membership], None] | None = None
         if self.is_host:
             self._start_leader()
 
@@ -138,6 +149,7 @@ class TmrunRendezvousHandler(RendezvousHandler):
             if membership.is_closed():
                 raise RendezvousClosedError(f"job {membership.phase.value}: {membership.reason}")
             assert self.node_id is not None
+            self.check_retired()
             if self.node_id in membership.dead:
                 raise RendezvousClosedError(f"node {self.node_id} was declared dead by the leader")
             rank = membership.group_rank_of(self.node_id)
@@ -149,6 +161,8 @@ class TmrunRendezvousHandler(RendezvousHandler):
                 announced_standby = True
             if rank is not None:
                 announced_standby = False
+            elif self.on_standby is not None and self.node_id in membership.standby:
+                self.on_standby(membership)
             if membership.phase is Phase.FORMING and time.monotonic() - started > self.config.join_timeout + 5:
                 raise RendezvousTimeoutError("the group did not form in time")
             self._check_leader()
@@ -185,6 +199,12 @@ class TmrunRendezvousHandler(RendezvousHandler):
         data = json.loads(self.store.get(keys.CLOSED))
         return Phase(data["phase"]), str(data["reason"])
 
+    def check_retired(self) -> None:
+        """Raise :class:`NodeRetiredError` once a standby node took this node's ranks in place."""
+        membership = self._read_membership()
+        if self.node_id is not None and self.node_id in membership.retired:
+            raise NodeRetiredError(f"node {self.node_id}'s ranks were taken over in place ({membership.reason})")
+
     def report_failure(self, by_signal: bool, detail: str) -> None:
         """Tell the leader that a worker of this node failed in the current epoch."""
         seq = self.store.add(keys.FAIL_SEQ, 1) - 1
@@ -215,7 +235,8 @@ class TmrunRendezvousHandler(RendezvousHandler):
     # -- internals --------------------------------------------------------------------------
 
     def _start_leader(self) -> None:
-        leader_store = PrefixStore(keys.job_prefix(self.config.run_id), self._tcp_store.clone())
+        raw_store = self._tcp_store.clone()
+        leader_store = PrefixStore(keys.job_prefix(self.config.run_id), raw_store)
         leader_config = LeaderConfig(
             run_id=self.config.run_id,
             limits=self.config.limits,
@@ -223,8 +244,9 @@ class TmrunRendezvousHandler(RendezvousHandler):
             join_timeout=self.config.join_timeout,
             failure_settle=self.config.failure_settle,
             heartbeat_timeout=self.config.heartbeat_timeout,
+            standby_wait=self.config.standby_wait,
         )
-        self._leader = Leader(leader_store, leader_config)
+        self._leader = Leader(leader_store, leader_config, raw_store)
         advertise = self.config.endpoint.host
         if advertise in ("localhost", "0.0.0.0", ""):
             advertise = "127.0.0.1"

@@ -32,6 +32,7 @@ class Membership:
     active: list[int] = field(default_factory=list)  # group rank -> node id
     standby: list[int] = field(default_factory=list)  # node ids, promotion order
     dead: list[int] = field(default_factory=list)  # node ids known to be gone
+    retired: list[int] = field(default_factory=list)  # live nodes whose ranks a standby took in place
     reason: str = ""  # why the last change happened (for logs and status)
 
     def to_json(self) -> str:
@@ -50,6 +51,7 @@ class Membership:
             active=[int(n) for n in data["active"]],
             standby=[int(n) for n in data["standby"]],
             dead=[int(n) for n in data["dead"]],
+            retired=[int(n) for n in data.get("retired", [])],
             reason=str(data.get("reason", "")),
         )
 
@@ -66,6 +68,8 @@ class Membership:
     def role_of(self, node_id: int) -> str:
         if node_id in self.dead:
             return "dead"
+        if node_id in self.retired:
+            return "retired"
         if node_id in self.active:
             return "active"
         if node_id in self.standby:

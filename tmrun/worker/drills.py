@@ -1,7 +1,8 @@
 """Failure drills: ``tmrun --inject-failure rank=1,step=8[,at=backward][,signal=KILL]``.
 
 The option may be given several times (one drill each). ``signal=RAISE`` raises a Python
-exception in the worker instead of sending a signal.
+exception in the worker instead of sending a signal. ``node=G`` instead of ``rank=`` kills a
+whole node: the agent of group rank G and every worker of that node (local rank 0 fires it).
 
 The launcher checks the spec and passes it to every worker as ``TMRUN_INJECT_FAILURE``; the
 worker whose rank matches kills itself once, at the named point of the named step. Only the
@@ -33,12 +34,13 @@ class DrillSpecError(ValueError):
 
 @dataclass(frozen=True)
 class Drill:
-    rank: int
+    rank: int  # -1 for a node drill
     step: int = -1
     at: str = "step"
     seconds: float = -1.0
     signal_name: str = "KILL"
     who: str = "original"
+    node: int = -1  # group rank of a node to kill whole (agent and workers)
 
     @classmethod
     def parse(cls, text: str) -> Drill:
@@ -50,18 +52,19 @@ class Drill:
             if key in fields:
                 raise DrillSpecError(f"--inject-failure: {key} given twice")
             fields[key] = value.strip()
-        unknown = set(fields) - {"rank", "step", "at", "time", "signal", "who"}
+        unknown = set(fields) - {"rank", "node", "step", "at", "time", "signal", "who"}
         if unknown:
             raise DrillSpecError(f"--inject-failure: unknown key {sorted(unknown)[0]!r} "
-                                 "(keys: rank, step, at, time, signal, who)")
-        if "rank" not in fields:
-            raise DrillSpecError("--inject-failure needs rank=N")
+                                 "(keys: rank, node, step, at, time, signal, who)")
+        if ("rank" in fields) == ("node" in fields):
+            raise DrillSpecError("--inject-failure needs rank=N or node=G (one of them)")
         try:
-            rank = int(fields["rank"])
+            node = int(fields.get("node", "-1"))
+            rank = int(fields.get("rank", "-1" if "node" in fields else "0"))
             step = int(fields.get("step", "-1"))
             seconds = float(fields.get("time", "-1"))
         except ValueError:
-            raise DrillSpecError("--inject-failure: rank and step must be integers, time a number") from None
+            raise DrillSpecError("--inject-failure: rank, node and step must be integers, time a number") from None
         at = fields.get("at", "promotion" if fields.get("who") == "joiner" else "step")
         if at not in POINTS:
             raise DrillSpecError(f"--inject-failure: at={at!r} is not one of {', '.join(POINTS)}")
@@ -71,21 +74,46 @@ class Drill:
         name = fields.get("signal", "KILL").upper().removeprefix("SIG")
         if name != "RAISE" and not hasattr(signal, f"SIG{name}"):
             raise DrillSpecError(f"--inject-failure: unknown signal {fields.get('signal')!r}")
-        if rank < 0:
+        if "node" in fields and node < 0:
+            raise DrillSpecError("--inject-failure: node must be >= 0")
+        if "node" in fields and (who == "joiner" or name == "RAISE"):
+            raise DrillSpecError("--inject-failure: node=G kills a node's processes (no who=joiner, no signal=RAISE)")
+        if "rank" in fields and rank < 0:
             raise DrillSpecError("--inject-failure: rank must be >= 0")
         if name == "RAISE" and seconds >= 0:
             raise DrillSpecError("--inject-failure: signal=RAISE needs step=N (an exception cannot be raised from a timer)")
         if who == "original" and step < 0 and seconds < 0:
             raise DrillSpecError("--inject-failure needs step=N or time=SECONDS")
-        return cls(rank=rank, step=step, at=at, seconds=seconds, signal_name=name, who=who)
+        return cls(rank=rank, step=step, at=at, seconds=seconds, signal_name=name, who=who, node=node)
 
     def encode(self) -> str:
-        parts = [f"rank={self.rank}", f"at={self.at}", f"signal={self.signal_name}", f"who={self.who}"]
+        target = f"node={self.node}" if self.node >= 0 else f"rank={self.rank}"
+        parts = [target, f"at={self.at}", f"signal={self.signal_name}", f"who={self.who}"]
         if self.step >= 0:
             parts.append(f"step={self.step}")
         if self.seconds >= 0:
             parts.append(f"time={self.seconds}")
         return ",".join(parts)
+
+
+def _signal_node(signum: int) -> None:
+    """Signal this node's agent first (so that it cannot react), then its other children."""
+    import psutil
+
+    agent_pid = int(os.environ.get("TMRUN_AGENT_PID", "0") or 0)
+    if not agent_pid:
+        return
+    try:
+        agent = psutil.Process(agent_pid)
+        siblings = [p for p in agent.children() if p.pid != os.getpid()]
+        agent.send_signal(signum)
+    except psutil.NoSuchProcess:
+        return
+    for sibling in siblings:
+        try:
+            sibling.send_signal(signum)
+        except psutil.NoSuchProcess:
+            pass
 
 
 class InjectedFailure(RuntimeError):
@@ -100,7 +128,8 @@ def parse_all(text: str) -> list[Drill]:
 class DrillRunner:
     """The worker side: ``fire(point, step)`` at every point; each drill fires once."""
 
-    def __init__(self, drills: list[Drill], rank: int, promoted: bool) -> None:
+    def __init__(self, drills: list[Drill], rank: int, promoted: bool, group_rank: int = -1,
+                 local_rank: int = -1) -> None:
         self._drills = list(drills)
         self._index = {drill: i for i, drill in enumerate(drills)}
         # claim(i) -> True for the first process of the job to fire drill i (set by the runtime
@@ -108,6 +137,8 @@ class DrillRunner:
         self.claim: Callable[[int], bool] = lambda index: True
         self._rank = rank
         self._promoted = promoted
+        self._node_leader = local_rank == 0 and group_rank >= 0
+        self._group_rank = group_rank
         for drill in drills:
             if drill.seconds >= 0 and drill.who == "original" and not promoted:
                 timer = threading.Timer(drill.seconds, self._fire_timed, args=(drill,))
@@ -116,13 +147,20 @@ class DrillRunner:
 
     @classmethod
     def from_environ(cls, rank: int, promoted: bool) -> DrillRunner:
-        return cls(parse_all(os.environ.get(ENV, "")), rank, promoted)
+        group_rank = int(os.environ.get("GROUP_RANK", "-1") or -1)
+        local_rank = int(os.environ.get("LOCAL_RANK", "-1") or -1)
+        return cls(parse_all(os.environ.get(ENV, "")), rank, promoted, group_rank, local_rank)
 
     def rebind(self, rank: int, promoted: bool) -> None:
         self._rank, self._promoted = rank, promoted
 
+    def _targets(self, drill: Drill) -> bool:
+        if drill.node >= 0:  # a node drill: fired by local rank 0 of that node's original workers
+            return self._node_leader and drill.node == self._group_rank
+        return drill.rank == self._rank
+
     def _matches(self, drill: Drill, point: str, step: int) -> bool:
-        if drill.rank != self._rank or drill.at != point or drill.seconds >= 0:
+        if not self._targets(drill) or drill.at != point or drill.seconds >= 0:
             return False
         if (drill.who == "joiner") != self._promoted:
             return False
@@ -135,10 +173,13 @@ class DrillRunner:
             return
         if drill.signal_name == "RAISE":
             raise InjectedFailure(f"injected failure: rank {self._rank} at {where}")
-        os.kill(os.getpid(), getattr(signal, f"SIG{drill.signal_name}"))
+        signum = getattr(signal, f"SIG{drill.signal_name}")
+        if drill.node >= 0:
+            _signal_node(signum)
+        os.kill(os.getpid(), signum)
 
     def _fire_timed(self, drill: Drill) -> None:
-        if drill.rank == self._rank and not self._promoted and drill in self._drills:
+        if self._targets(drill) and not self._promoted and drill in self._drills:
             self._trigger(drill, f"{drill.seconds}s")
 
     def fire(self, point: str, step: int) -> None:

@@ -1,0 +1,137 @@
+"""In-place replacement of whole nodes: a job over several nodes with standby nodes.
+
+The leader consults this before it changes the membership for a failed node. When every rank
+of the current epoch runs the tmrun worker API, a ready standby node's warm standby workers
+take the failed node's ranks *in place*: a new generation of the epoch's in-place protocol
+(``tmrun/<run>/ip/e<epoch>/``) and a membership change with no new epoch, so no survivor's
+agent restarts its workers. Without a ready standby node within ``standby_wait`` seconds the
+workers are told to give up in-place recovery and the leader falls back to a new epoch
+(torchrun's restart of the group). A plain torchrun script always gets that fallback.
+
+Keys written by the agents (see :mod:`tmrun.control.inplace_protocol`): every active agent
+publishes its node's ranks (``node_ranks``), every standby agent its standby workers in local
+rank order (``standby_node``); the standby workers say when they are warm (``standby_ready``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from enum import Enum
+
+from torch.distributed import PrefixStore, Store
+
+from tmrun.control import inplace_protocol as proto
+from tmrun.control import planner
+from tmrun.rendezvous.state import Membership
+
+
+class Decision(Enum):
+    IN_PLACE = "in-place"  # a standby node took over; publish the returned membership
+    WAIT = "wait"  # in-place is possible but no standby node is warm yet: ask again
+    FALLBACK = "fallback"  # in-place was possible but cannot happen: restart the group (logged)
+    PLAIN = "plain"  # not an in-place job (yet): restart the group, as torchrun would
+
+
+@dataclass
+class _Recovery:
+    epoch: int
+    gen: int
+    world_size: int
+    started: float
+
+
+class NodeInplaceCoordinator:
+    def __init__(self, store: Store, run_id: str, standby_wait: float) -> None:
+        self._raw = store  # unprefixed: the workers' prefix is a full key path
+        self._run_id = run_id
+        self._standby_wait = standby_wait
+        self._awaiting: list[_Recovery] = []
+
+    def _node_ranks(self, store: Store, membership: Membership) -> list[list[int]] | None:
+        """Ranks of every active group rank, or None while an agent has not published them."""
+        keys = [proto.node_ranks(g) for g in range(len(membership.active))]
+        if not keys or not store.check(keys):
+            return None
+        ranks = []
+        for key in keys:
+            data = json.loads(store.get(key))
+            ranks.append([int(r) for r in data["ranks"]])
+        return ranks
+
+    def _ready_standby_nodes(self, store: Store, membership: Membership, size: int) -> list[tuple[int, list[int]]]:
+        """(node id, standby ids by local rank) of the standby nodes whose ``size`` standby
+        workers are all warm, in promotion order."""
+        ready = []
+        for node_id in membership.standby:
+            key = proto.standby_node(node_id)
+            if not store.check([key]):
+                continue
+            ids = [int(i) for i in json.loads(store.get(key))["ids"]]
+            if len(ids) == size and store.check([proto.standby_ready(i) for i in ids]):
+                ready.append((node_id, ids))
+        return ready
+
+    def decide(self, membership: Membership, culprits: list[int], dead: set[int],
+               first_seen: float) -> tuple[Decision, Membership | None, str]:
+        """What to do about ``culprits`` (active nodes that failed; ``dead`` ones are gone).
+        Returns the decision, the new membership (in place) and a line for the event log."""
+        store = self._epoch_store(membership.epoch)
+        if not store.check([proto.API]):
+            return Decision.PLAIN, None, "the script does not use the tmrun worker API"
+        if store.check([proto.ABORT]):
+            return Decision.FALLBACK, None, "in-place recovery was already abandoned in this epoch"
+        ranks = self._node_ranks(store, membership)
+        if ranks is None or store.add(proto.MEMBERS, 0) < sum(len(r) for r in ranks):
+            return Decision.PLAIN, None, "not every rank had started the tmrun worker API"
+        failed = [c for c in culprits if c in membership.active]
+        size = len(ranks[membership.active.index(failed[0])]) if failed else 0
+        if not failed or any(len(ranks[membership.active.index(c)]) != size for c in failed):
+            return Decision.FALLBACK, None, "failed nodes of different sizes"
+        standby = self._ready_standby_nodes(store, membership, size)
+        if len(standby) < len(failed):
+            waited = time.monotonic() - first_seen
+            if waited < self._standby_wait:
+                return Decision.WAIT, None, ""
+            why = f"no warm standby node within {self._standby_wait:g}s"
+            store.set(proto.ABORT, proto.AbortNotice(why, self._current_gen(store)).encode())
+            return Decision.FALLBACK, None, why
+        gen = self._current_gen(store) + 1
+        world_size = sum(len(r) for r in ranks)
+        replaced: dict[int, int] = {}
+        moves: dict[int, int] = {}
+        for culprit, (node_id, ids) in zip(failed, standby):
+            group_rank = membership.active.index(culprit)
+            replaced.update(zip(ranks[group_rank], ids))
+            moves[culprit] = node_id
+            store.set(proto.node_ranks(group_rank), json.dumps({"node_id": node_id, "ranks": ranks[group_rank]}))
+        swapped = planner.replace_in_place(membership, moves, dead)
+        plan = proto.ReplacementPlan(gen, world_size, replaced, reason=swapped.reason, created=time.time())
+        for rank, standby_id in replaced.items():  # assignments first: the joiners connect while survivors read the plan
+            store.set(proto.standby_assign(standby_id), proto.Assignment(rank, gen).encode())
+        store.set(proto.plan(gen), plan.encode())
+        store.set(proto.GEN, str(gen))
+        self._awaiting.append(_Recovery(membership.epoch, gen, world_size, first_seen))
+        ranks_moved = ", ".join(f"{rank}->standby {sid}" for rank, sid in sorted(replaced.items()))
+        return Decision.IN_PLACE, swapped, f"generation {gen}: {swapped.reason} (ranks {ranks_moved})"
+
+    def _epoch_store(self, epoch: int) -> Store:
+        return PrefixStore(proto.node_prefix(self._run_id, epoch), self._raw)
+
+    @staticmethod
+    def _current_gen(store: Store) -> int:
+        return int(store.get(proto.GEN).decode()) if store.check([proto.GEN]) else 0
+
+    def recovered(self) -> list[str]:
+        """Lines for the event log: generations whose every rank finished recovering."""
+        lines = []
+        for recovery in list(self._awaiting):
+            store = self._epoch_store(recovery.epoch)
+            if store.add(proto.recovered(recovery.gen), 0) >= recovery.world_size:
+                self._awaiting.remove(recovery)
+                elapsed = time.monotonic() - recovery.started
+                lines.append(f"generation {recovery.gen}: all {recovery.world_size} ranks back in {elapsed:.3f}s")
+            elif self._current_gen(store) > recovery.gen or store.check([proto.ABORT]):
+                self._awaiting.remove(recovery)  # superseded by a later failure, or abandoned
+        return lines
