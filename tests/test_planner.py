@@ -81,3 +81,28 @@ def test_blame_prefers_signals_and_dead_nodes_over_exceptions() -> None:
 def test_lost_standby_leaves_the_pool_only() -> None:
     m = planner.drop_standby(formed([0, 1, 2]), 2)
     assert m.standby == [] and m.dead == [2] and m.epoch == 1
+
+
+def test_in_place_replacement_keeps_the_epoch() -> None:
+    m = formed([0, 1, 2])
+    swapped = planner.replace_in_place(m, {1: 2}, dead={1})
+    assert (swapped.active, swapped.standby, swapped.dead, swapped.epoch) == ([0, 2], [], [1], m.epoch)
+    assert "in place" in swapped.reason
+    assert Membership.from_json(swapped.to_json()) == swapped
+
+
+def test_in_place_replacement_retires_a_live_node() -> None:
+    swapped = planner.replace_in_place(formed([0, 1, 2]), {1: 2}, dead=set())
+    assert (swapped.retired, swapped.dead, swapped.role_of(1)) == ([1], [], "retired")
+    assert Membership.from_json(swapped.to_json()).retired == [1]
+
+
+def test_in_place_replacement_needs_an_active_culprit_and_a_standby() -> None:
+    m = formed([0, 1, 2])
+    with pytest.raises(ValueError):
+        planner.replace_in_place(m, {2: 1}, dead=set())  # 2 is not active, 1 is not standing by
+
+
+def test_membership_without_retired_field_still_reads() -> None:
+    old = '{"active": [0], "dead": [], "epoch": 1, "phase": "running", "reason": "", "standby": []}'
+    assert Membership.from_json(old).retired == []

@@ -106,3 +106,44 @@ def test_two_rank_replacement():
         assert comms[0].counters()["links_opened"] == 2
     finally:
         close_all(comms)
+
+
+def test_non_neighbour_reaches_the_joiner_after_replacement(stores):
+    """Rank 0 is not a ring neighbour of rank 2 (world 4): its point-to-point link to the joiner
+    is dialled lazily, so it must know the joiner's new address (not the dead rank's old one).
+    This is how a donor streams state to a joiner that is not its neighbour."""
+    n, victim = 4, 2
+    comms = [None] * n
+    opts = {"timeout": 5.0, "connect_timeout": 3.0}
+
+    def boot(r):
+        comms[r] = native.connect_via_store(stores(), r, n, "farjoin", epoch=0, **opts)
+
+    run_ranks(list(range(n)), boot)
+    joiner = [None]
+    try:
+        assert victim not in comms[0].ring_peers
+        comms[victim].close()
+
+        def step(r):
+            if r == victim:
+                joiner[0] = native.join_via_store(stores(), victim, n, "farjoin", epoch=1, **opts)
+            else:
+                native.prepare_replacement(stores(), comms[r], [victim], 1)
+                comms[r].commit()
+
+        run_ranks(list(range(n)), step)
+        comms[victim] = joiner[0]
+        sent = torch.arange(64, dtype=torch.int64)
+        got = torch.zeros(64, dtype=torch.int64)
+
+        def p2p(c):
+            if c.rank == 0:
+                c.send(buf(sent), victim, 7)
+            elif c.rank == victim:
+                c.recv(buf(got), 0, 7)
+
+        run_ranks(comms, p2p, timeout=20)
+        assert torch.equal(sent, got)
+    finally:
+        close_all(comms)

@@ -81,3 +81,21 @@ def test_drill_fires_once_and_only_where_it_should() -> None:
     other = DrillRunner([Drill.parse("rank=1,step=2,signal=RAISE")], rank=0, promoted=False)
     other.fire("step", 2)
     assert claimed == [0]
+
+
+def test_node_drill_specs() -> None:
+    drill = Drill.parse("node=1,step=6")
+    assert (drill.node, drill.rank, drill.step) == (1, -1, 6)
+    assert Drill.parse(drill.encode()) == drill
+    for bad, message in [("rank=1,node=1,step=2", "rank=N or node=G"), ("node=-1,step=2", "node must be"),
+                         ("node=1,step=2,signal=RAISE", "no signal=RAISE"), ("node=1,who=joiner", "no who=joiner")]:
+        with pytest.raises(DrillSpecError, match=message):
+            Drill.parse(bad)
+
+
+def test_node_drill_fires_on_local_rank_0_of_that_node_only() -> None:
+    drill = Drill.parse("node=1,step=3")
+    assert DrillRunner([drill], rank=2, promoted=False, group_rank=1, local_rank=0)._matches(drill, "step", 3)
+    assert not DrillRunner([drill], rank=3, promoted=False, group_rank=1, local_rank=1)._matches(drill, "step", 3)
+    assert not DrillRunner([drill], rank=0, promoted=False, group_rank=0, local_rank=0)._matches(drill, "step", 3)
+    assert not DrillRunner([drill], rank=2, promoted=True, group_rank=1, local_rank=0)._matches(drill, "step", 3)

@@ -1,0 +1,128 @@
+"""In-place replacement across nodes, end to end on loopback: three real tmrun agents with
+``--nnodes 2 --standby 1 --nproc-per-node 2`` (node 0 hosts the store, nodes 0 and 1 are active,
+node 2 stands by with one warm standby worker per local rank).
+
+A whole node (agent and workers) killed, or a node whose worker raises, is replaced in place by
+the standby node: survivors keep their processes, at most the step in flight is redone, and the
+final parameters and optimizer state are bitwise equal to a run with no failure. With no standby
+node, tmrun falls back to restarting the group (logged) and the job still finishes.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import EXAMPLES, free_port, kill_tree, leftovers, start, tmrun_cmd, wait_until
+
+STEPS = 14
+NPROC = 2
+WORLD = 2 * NPROC
+JOB_TIMEOUT = 240
+SCRIPT_ARGS = ["--steps", str(STEPS), "--width", "48", "--batch", "16", "--step-time", "0.05"]
+
+
+def _steps(work: Path) -> dict[int, list[tuple[int, int]]]:
+    """rank -> [(step, pid)] from the example's step logs."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    for rank in range(WORLD):
+        path = work / f"steps-{rank}.log"
+        rows = [line.split() for line in path.read_text().splitlines()] if path.exists() else []
+        out[rank] = [(int(r[0]), int(r[2])) for r in rows]
+    return out
+
+
+def _run_nodes(work: Path, agents: int, *tmrun_args: str) -> tuple[list[int], list[str], str]:
+    """Start ``agents`` agents in order (the first hosts the store); returns their exit codes,
+    their logs and the final digest."""
+    work.mkdir()
+    port = free_port()
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for node in range(agents):
+            cmd = tmrun_cmd(
+                "--nnodes", "2", "--standby", "1", "--nproc-per-node", str(NPROC),
+                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "nodes", "--rdzv-conf", "heartbeat_interval=0.5",
+                *tmrun_args, str(EXAMPLES / "train_inplace.py"), *SCRIPT_ARGS,
+                "--step-log", str(work / "steps-{rank}.log"), "--final", str(work / "final"),
+            )  # fmt: skip
+            procs.append(start(cmd, log=work / f"agent{node}.log", env={"TMRUN_STATE_DIR": str(work / "state")}))
+            # join in order: node ids follow the order of the agents
+            assert wait_until(lambda n=node: f"node {n} " in (work / "agent0.log").read_text(), 60), (
+                (work / "agent0.log").read_text())
+        codes = [proc.wait(timeout=JOB_TIMEOUT) for proc in procs]
+    finally:
+        for proc in procs:
+            kill_tree(proc)
+        for proc in procs:
+            assert leftovers(proc) == []
+    logs = [(work / f"agent{n}.log").read_text() for n in range(agents)]
+    final = (work / "final").read_text().strip() if (work / "final").exists() else ""
+    return codes, logs, final
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The same job with no failure: 4 ranks (one node of 4 gives the same ring, the same sums)."""
+    work = tmp_path_factory.mktemp("ref")
+    cmd = tmrun_cmd("--standalone", "--nproc-per-node", str(WORLD), "--standby", "1",
+                    str(EXAMPLES / "train_inplace.py"), *SCRIPT_ARGS, "--final", str(work / "final"))
+    agent = start(cmd, log=work / "agent.log", env={"TMRUN_STATE_DIR": str(work / "state")})
+    try:
+        assert agent.wait(timeout=JOB_TIMEOUT) == 0, (work / "agent.log").read_text()
+    finally:
+        kill_tree(agent)
+        assert leftovers(agent) == []
+    return (work / "final").read_text().strip()
+
+
+def _check_in_place(work: Path, logs: list[str], final: str, reference: str) -> None:
+    everything = "\n".join(logs)
+    assert final == reference, "final state differs from the failure-free run\n" + everything
+    assert re.search(r"replace: generation 1: node 2 replaces node 1 at group rank 1 in place "
+                     r"\(ranks 2->standby 2000, 3->standby 2001\)", logs[0]), everything
+    assert "recovered: generation 1: all 4 ranks back in" in logs[0], everything
+    assert "this standby node now runs ranks [2, 3] in place" in logs[2], everything
+    steps = _steps(work)
+    for rank in (0, 1):  # survivors: the same process throughout, at most the step in flight redone
+        done = [s for s, _ in steps[rank]]
+        assert sorted(set(done)) == list(range(STEPS)), (rank, done)
+        assert len(done) - len(set(done)) <= 1, (rank, done)
+        assert len({pid for _, pid in steps[rank]}) == 1, f"rank {rank} changed process\n{everything}"
+    for rank in (2, 3):  # the failed node's ranks, continued by the standby node's workers
+        assert len({pid for _, pid in steps[rank]}) == 2, (rank, steps[rank])
+        assert steps[rank][-1][0] == STEPS - 1
+    assert "epoch 2" not in logs[0], "the group restarted instead of an in-place replacement\n" + everything
+
+
+def test_whole_node_killed_is_replaced_in_place(tmp_path: Path, reference: str) -> None:
+    """SIGKILL of node 1's agent and both its workers at the start of step 4."""
+    codes, logs, final = _run_nodes(tmp_path / "kill", 3, "--inject-failure", "node=1,step=4")
+    assert codes[0] == 0 and codes[2] == 0, "\n".join(logs)
+    assert codes[1] == -9  # the killed agent
+    assert "lost: node 1 (active): agent process exited" in logs[0]
+    _check_in_place(tmp_path / "kill", logs, final, reference)
+
+
+def test_node_whose_worker_raises_is_fenced_and_replaced(tmp_path: Path, reference: str) -> None:
+    """Rank 3 (node 1) raises: node 1's agent stops its other worker, reports the node failed,
+    and leaves cleanly once the standby node took its ranks; the job goes on without it."""
+    codes, logs, final = _run_nodes(tmp_path / "raise", 3, "--inject-failure", "rank=3,step=4,signal=RAISE")
+    assert codes == [0, 0, 0], "\n".join(logs)
+    assert "this node failed (rank 3 exit code 1)" in logs[1], logs[1]
+    assert "ranks were taken over in place" in logs[1] and "this node leaves, the job goes on" in logs[1]
+    _check_in_place(tmp_path / "raise", logs, final, reference)
+
+
+def test_no_standby_node_falls_back_to_a_group_restart(tmp_path: Path, reference: str) -> None:
+    """No third agent: the failure waits --standby-wait for a standby node, then the workers are
+    told to give up in-place recovery and the group restarts (as torchrun) in a new epoch."""
+    codes, logs, final = _run_nodes(tmp_path / "none", 2, "--standby-wait", "2",
+                                    "--inject-failure", "rank=3,step=4,signal=RAISE")
+    assert codes == [0, 0], "\n".join(logs)
+    assert "fallback: no warm standby node within 2s: the group restarts (as torchrun)" in logs[0], logs[0]
+    assert "node 0 runs group rank 0 of 2 in epoch 2" in logs[0]
+    assert final == reference  # the example keeps no checkpoint: the restarted group trains from step 0

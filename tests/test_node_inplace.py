@@ -1,0 +1,90 @@
+"""The leader's decisions about a failed node of an in-place job over several nodes, with a real
+store: in place (same epoch, plan and assignments published), wait for a warm standby node,
+fall back after --standby-wait, or a plain script's group restart."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch.distributed as dist
+
+from tmrun.control import inplace_protocol as proto
+from tmrun.control import planner
+from tmrun.control.node_inplace import Decision, NodeInplaceCoordinator
+from tmrun.rendezvous.state import Membership
+
+RUN = "nodes"
+
+
+@pytest.fixture
+def store() -> dist.Store:
+    return dist.HashStore()
+
+
+def _epoch(store: dist.Store, epoch: int = 1) -> dist.Store:
+    return dist.PrefixStore(proto.node_prefix(RUN, epoch), store)
+
+
+def _membership() -> Membership:
+    return planner.form_group(Membership(), [0, 1, 2], planner.GroupLimits(2, 2, 1))  # 0, 1 active; 2 stands by
+
+
+def _api_job(store: dist.Store, standby_ready: bool = True) -> None:
+    ip = _epoch(store)
+    ip.set(proto.API, "1")
+    ip.add(proto.MEMBERS, 4)
+    ip.set(proto.node_ranks(0), json.dumps({"node_id": 0, "ranks": [0, 1]}))
+    ip.set(proto.node_ranks(1), json.dumps({"node_id": 1, "ranks": [2, 3]}))
+    ip.set(proto.standby_node(2), json.dumps({"ids": [2000, 2001]}))
+    ip.set(proto.standby_ready(2000), "{}")
+    if standby_ready:
+        ip.set(proto.standby_ready(2001), "{}")
+
+
+def test_a_dead_node_is_replaced_in_place(store: dist.Store) -> None:
+    _api_job(store)
+    coordinator = NodeInplaceCoordinator(store, RUN, standby_wait=30)
+    decision, swapped, why = coordinator.decide(_membership(), [1], {1}, time.monotonic())
+    assert decision is Decision.IN_PLACE and swapped is not None
+    assert (swapped.active, swapped.dead, swapped.epoch) == ([0, 2], [1], 1)
+    ip = _epoch(store)
+    plan = proto.ReplacementPlan.decode("p", ip.get(proto.plan(1)))
+    assert (plan.gen, plan.world_size, plan.replaced, plan.planned) == (1, 4, {2: 2000, 3: 2001}, False)
+    assert proto.Assignment.decode("a", ip.get(proto.standby_assign(2001))) == proto.Assignment(3, 1)
+    assert ip.get(proto.GEN) == b"1"
+    assert json.loads(ip.get(proto.node_ranks(1)))["node_id"] == 2
+    assert "ranks 2->standby 2000, 3->standby 2001" in why
+    assert coordinator.recovered() == []
+    ip.add(proto.recovered(1), 4)
+    assert [line.startswith("generation 1: all 4 ranks back in") for line in coordinator.recovered()] == [True]
+
+
+def test_waits_for_a_warm_standby_node_then_falls_back(store: dist.Store) -> None:
+    _api_job(store, standby_ready=False)
+    coordinator = NodeInplaceCoordinator(store, RUN, standby_wait=30)
+    now = time.monotonic()
+    assert coordinator.decide(_membership(), [1], {1}, now)[0] is Decision.WAIT
+    decision, swapped, why = coordinator.decide(_membership(), [1], {1}, now - 31)
+    assert (decision, swapped) == (Decision.FALLBACK, None)
+    assert "no warm standby node within 30s" in why
+    notice = proto.AbortNotice.decode("abort", _epoch(store).get(proto.ABORT))
+    assert "no warm standby node" in notice.reason
+    # once abandoned, later failures of this epoch fall back at once
+    assert coordinator.decide(_membership(), [0], set(), now)[0] is Decision.FALLBACK
+
+
+def test_a_plain_script_restarts_the_group(store: dist.Store) -> None:
+    coordinator = NodeInplaceCoordinator(store, RUN, standby_wait=30)
+    decision, swapped, why = coordinator.decide(_membership(), [1], {1}, time.monotonic())
+    assert (decision, swapped) == (Decision.PLAIN, None) and "does not use the tmrun worker API" in why
+    _epoch(store).set(proto.API, "1")  # the API, but a rank has not started it yet
+    assert coordinator.decide(_membership(), [1], {1}, time.monotonic())[0] is Decision.PLAIN
+
+
+def test_standby_node_of_another_size_is_not_used(store: dist.Store) -> None:
+    _api_job(store)
+    _epoch(store).set(proto.standby_node(2), json.dumps({"ids": [2000]}))
+    coordinator = NodeInplaceCoordinator(store, RUN, standby_wait=30)
+    assert coordinator.decide(_membership(), [1], {1}, time.monotonic())[0] is Decision.WAIT
