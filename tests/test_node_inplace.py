@@ -27,6 +27,10 @@ def _epoch(store: dist.Store, epoch: int = 1) -> dist.Store:
     return dist.PrefixStore(proto.node_prefix(RUN, epoch), store)
 
 
+def _job(store: dist.Store) -> dist.Store:
+    return dist.PrefixStore(f"tmrun/{RUN}/", store)
+
+
 def _membership() -> Membership:
     return planner.form_group(Membership(), [0, 1, 2], planner.GroupLimits(2, 2, 1))  # 0, 1 active; 2 stands by
 
@@ -45,7 +49,7 @@ def _api_job(store: dist.Store, standby_ready: bool = True) -> None:
 
 def test_a_dead_node_is_replaced_in_place(store: dist.Store) -> None:
     _api_job(store)
-    coordinator = NodeInplaceCoordinator(store, RUN, standby_wait=30)
+    coordinator = NodeInplaceCoordinator(store, _job(store), RUN, standby_wait=30)
     decision, swapped, why = coordinator.decide(_membership(), [1], {1}, time.monotonic())
     assert decision is Decision.IN_PLACE and swapped is not None
     assert (swapped.active, swapped.dead, swapped.epoch) == ([0, 2], [1], 1)
@@ -63,7 +67,7 @@ def test_a_dead_node_is_replaced_in_place(store: dist.Store) -> None:
 
 def test_waits_for_a_warm_standby_node_then_falls_back(store: dist.Store) -> None:
     _api_job(store, standby_ready=False)
-    coordinator = NodeInplaceCoordinator(store, RUN, standby_wait=30)
+    coordinator = NodeInplaceCoordinator(store, _job(store), RUN, standby_wait=30)
     now = time.monotonic()
     assert coordinator.decide(_membership(), [1], {1}, now)[0] is Decision.WAIT
     decision, swapped, why = coordinator.decide(_membership(), [1], {1}, now - 31)
@@ -76,7 +80,7 @@ def test_waits_for_a_warm_standby_node_then_falls_back(store: dist.Store) -> Non
 
 
 def test_a_plain_script_restarts_the_group(store: dist.Store) -> None:
-    coordinator = NodeInplaceCoordinator(store, RUN, standby_wait=30)
+    coordinator = NodeInplaceCoordinator(store, _job(store), RUN, standby_wait=30)
     decision, swapped, why = coordinator.decide(_membership(), [1], {1}, time.monotonic())
     assert (decision, swapped) == (Decision.PLAIN, None) and "does not use the tmrun worker API" in why
     _epoch(store).set(proto.API, "1")  # the API, but a rank has not started it yet
@@ -86,5 +90,5 @@ def test_a_plain_script_restarts_the_group(store: dist.Store) -> None:
 def test_standby_node_of_another_size_is_not_used(store: dist.Store) -> None:
     _api_job(store)
     _epoch(store).set(proto.standby_node(2), json.dumps({"ids": [2000]}))
-    coordinator = NodeInplaceCoordinator(store, RUN, standby_wait=30)
+    coordinator = NodeInplaceCoordinator(store, _job(store), RUN, standby_wait=30)
     assert coordinator.decide(_membership(), [1], {1}, time.monotonic())[0] is Decision.WAIT

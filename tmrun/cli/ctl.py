@@ -81,18 +81,24 @@ def events(run_id: str | None = RunIdOption, endpoint: str | None = EndpointOpti
 
 @app.command()
 def migrate(
-    rank: int = typer.Argument(..., help="The rank to move to a warm standby."),
+    rank: int | None = typer.Argument(None, help="The rank to move to a warm standby (across nodes: its node)."),
+    node: int | None = typer.Option(None, "--node", help="Move the node at this group rank to a warm standby node."),
     reason: str = typer.Option("operator request", "--reason", help="Recorded with the event."),
     run_id: str | None = RunIdOption,
     endpoint: str | None = EndpointOption,
 ) -> None:
-    """Move a rank to a warm standby at the next step boundary (planned: nothing is recomputed)."""
+    """Move a rank (or a node) to a warm standby at the next step boundary (planned: nothing is recomputed)."""
     from tmrun.control.inplace_protocol import request_migration
     from tmrun.control.status import connect
     from tmrun.rendezvous.endpoint import EndpointError, parse_endpoint
 
-    if rank < 0:
-        fail(f"rank must be 0 or more, got {rank}")
+    if (rank is None) == (node is None):
+        fail("give a rank or --node GROUP_RANK (one of them)")
+        raise typer.Exit(2)
+    target, value = ("node at group rank", node) if node is not None else ("rank", rank)
+    assert value is not None
+    if value < 0:
+        fail(f"{'--node' if node is not None else 'rank'} must be 0 or more, got {value}")
         raise typer.Exit(2)
     try:
         found_id, found_endpoint = _locate(run_id, endpoint)
@@ -100,8 +106,8 @@ def migrate(
     except (EndpointError, typer.BadParameter) as exc:
         fail(str(exc))
         raise typer.Exit(1) from None
-    seq = request_migration(store, rank, reason)
-    typer.echo(f"migration of rank {rank} requested (request {seq}); see tmrun-ctl events")
+    seq = request_migration(store, rank if rank is not None else -1, reason, node=node if node is not None else -1)
+    typer.echo(f"migration of {target} {value} requested (request {seq}); see tmrun-ctl events")
 
 
 def main() -> None:

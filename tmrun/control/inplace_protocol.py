@@ -34,8 +34,10 @@ def switch(gen: int) -> str:
     return f"switch/{gen}"
 
 
-def handoff_prefix(gen: int) -> str:
-    return f"handoff/{gen}"
+def handoff_prefix(gen: int, rank: int) -> str:
+    """Where the leaver and the joiner of ``rank`` meet in a planned generation (a node's
+    migration moves several ranks at once: one pair each)."""
+    return f"handoff/{gen}/{rank}"
 
 
 def plan(gen: int) -> str:
@@ -184,10 +186,13 @@ class Assignment:
 
 @dataclass(frozen=True)
 class MigrateRequest:
-    """An operator's request: move ``rank`` to a standby at the next step boundary."""
+    """An operator's request: move ``rank`` (or, across nodes, the node at group rank ``node``)
+    to a standby at the next step boundary. Across nodes a member is a node: moving a rank
+    moves its whole node."""
 
-    rank: int
+    rank: int = -1
     reason: str = "operator request"
+    node: int = -1
 
     def encode(self) -> str:
         return json.dumps(asdict(self))
@@ -195,14 +200,20 @@ class MigrateRequest:
     @classmethod
     def decode(cls, key: str, raw: bytes | str) -> MigrateRequest:
         data = _load(key, raw)
-        return cls(rank=_int(key, data, "rank"), reason=str(data.get("reason", "operator request")))
+        node = data.get("node", -1)
+        if node == -1:
+            return cls(rank=_int(key, data, "rank"), reason=str(data.get("reason", "operator request")))
+        return cls(node=_int(key, data, "node"), reason=str(data.get("reason", "operator request")))
+
+    def describe(self) -> str:
+        return f"node at group rank {self.node}" if self.node >= 0 else f"rank {self.rank}"
 
 
-def request_migration(job_store: Any, rank: int, reason: str = "operator request") -> int:
+def request_migration(job_store: Any, rank: int = -1, reason: str = "operator request", node: int = -1) -> int:
     """Ask the controller of the job behind ``job_store`` (prefix ``tmrun/<run>/``) to migrate
-    ``rank`` to a warm standby. Returns the request's number."""
+    ``rank`` (or the node at group rank ``node``) to a warm standby. Returns the request's number."""
     seq = job_store.add(MIGRATE_SEQ, 1) - 1
-    job_store.set(migrate_request(seq), MigrateRequest(rank, reason).encode())
+    job_store.set(migrate_request(seq), MigrateRequest(rank, reason, node).encode())
     return seq
 
 

@@ -63,7 +63,7 @@ class Leader:
         self._lost: dict[int, str] = {}
         self._stop = threading.Event()
         self._monitor = LivenessMonitor(config.run_id, config.heartbeat_timeout)
-        self._inplace = NodeInplaceCoordinator(raw_store if raw_store is not None else store, config.run_id,
+        self._inplace = NodeInplaceCoordinator(raw_store if raw_store is not None else store, store, config.run_id,
                                                config.standby_wait)
         self._thread = threading.Thread(target=self._run, name="tmrun-leader", daemon=True)
         self.error: BaseException | None = None
@@ -104,6 +104,8 @@ class Leader:
                     self._check_hole()
                     for line in self._inplace.recovered():
                         self._event("recovered", line)
+                    if self._pending is None and self._config.limits.max_nodes > 1:
+                        self._maybe_migrate()  # (on one node the agent's controller migrates ranks)
         except Exception as exc:  # the store went away or a bug: the job cannot continue
             if not self._stop.is_set():
                 log.error("tmrun leader stopped: %s", exc)
@@ -239,6 +241,14 @@ class Leader:
         self._event("replace", f"epoch {plan.epoch}: {plan.reason}")
         if planner.HOLE in plan.active and self._hole_since is None:
             self._hole_since = time.monotonic()
+
+    def _maybe_migrate(self) -> None:
+        swapped, lines = self._inplace.migrate(self._membership)
+        for line in lines:
+            kind, _, detail = line.partition(": ")
+            self._event(kind, detail)
+        if swapped is not None:
+            self._publish(swapped)
 
     def _check_hole(self) -> None:
         if planner.HOLE not in self._membership.active:

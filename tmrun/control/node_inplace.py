@@ -43,11 +43,14 @@ class _Recovery:
 
 
 class NodeInplaceCoordinator:
-    def __init__(self, store: Store, run_id: str, standby_wait: float) -> None:
+    def __init__(self, store: Store, job_store: Store, run_id: str, standby_wait: float) -> None:
         self._raw = store  # unprefixed: the workers' prefix is a full key path
         self._run_id = run_id
         self._standby_wait = standby_wait
         self._awaiting: list[_Recovery] = []
+        # planned migrations are requested at the job level (tmrun-ctl migrate, tm.migrate())
+        self._job = job_store  # prefixed tmrun/<run>/
+        self._migrations_seen = 0
 
     def _node_ranks(self, store: Store, membership: Membership) -> list[list[int]] | None:
         """Ranks of every active group rank, or None while an agent has not published them."""
@@ -97,24 +100,68 @@ class NodeInplaceCoordinator:
             why = f"no warm standby node within {self._standby_wait:g}s"
             store.set(proto.ABORT, proto.AbortNotice(why, self._current_gen(store)).encode())
             return Decision.FALLBACK, None, why
+        swapped, why = self._publish(store, membership, ranks, dict(zip(failed, (n for n, _ in standby))),
+                                     dict(standby), dead, planned=False, started=first_seen)
+        return Decision.IN_PLACE, swapped, why
+
+    def _publish(self, store: Store, membership: Membership, ranks: list[list[int]], moves: dict[int, int],
+                 standby_ids: dict[int, list[int]], dead: set[int], planned: bool,
+                 started: float) -> tuple[Membership, str]:
+        """Generation gen+1 of the epoch: each node in ``moves`` is replaced by its standby node
+        (assignments first, so the joiners connect while the survivors read the plan)."""
         gen = self._current_gen(store) + 1
         world_size = sum(len(r) for r in ranks)
         replaced: dict[int, int] = {}
-        moves: dict[int, int] = {}
-        for culprit, (node_id, ids) in zip(failed, standby):
+        for culprit, node_id in moves.items():
             group_rank = membership.active.index(culprit)
-            replaced.update(zip(ranks[group_rank], ids))
-            moves[culprit] = node_id
+            replaced.update(zip(ranks[group_rank], standby_ids[node_id]))
             store.set(proto.node_ranks(group_rank), json.dumps({"node_id": node_id, "ranks": ranks[group_rank]}))
         swapped = planner.replace_in_place(membership, moves, dead)
-        plan = proto.ReplacementPlan(gen, world_size, replaced, reason=swapped.reason, created=time.time())
-        for rank, standby_id in replaced.items():  # assignments first: the joiners connect while survivors read the plan
-            store.set(proto.standby_assign(standby_id), proto.Assignment(rank, gen).encode())
+        plan = proto.ReplacementPlan(gen, world_size, replaced, reason=swapped.reason, planned=planned,
+                                     created=time.time())
+        for rank, standby_id in replaced.items():
+            store.set(proto.standby_assign(standby_id), proto.Assignment(rank, gen, planned=planned).encode())
         store.set(proto.plan(gen), plan.encode())
         store.set(proto.GEN, str(gen))
-        self._awaiting.append(_Recovery(membership.epoch, gen, world_size, first_seen))
+        self._awaiting.append(_Recovery(membership.epoch, gen, world_size, started))
         ranks_moved = ", ".join(f"{rank}->standby {sid}" for rank, sid in sorted(replaced.items()))
-        return Decision.IN_PLACE, swapped, f"generation {gen}: {swapped.reason} (ranks {ranks_moved})"
+        return swapped, f"generation {gen}: {swapped.reason} (ranks {ranks_moved})"
+
+    def migrate(self, membership: Membership) -> tuple[Membership | None, list[str]]:
+        """Planned migrations requested since the last call: the whole node that holds the rank
+        moves to a warm standby node at a step boundary (its workers hand their state over and
+        leave; nothing is recomputed). Returns the new membership (or None) and event lines.
+        One change at a time: nothing happens while a recovery is under way."""
+        lines: list[str] = []
+        for number, key in proto.numbered(self._job, proto.MIGRATE_SEQ, proto.migrate_request, self._migrations_seen):
+            if self._awaiting:
+                break  # retried once the current change is over
+            self._migrations_seen = number + 1
+            try:
+                request = proto.MigrateRequest.decode(key, self._job.get(key))
+            except proto.ProtocolMessageError as exc:
+                lines.append(f"migrate-refused: malformed request ({exc})")
+                continue
+            store = self._epoch_store(membership.epoch)
+            ranks = self._node_ranks(store, membership)
+            if not store.check([proto.API]) or ranks is None or store.add(proto.MEMBERS, 0) < sum(map(len, ranks)):
+                lines.append(f"migrate-refused: {request.describe()}: the job does not run the tmrun worker API")
+                continue
+            group_rank = request.node if request.node >= 0 else next(
+                (g for g, node_ranks in enumerate(ranks) if request.rank in node_ranks), -1)
+            if not 0 <= group_rank < len(ranks):
+                lines.append(f"migrate-refused: {request.describe()}: no such rank or node in this job")
+                continue
+            standby = self._ready_standby_nodes(store, membership, len(ranks[group_rank]))
+            if not standby:
+                lines.append(f"migrate-refused: {request.describe()}: no warm standby node")
+                continue
+            node_id, ids = standby[0]
+            swapped, why = self._publish(store, membership, ranks, {membership.active[group_rank]: node_id},
+                                         {node_id: ids}, set(), planned=True, started=time.monotonic())
+            lines.append(f"migrate: {why}: {request.reason}")
+            return swapped, lines
+        return None, lines
 
     def _epoch_store(self, epoch: int) -> Store:
         return PrefixStore(proto.node_prefix(self._run_id, epoch), self._raw)

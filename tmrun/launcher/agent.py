@@ -154,6 +154,9 @@ class TmrunAgent(LocalElasticAgent):
         self._wait_for_exit(0.05, member.pids())
         outcome = member.step()
         if outcome.finished:
+            handler = self.tmrun_handler
+            assert handler is not None
+            handler.check_retired()  # a migrated node: its workers handed over and left
             return RunResult(state=WorkerState.SUCCEEDED, return_values={w.global_rank: None for w in worker_group.workers})
         if outcome.failed:
             handler = self.tmrun_handler

@@ -143,6 +143,10 @@ class InplaceController:
             self._migrate(request)
 
     def _migrate(self, request: proto.MigrateRequest) -> None:
+        if request.node >= 0:
+            say(f"migration of the {request.describe()} refused: this job runs on one node (migrate a rank)")
+            record_event(self._events, "migrate-refused", self.gen, f"{request.describe()}: single-node job")
+            return
         slot = self.slots.get(request.rank)
         if slot is None or slot.poll() is not None:
             say(f"migration of rank {request.rank} refused: no such running rank on this node")

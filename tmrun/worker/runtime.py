@@ -322,11 +322,12 @@ class Runtime:
         return self._heal(started=started, aborted_step=-1)
 
     def _handoff_comm(self, plan_gen: int, rank: int) -> Any:
+        """A 2-member link between this rank's leaver (0) and joiner (1)."""
         assert self._store is not None
         job_id = self._store.get(proto.JOB_ID).decode()
         return native.connect_via_store(
-            dist.PrefixStore(f"{COMM_PREFIX}/", self._store), rank, 2, f"{job_id}/handoff{plan_gen}", 0,
-            prefix=proto.handoff_prefix(plan_gen), timeout=self._env.comm_timeout,
+            dist.PrefixStore(f"{COMM_PREFIX}/", self._store), rank, 2, f"{job_id}/handoff{plan_gen}/{self._rank}", 0,
+            prefix=proto.handoff_prefix(plan_gen, self._rank), timeout=self._env.comm_timeout,
             connect_timeout=self._env.recovery_timeout,
         )
 
