@@ -399,6 +399,7 @@ std::unique_ptr<Link> Communicator::await_accepted(int peer, uint64_t epoch, Clo
       g.unlock();
       idle_tick({});
       g.lock();
+      if (failed_) raise_failure();  // a lazy p2p link inside an operation: as in run_plan
     }
   }
 }
@@ -897,6 +898,12 @@ void Communicator::run_plan(Plan& p) {
       if (now >= next_idle) {
         idle_tick(op_links);
         next_idle = now + secs(hb_interval_);
+        // A loss noticed on a link outside this operation (EOF, reset, or an abort notice) poisons
+        // the epoch, and idle_tick has already forwarded the notice to every other link, op links
+        // included. Raise now: the ranks it reached do not send the notice back (they skip the
+        // reporter and forward each loss once), and their heartbeats keep our op links alive, so
+        // nothing else would end this operation before op_timeout.
+        if (failed_) raise_failure();
       }
       for (size_t i = 0; i < qs.size(); ++i) {
         Link& l = *qs[i].link;

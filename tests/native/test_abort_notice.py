@@ -1,0 +1,56 @@
+"""Abort-notice forwarding: a loss that a rank notices itself, on a link outside its running
+operation, must end that operation at once (in-process ranks, loopback only)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from conftest import buf, close_all, connect_all, run_ranks, tn
+
+
+@pytest.mark.timeout(60)
+def test_loss_noticed_outside_the_running_operation_ends_it():
+    """Rank 0 waits in a recv from rank 1 (rank 1 waits in a recv from rank 0) when its other
+    neighbour, rank 2, closes. Rank 0's in-operation idle tick (every 0.05 s: short heartbeat
+    interval) notices first, records the loss and sends the abort notice to rank 1; rank 1's own
+    idle tick only comes 2 s into its operation, so it learns of the loss from rank 0, raises, and
+    (the notice came from rank 0) sends nothing back. Rank 0 must raise on its own notice: before
+    the fix it kept waiting on rank 1, whose idle heartbeats kept the link alive, until op_timeout
+    (CommTimeoutError after 8 s here, 300 s by default)."""
+    n, victim = 3, 2
+    opts = [
+        dict(timeout=4.0, heartbeat_interval=0.05, op_timeout=8.0),  # notices within 0.05 s
+        dict(timeout=4.0, heartbeat_interval=2.0, op_timeout=8.0),   # first idle tick at 2 s
+        dict(timeout=4.0),
+    ]
+    comms = [tn.Communicator(r, n, "abortfwd", 0, tn.Options(**opts[r])) for r in range(n)]
+    try:
+        connect_all(comms)
+
+        def body(c):
+            if c.rank == victim:
+                time.sleep(0.3)
+                c.close()
+                return None
+            x = torch.zeros(1, dtype=torch.uint8)
+            t0 = time.monotonic()
+            try:
+                c.recv(buf(x), src=1 - c.rank)
+            except tn.PeerLostError as e:
+                return ("lost", e.peer, e.reporter, time.monotonic() - t0)
+            except Exception as e:  # noqa: BLE001
+                return (type(e).__name__, str(e), time.monotonic() - t0)
+            return ("completed",)
+
+        res, _ = run_ranks(comms, body, timeout=30)
+        for r in (0, 1):
+            assert res[r][0] == "lost", (r, res[r])
+            assert res[r][1] == victim, (r, res[r])
+            # the interleaving under test: rank 0 noticed, rank 1 learned it from rank 0
+            assert res[r][2] == 0, (r, res[r])
+            assert res[r][3] < 2.0, (r, res[r])
+    finally:
+        close_all(comms)
