@@ -10,8 +10,11 @@ node, tmrun falls back to restarting the group (logged) and the job still finish
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -35,7 +38,8 @@ def _steps(work: Path) -> dict[int, list[tuple[int, int]]]:
     return out
 
 
-def _run_nodes(work: Path, agents: int, *tmrun_args: str) -> tuple[list[int], list[str], str]:
+def _run_nodes(work: Path, agents: int, *tmrun_args: str,
+               script_args: list[str] | None = None) -> tuple[list[int], list[str], str]:
     """Start ``agents`` agents in order (the first hosts the store); returns their exit codes,
     their logs and the final digest."""
     work.mkdir()
@@ -46,7 +50,7 @@ def _run_nodes(work: Path, agents: int, *tmrun_args: str) -> tuple[list[int], li
             cmd = tmrun_cmd(
                 "--nnodes", "2", "--standby", "1", "--nproc-per-node", str(NPROC),
                 "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "nodes", "--rdzv-conf", "heartbeat_interval=0.5",
-                *tmrun_args, str(EXAMPLES / "train_inplace.py"), *SCRIPT_ARGS,
+                *tmrun_args, str(EXAMPLES / "train_inplace.py"), *SCRIPT_ARGS, *(script_args or []),
                 "--step-log", str(work / "steps-{rank}.log"), "--final", str(work / "final"),
             )  # fmt: skip
             procs.append(start(cmd, log=work / f"agent{node}.log", env={"TMRUN_STATE_DIR": str(work / "state")}))
@@ -126,3 +130,45 @@ def test_no_standby_node_falls_back_to_a_group_restart(tmp_path: Path, reference
     assert "fallback: no warm standby node within 2s: the group restarts (as torchrun)" in logs[0], logs[0]
     assert "node 0 runs group rank 0 of 2 in epoch 2" in logs[0]
     assert final == reference  # the example keeps no checkpoint: the restarted group trains from step 0
+
+
+def test_planned_migration_of_a_node_recomputes_nothing(tmp_path: Path, reference: str) -> None:
+    """tmrun-ctl migrate --node 1 once the standby node is warm: node 1's workers hand their
+    state to the standby node's workers at a step boundary and exit 0, node 1's agent leaves,
+    no step is redone, and the result equals a run without migration."""
+    work = tmp_path / "migrate"
+    requested: list[str] = []
+
+    def request() -> None:
+        deadline = time.monotonic() + 120
+        log_path = work / "agent2.log"
+        while time.monotonic() < deadline:
+            text = log_path.read_text() if log_path.exists() else ""
+            if "standby 2000 warm" in text and "standby 2001 warm" in text:
+                result = subprocess.run(
+                    [*tmrun_cmd()[:2], "tmrun.cli.ctl", "migrate", "--node", "1", "--reason", "drain"],
+                    capture_output=True, text=True, timeout=60,
+                    env={**os.environ, "TMRUN_STATE_DIR": str(work / "state")},
+                )  # fmt: skip
+                requested.append(result.stdout + result.stderr)
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=request, daemon=True)
+    thread.start()
+    codes, logs, final = _run_nodes(work, 3, script_args=["--step-time", "0.6"])
+    thread.join(timeout=5)
+    everything = "\n".join(logs)
+    assert requested and "migration of node at group rank 1 requested" in requested[0], requested
+    assert codes == [0, 0, 0], everything
+    assert re.search(r"migrate: generation 1: node 2 replaces node 1 at group rank 1 in place "
+                     r"\(ranks 2->standby 2000, 3->standby 2001\): drain", logs[0]), everything
+    assert "this node leaves, the job goes on" in logs[1], logs[1]
+    assert final == reference, everything
+    steps = _steps(work)
+    for rank in range(WORLD):
+        assert [s for s, _ in steps[rank]] == list(range(STEPS)), (rank, steps[rank])  # nothing recomputed
+    for rank in (0, 1):
+        assert len({pid for _, pid in steps[rank]}) == 1
+    for rank in (2, 3):
+        assert len({pid for _, pid in steps[rank]}) == 2
