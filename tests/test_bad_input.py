@@ -25,6 +25,8 @@ CASES = {
     "drill with an unknown point": (["--standalone", "--inject-failure", "rank=1,step=2,at=lunch", SCRIPT], "at="),
     "negative standby wait": (["--standalone", "--standby-wait", "-1", SCRIPT], "--standby-wait"),
     "negative shadow steps": (["--standalone", "--shadow-steps", "-2", SCRIPT], "--shadow-steps"),
+    "negative refill delay": (["--standalone", "--standby-refill-delay", "-1", SCRIPT], "--standby-refill-delay"),
+    "node drill with a rank": (["--standalone", "--inject-failure", "rank=1,node=1,step=2", SCRIPT], "rank=N or node=G"),
 }
 
 

@@ -48,9 +48,11 @@ def procs():  # type: ignore[no-untyped-def]
         process.wait(timeout=10)
 
 
-def make(tmp_path: Path, pool: FakePool, world: int = 2, replacements: int = 3, wait: float = 0.0):
+def make(tmp_path: Path, pool: FakePool, world: int = 2, replacements: int = 3, wait: float = 0.0,
+         refill_delay: float = 0.0):
     store = dist.HashStore()
-    controller = InplaceController(store, pool, world, wait, replacements, dist.HashStore(), str(tmp_path / "gen"))  # type: ignore[arg-type]
+    controller = InplaceController(store, pool, world, wait, replacements, dist.HashStore(), str(tmp_path / "gen"),  # type: ignore[arg-type]
+                                   refill_delay)
     return store, controller
 
 
@@ -73,6 +75,29 @@ def test_a_dead_rank_is_replaced_by_a_ready_standby(tmp_path: Path, procs) -> No
     assert proto.Assignment.decode("a", store.get(proto.standby_assign(4))) == proto.Assignment(1, 1)
     assert (tmp_path / "gen").read_text() == "1"  # the workers' per-step view of the generation
     assert controller.slots[1].process is standby and pool.members == []
+
+
+def test_the_pool_is_refilled_only_after_recovery_plus_the_refill_delay(tmp_path: Path, procs) -> None:  # type: ignore[no-untyped-def]
+    import time
+
+    survivor, victim, standby = child("import time; time.sleep(60)"), child("raise SystemExit(7)"), child("import time; time.sleep(60)")
+    procs += [survivor, victim, standby]
+    pool = FakePool([FakeMember(4, standby)])
+    store, controller = make(tmp_path, pool, refill_delay=0.5)
+    controller.adopt({0: survivor, 1: victim})
+    store.set(proto.standby_ready(4), "{}")
+    wait_exit(victim)
+    controller.step()  # promotes the standby
+    fills = pool.fills
+    controller.step()
+    assert pool.fills == fills  # recovery under way: no new standby competes with it
+    store.add(proto.recovered(1), 2)
+    controller.step()  # recovered: the refill delay starts now
+    controller.step()
+    assert pool.fills == fills
+    time.sleep(0.6)
+    controller.step()
+    assert pool.fills == fills + 1
 
 
 def test_without_a_standby_it_falls_back_and_tells_the_workers(tmp_path: Path, procs) -> None:  # type: ignore[no-untyped-def]

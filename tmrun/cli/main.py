@@ -62,6 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
         "restarting the worker group (as torchrun). Default 60.",
     )
     group.add_argument(
+        "--standby-refill-delay",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="One node: after a recovery, wait this long before starting the replacement standby, so "
+        "that its warm-up does not slow the joiner's first steps. Default 5.",
+    )
+    group.add_argument(
         "--shadow-steps",
         type=int,
         default=2,
@@ -164,6 +172,8 @@ def _validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--nproc-per-node must be at least 1, got {nproc}")
     if args.standby_wait < 0:
         raise UsageError(f"--standby-wait must be 0 or more, got {args.standby_wait}")
+    if args.standby_refill_delay < 0:
+        raise UsageError(f"--standby-refill-delay must be 0 or more, got {args.standby_refill_delay}")
     if args.shadow_steps < 0:
         raise UsageError(f"--shadow-steps must be 0 or more, got {args.shadow_steps}")
     if args.inject_failure:
@@ -220,7 +230,8 @@ def run(argv: Sequence[str]) -> int:
         from tmrun.worker.drills import ENV
 
         os.environ[ENV] = ";".join(drill.encode() for drill in args.inject_failure)
-    return launch(config, entrypoint, entry_args, TmrunOptions(standby=args.standby, standby_wait=args.standby_wait))
+    return launch(config, entrypoint, entry_args, TmrunOptions(standby=args.standby, standby_wait=args.standby_wait,
+                                                             refill_delay=args.standby_refill_delay))
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:

@@ -47,6 +47,7 @@ class TmrunAgent(LocalElasticAgent):
         monitor_interval: float,
         standby_workers: int,
         standby_wait: float = 60.0,
+        refill_delay: float = 5.0,
         standby_nodes: int = 0,
         log_line_prefix_template: str | None = None,
         shutdown_timeout: int = 30,
@@ -66,6 +67,7 @@ class TmrunAgent(LocalElasticAgent):
         self._standby_pool = StandbyPool(standby_workers, spec.rdzv_handler.get_run_id()) if standby_workers else None
         self.failures_reported = 0
         self._standby_wait = standby_wait
+        self._refill_delay = refill_delay
         self._inplace: InplaceController | None = None
         self._group_starts = 0
         # several nodes with standby nodes: in-place replacement of whole nodes
@@ -301,7 +303,7 @@ class TmrunAgent(LocalElasticAgent):
         world_size = worker_group.workers[0].world_size if worker_group.workers else spec.local_world_size
         gen_file = os.path.join(self._standby_pool.directory, f"gen-{self._group_starts - 1}")
         self._inplace = InplaceController(store, self._standby_pool, world_size, self._standby_wait,
-                                          max(spec.max_restarts, 0), events, gen_file)
+                                          max(spec.max_restarts, 0), events, gen_file, self._refill_delay)
         shared = self._inplace_env(handler, prefix, gen_file)
         os.environ.update(shared)  # the workers torch starts inherit these
         previous = self._standby_pool.worker_env.get("TMRUN_IP_PREFIX")

@@ -53,7 +53,7 @@ class Outcome:
 
 class InplaceController:
     def __init__(self, store: Store, pool: StandbyPool, world_size: int, standby_wait: float,
-                 max_replacements: int, events_store: Store, gen_file: str) -> None:
+                 max_replacements: int, events_store: Store, gen_file: str, refill_delay: float = 0.0) -> None:
         self._store = store
         self._pool = pool
         self._world_size = world_size
@@ -63,6 +63,8 @@ class InplaceController:
         self._gen_file = gen_file
         self._enabled = False
         self._reports_seen = 0
+        self._refill_delay = refill_delay
+        self._refill_at = 0.0  # monotonic time before which the pool is not refilled (after a recovery)
         self.gen = 0
         self.replacements = 0
         self.slots: dict[int, Slot] = {}
@@ -90,10 +92,11 @@ class InplaceController:
 
     def step(self) -> Outcome:
         """One look at the workers and the reports; replaces what failed."""
-        if not self._awaiting:
+        if not self._awaiting and time.monotonic() >= self._refill_at:
             # A standby that died while waiting is replaced before it is needed; after a
-            # promotion the new one starts only once the job recovered (its warm-up competes for
-            # the node's CPUs with the recovery).
+            # promotion the new one starts only once the job recovered, plus the refill delay
+            # (its warm-up competes for the node's CPUs with the recovery and the joiner's first
+            # steps). A failure that finds no standby starts one at once (_replace).
             self._pool.fill()
         self._read_reports()
         self._check_recovered()
@@ -113,6 +116,7 @@ class InplaceController:
         for gen, seen in list(self._awaiting.items()):
             if self._store.add(proto.recovered(gen), 0) >= self._world_size:
                 del self._awaiting[gen]
+                self._refill_at = time.monotonic() + self._refill_delay
                 elapsed = time.monotonic() - seen
                 say(f"generation {gen}: all {self._world_size} ranks recovered, {elapsed:.3f}s after the change began")
                 record_event(self._events, "recovered", gen, f"{self._world_size} ranks back in {elapsed:.3f}s")

@@ -27,6 +27,7 @@ class LaunchError(RuntimeError):
 class TmrunOptions:
     standby: int  # spare members: nodes when the job spans nodes, worker processes on one node
     standby_wait: float = 60.0  # in-place: how long a failure waits for a warm standby
+    refill_delay: float = 5.0  # one node: seconds after a recovery before the replacement standby starts
 
 
 def launch(config: LaunchConfig, entrypoint: str, args: list[Any], options: TmrunOptions) -> int:
@@ -73,6 +74,7 @@ def launch(config: LaunchConfig, entrypoint: str, args: list[Any], options: Tmru
         monitor_interval=config.monitor_interval,
         standby_workers=options.standby if single_node else 0,
         standby_wait=options.standby_wait,
+        refill_delay=options.refill_delay,
         standby_nodes=0 if single_node else options.standby,
         log_line_prefix_template=config.log_line_prefix_template,
         shutdown_timeout=int(config.shutdown_timeout),
