@@ -109,3 +109,37 @@ def test_track_refuses_what_cannot_move():
     state = TrackedState()
     with pytest.raises(TrackError, match="picklable"):
         state.track(handle=lambda: None)
+
+
+def test_handover_delivers_the_model_first_and_the_optimizer_state_later():
+    """A migration: take_over returns once the model arrived; the optimizer's state arrives in
+    the background and is complete (bit for bit, in place) after finish()."""
+    from tmrun.worker.transfer import hand_over, take_over
+
+    comms = make_group(2, job="handover")
+    try:
+        leaver_state, _, _ = make_member(seed=1, steps=3)
+        joiner_state, joiner_model, joiner_opt = make_member(seed=7, steps=1)
+        opt_ptrs = [t.data_ptr() for name, t in joiner_state.tensors() if name.startswith("optimizer.")]
+        seen: dict[str, object] = {}
+
+        def body(comm):
+            if comm.rank == 0:
+                return hand_over(comm, leaver_state, {"committed_step": 3})
+            meta, pending, received = take_over(comm, joiner_state)
+            model_now = [bytes(p.detach().reshape(-1).view(torch.uint8).tolist()) for p in joiner_model.state_dict().values()]
+            seen.update(meta=meta, received=received, model=model_now, deferred=pending.nbytes)
+            pending.finish()
+            return received
+
+        results, _ = run_ranks(comms, body, timeout=60)
+        assert snapshot(joiner_state) == snapshot(leaver_state)
+        assert seen["meta"] == {"committed_step": 3}
+        leaver_model = [name for name, _ in leaver_state.tensors() if name.startswith("model.")]
+        assert len(seen["model"]) == len(leaver_model)  # the model was complete when take_over returned
+        assert seen["model"] == snapshot(leaver_state)[: len(leaver_model)]
+        assert results[0] == seen["received"] + seen["deferred"] and seen["deferred"] > 0
+        assert [t.data_ptr() for name, t in joiner_state.tensors() if name.startswith("optimizer.")] == opt_ptrs
+        assert joiner_state.values["epoch"] == 30
+    finally:
+        close_all(comms)

@@ -32,7 +32,7 @@ from tmrun.worker import group, rng
 from tmrun.worker.drills import DrillRunner
 from tmrun.worker.launch_env import LaunchEnv, Mode
 from tmrun.worker.tracked import TrackedState
-from tmrun.worker.transfer import HealPlan, agree, heal
+from tmrun.worker.transfer import HealPlan, PendingTransfer, agree, hand_over, heal, take_over
 
 COMM_PREFIX = "comm"
 POLL = 0.02  # a standby waiting to be needed
@@ -79,6 +79,7 @@ class Runtime:
         self._rng_published: dict[str, Any] | None = None
         self._cached_plan: proto.ReplacementPlan | None = None
         self._prepared_gen = -1
+        self._handover: tuple[Any, PendingTransfer, float] | None = None  # a migration's state still arriving
         self.recoveries: list[dict[str, float | int]] = []
         self._drills = DrillRunner.from_environ(self._rank if not self._standby else -1, promoted=False)
         self._connect()
@@ -172,6 +173,7 @@ class Runtime:
             if self._shadow:
                 self._shadow = False
                 self._shadow_done += 1
+            self._finish_handover()
             if self._aborted_by is not None:
                 step = self._recover()
                 continue
@@ -227,6 +229,7 @@ class Runtime:
         def guarded_step(self_: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
             if runtime._aborted_by is not None:
                 return None  # a collective of this step lost a peer: never apply a partial update
+            runtime._finish_handover()  # a joiner of a migration: its optimizer state is complete
             runtime._fire("optimizer")
             result = original(*args, **kwargs)
             runtime._committed_step = runtime._current_step
@@ -332,27 +335,48 @@ class Runtime:
         )
 
     def _hand_over(self, plan: proto.ReplacementPlan, switch_at: int) -> None:
-        """The leaver of a migration: stream the state to the joiner, then leave cleanly."""
+        """The leaver of a migration: stream the state to the joiner (the model first, then the
+        optimizer's state, which the joiner receives while it computes), then leave cleanly."""
         started = time.monotonic()
         handoff = self._handoff_comm(plan.gen, 0)
         try:
             meta = {"committed_step": switch_at, "rng": rng.capture()}
-            moved, _ = heal(handoff, self._state, HealPlan(switch_at, [0], [1]), meta)
+            moved = hand_over(handoff, self._state, meta)
         finally:
             handoff.close()
         _log(f"rank {self._rank}: handed {moved} bytes to the joiner in {time.monotonic() - started:.3f}s; leaving")
         raise SystemExit(0)
 
     def _take_over(self, plan_gen: int) -> None:
-        """The joiner of a migration: receive the state from the leaver."""
+        """The joiner of a migration: receive the model from the leaver; the optimizer's state
+        keeps arriving in the background until :meth:`_finish_handover`."""
+        started = time.monotonic()
         handoff = self._handoff_comm(plan_gen, 1)
         try:
-            _, meta = heal(handoff, self._state, HealPlan(-1, [0], [1]), {})
-        finally:
+            meta, pending, received = take_over(handoff, self._state)
+        except BaseException:
             handoff.close()
+            raise
+        self._handover = (handoff, pending, started)
         self._committed_step = int(meta["committed_step"])  # type: ignore[call-overload]
         rng.restore(meta["rng"])  # type: ignore[arg-type]
         self._fresh = False
+        _log(f"rank {self._rank}: received the model ({received} bytes) in {time.monotonic() - started:.3f}s; "
+             f"{pending.nbytes} bytes of optimizer state follow in the background")
+
+    def _finish_handover(self) -> None:
+        """Wait for the rest of a migration's state (before the optimizer steps, and at the end of
+        the joiner's first step at the latest)."""
+        if self._handover is None:
+            return
+        handoff, pending, started = self._handover
+        self._handover = None
+        try:
+            pending.finish()
+        finally:
+            handoff.close()
+        _log(f"rank {self._rank}: optimizer state complete ({pending.nbytes} bytes), "
+             f"{time.monotonic() - started:.3f}s after the handover began")
 
     # -- recovery ---------------------------------------------------------------------------
 

@@ -106,6 +106,11 @@ class TrackedState:
                 found += _optimizer_tensors(name, obj)
         return found
 
+    def deferrable(self) -> set[str]:
+        """Names of the tensors a joiner needs only when the optimizer steps (optimizer state):
+        a migration may deliver them while the joiner already runs forward and backward."""
+        return {name for name, obj in self._objects.items() if isinstance(obj, torch.optim.Optimizer)}
+
     def allocate_missing(self, donor_specs: list[TensorSpec]) -> None:
         """Create optimizer state the donor has and this member has not allocated yet (an
         optimizer that never stepped), so that everything can be received in place."""

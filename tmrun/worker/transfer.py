@@ -151,3 +151,77 @@ def _receive(comm: tmrun_native.Communicator, state: TrackedState, plan: HealPla
         moved += sum(p.numel() for p in pieces)
     state.apply_rest(header["rest"])
     return moved, dict(header["meta"])
+
+
+# -- planned migration: the leaver hands over to its joiner in two parts -----------------------
+#
+# The joiner needs the model's tensors before its first forward, but the optimizer's state only
+# when the optimizer steps. The leaver sends the header and the model first; the joiner returns
+# as soon as those arrived intact and receives the optimizer's state in the background while it
+# computes its first forward and backward (:class:`PendingTransfer`).
+
+
+def _split(state: TrackedState) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    deferred_objects = state.deferrable()
+    now, later = [], []
+    for name, tensor in state.tensors():
+        (later if name.partition(".")[0] in deferred_objects else now).append(tensor)
+    return _byte_views(now), _byte_views(later)
+
+
+def _send_part(comm: tmrun_native.Communicator, views: list[torch.Tensor], dst: int) -> int:
+    buffers = [as_buffer(view)[0] for view in views]
+    works = [comm.send_async(buffer, dst, TAG_STRIPE) for buffer in buffers]
+    crc = 0
+    for buffer in buffers:  # computed while the bytes go out (GIL released)
+        crc = tmrun_native.crc32c(buffer, crc)
+    for work in works:
+        work.wait()
+    comm.send(struct.pack("<I", crc), dst, TAG_CRC)
+    return sum(v.numel() for v in views)
+
+
+class PendingTransfer:
+    """The optimizer's state, still arriving: :meth:`finish` waits for it and checks it."""
+
+    def __init__(self, comm: tmrun_native.Communicator, views: list[torch.Tensor], src: int) -> None:
+        self._buffers = [as_buffer(view)[0] for view in views]
+        self._views = views  # keeps the tensors' memory alive while the receives run
+        self._works = [comm.recv_async(buffer, src, TAG_STRIPE) for buffer in self._buffers]
+        self._comm = comm
+        self._src = src
+        self.nbytes = sum(v.numel() for v in views)
+
+    def finish(self) -> None:
+        crc = 0
+        for work, buffer in zip(self._works, self._buffers):
+            work.wait()
+            crc = tmrun_native.crc32c(buffer, crc)
+        expected = bytearray(4)
+        self._comm.recv(expected, self._src, TAG_CRC)
+        if struct.unpack("<I", expected)[0] != crc:
+            raise TransferError(f"checksum mismatch in the optimizer state from rank {self._src}")
+
+
+def hand_over(comm: tmrun_native.Communicator, state: TrackedState, step_meta: dict[str, object],
+              joiner: int = 1) -> int:
+    """The leaver's side: header, model tensors, then the optimizer's state. Returns bytes sent."""
+    _send_blob(comm, pickle.dumps({"specs": state.specs(), "rest": state.rest(), "meta": step_meta}), joiner)
+    now, later = _split(state)
+    return _send_part(comm, now, joiner) + _send_part(comm, later, joiner)
+
+
+def take_over(comm: tmrun_native.Communicator, state: TrackedState,
+              leaver: int = 0) -> tuple[dict[str, object], PendingTransfer, int]:
+    """The joiner's side: returns once the header and the model's tensors arrived intact (the
+    step metadata, the optimizer state's :class:`PendingTransfer`, bytes received so far)."""
+    header = pickle.loads(_recv_blob(comm, leaver))
+    donor_specs: list[TensorSpec] = header["specs"]
+    state.allocate_missing(donor_specs)
+    if state.specs() != donor_specs:
+        raise TransferError("this member's tracked state differs from the leaver's")
+    now, later = _split(state)
+    pending_now = PendingTransfer(comm, now, leaver)
+    pending_now.finish()
+    state.apply_rest(header["rest"])
+    return dict(header["meta"]), PendingTransfer(comm, later, leaver), pending_now.nbytes
