@@ -1,10 +1,15 @@
 """Recovery from the loss of a node: torchrun (a replacement agent joins) vs tmrun (a standby node).
 
-Both runs: 2 nodes x 1 CPU worker on loopback, the checkpointing DDP job of
-examples/train_checkpoint.py (default 6 x Linear(2048) = 25M parameters, Adam, checkpoint every
-10 steps). When the survivor completes step --kill-step, the harness SIGKILLs node 1 (its agent
-and its worker). torchrun: a replacement agent is started at once (its best case).
-tmrun: a third agent was started as a standby node.
+All runs: 2 nodes x 1 CPU worker on loopback, 6 x Linear(2048) = 25M parameters. When the
+survivor completes step --kill-step, the harness SIGKILLs node 1 (its agent and its worker).
+
+* torchrun: the checkpointing DDP job of examples/train_checkpoint.py (Adam, checkpoint every 10
+  steps); a replacement agent is started at once (its best case).
+* tmrun: the same job; a third agent was started as a standby node (group restart from the
+  checkpoint, on the standby node).
+* tmrun-inplace: examples/train_inplace.py (the worker API, AdamW) with the same standby node; the
+  harness waits until the standby node's worker is warm before it kills node 1 (in a real job the
+  standby is warm long before a failure); the standby node's worker takes rank 1 in place.
 
 Reported per run: seconds from the kill to the survivor's first completed step after it, the
 downtime (largest gap between completed steps on the survivor minus one steady step), and the
@@ -32,6 +37,8 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_checkpoint.py"
+INPLACE_SCRIPT = ROOT / "examples" / "train_inplace.py"
+TOOLS = ("torchrun", "tmrun", "tmrun-inplace")
 
 
 @dataclass
@@ -95,10 +102,16 @@ def launcher(tool: str, port: int, run_id: str, job_args: list[str], standby: bo
 def one_run(tool: str, args: argparse.Namespace, index: int) -> Outcome:
     work = Path(tempfile.mkdtemp(prefix=f"tmrun-bench-{tool}-"))
     port = free_port()
-    job = [
-        str(SCRIPT), "--ckpt-dir", str(work), "--steps", str(args.steps), "--ckpt-every", str(args.ckpt_every),
-        "--width", str(args.width), "--layers", str(args.layers), "--step-log", str(work / "steps-{rank}-%s.log"),
-    ]  # fmt: skip
+    if tool == "tmrun-inplace":
+        job = [
+            str(INPLACE_SCRIPT), "--steps", str(args.steps), "--width", str(args.width), "--depth", str(args.layers),
+            "--step-log", str(work / "steps-{rank}-%s.log"),
+        ]  # fmt: skip
+    else:
+        job = [
+            str(SCRIPT), "--ckpt-dir", str(work), "--steps", str(args.steps), "--ckpt-every", str(args.ckpt_every),
+            "--width", str(args.width), "--layers", str(args.layers), "--step-log", str(work / "steps-{rank}-%s.log"),
+        ]  # fmt: skip
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
     procs: list[subprocess.Popen[bytes]] = []
 
@@ -112,12 +125,18 @@ def one_run(tool: str, args: argparse.Namespace, index: int) -> Outcome:
         nodes = [spawn("node0")]
         time.sleep(1.0)  # node 0 hosts the store
         nodes.append(spawn("node1"))
-        if tool == "tmrun":
+        if tool != "torchrun":
             time.sleep(1.0)
             spawn("standby")
         survivor_log = work / "steps-0-node0.log"
         deadline = time.monotonic() + args.timeout
-        while not any(s >= args.kill_step for s, _ in steps(survivor_log)):
+
+        def ready() -> bool:
+            if tool == "tmrun-inplace" and "warm after" not in (work / "standby.log").read_text():
+                return False
+            return any(s >= args.kill_step for s, _ in steps(survivor_log))
+
+        while not ready():
             if time.monotonic() > deadline:
                 return Outcome(tool, False, note="never reached the kill step")
             time.sleep(0.01)
@@ -154,7 +173,7 @@ def main() -> None:
     args = parser.parse_args()
     outcomes: list[Outcome] = []
     for index in range(args.runs):
-        for tool in ("torchrun", "tmrun"):
+        for tool in TOOLS:
             outcome = one_run(tool, args, index)
             outcomes.append(outcome)
             print(f"run {index} {tool}: {outcome}", flush=True)
@@ -164,7 +183,7 @@ def main() -> None:
     print()
     print("| launcher | recovered | kill -> next step, s (min / median / max) | downtime, s (min / median / max) | steps recomputed |")
     print("|---|---|---|---|---|")
-    for tool in ("torchrun", "tmrun"):
+    for tool in TOOLS:
         done = [o for o in outcomes if o.tool == tool and o.ok]
         total = len([o for o in outcomes if o.tool == tool])
         if not done:
