@@ -552,7 +552,7 @@ class TmrunProcessGroup(dist.ProcessGroup):
             launch(comm)
         except BaseException as exc:  # noqa: BLE001
             if op.native:  # part of it was submitted: keep its buffers alive until that part is over
-                op.finish = [lambda: _reraise(exc)]
+                op.finish = [lambda failure=exc: _reraise(failure)]  # bound now: "exc" is unset after the except
                 self._completer.put(op)
             elif isinstance(exc, tn.CommError):
                 self._fail(op, exc)

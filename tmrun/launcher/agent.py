@@ -260,8 +260,10 @@ class TmrunAgent(LocalElasticAgent):
                 "TORCHELASTIC_RUN_ID": handler.get_run_id(),
             }
             self._standby_ids = []
-        self._node_pool.fill()
-        ids = [m.index for m in sorted(self._node_pool.members, key=lambda m: m.local_rank)]
+        pool = self._node_pool
+        assert pool is not None
+        pool.fill()
+        ids = [m.index for m in sorted(pool.members, key=lambda m: m.local_rank)]
         if ids != self._standby_ids and len(ids) == spec.local_world_size:
             store = PrefixStore(proto.node_prefix(handler.get_run_id(), membership.epoch), handler._tcp_store)
             store.set(proto.standby_node(handler.node_id or 0), json.dumps({"ids": ids}))

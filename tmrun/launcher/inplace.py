@@ -21,24 +21,7 @@ from tmrun.console import say
 from tmrun.control import inplace_protocol as proto
 from tmrun.control.events import record_event
 from tmrun.launcher.standby_pool import StandbyMember, StandbyPool, terminate
-
-
-@dataclass
-class Slot:
-    """One rank of this node and the process that currently plays it (a child of the agent:
-    the worker torch started, or a promoted standby)."""
-
-    rank: int
-    process: subprocess.Popen[bytes]
-    promoted: bool = False
-    fenced: bool = False
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def poll(self) -> int | None:
-        return self.process.poll()
+from tmrun.launcher.worker_slots import Slot, WorkerSlots, write_gen_file
 
 
 @dataclass
@@ -51,23 +34,20 @@ class Outcome:
     final: bool = False  # do not restart the group: the training is over (restarting would redo it)
 
 
-class InplaceController:
+class InplaceController(WorkerSlots):
     def __init__(self, store: Store, pool: StandbyPool, world_size: int, standby_wait: float,
                  max_replacements: int, events_store: Store, gen_file: str, refill_delay: float = 0.0) -> None:
-        self._store = store
+        super().__init__(store, world_size)
         self._pool = pool
-        self._world_size = world_size
         self._standby_wait = standby_wait
         self._replacements_left = max_replacements
         self._events = events_store
         self._gen_file = gen_file
-        self._enabled = False
         self._reports_seen = 0
         self._refill_delay = refill_delay
         self._refill_at = 0.0  # monotonic time before which the pool is not refilled (after a recovery)
         self.gen = 0
         self.replacements = 0
-        self.slots: dict[int, Slot] = {}
         self._awaiting: dict[int, float] = {}  # generation -> when its failure was seen
         self._leavers: list[Slot] = []  # migrated ranks' old processes, leaving on their own
         self._migrations_seen = events_store.add(proto.MIGRATE_SEQ, 0)  # older requests were for older groups
@@ -80,15 +60,6 @@ class InplaceController:
         self._write_gen_file()
         self._enabled = False
         self._reports_seen = 0
-
-    def enabled(self) -> bool:
-        """True once every rank of this group runs the tmrun worker API."""
-        if not self._enabled and self._store.check([proto.API]):
-            self._enabled = self._store.add(proto.MEMBERS, 0) >= self._world_size
-        return self._enabled
-
-    def pids(self) -> list[int]:
-        return [s.pid for s in self.slots.values() if s.poll() is None]
 
     def step(self) -> Outcome:
         """One look at the workers and the reports; replaces what failed."""
@@ -242,12 +213,7 @@ class InplaceController:
         self.slots[rank] = Slot(rank, member.process, promoted=True)
 
     def _write_gen_file(self) -> None:
-        """Workers on this node read the generation here at every step boundary (a file read
-        instead of a store round trip); replaced atomically."""
-        partial = f"{self._gen_file}.{os.getpid()}"
-        with open(partial, "w") as flag:
-            flag.write(str(self.gen))
-        os.replace(partial, self._gen_file)
+        write_gen_file(self._gen_file, self.gen)
 
     def _abandon(self, rank: int, exitcode: int, why: str) -> Outcome:
         say(f"rank {rank} failed and {why}: falling back to restarting the worker group (as torchrun)")

@@ -23,8 +23,8 @@ from torch.distributed import Store
 
 from tmrun.console import say
 from tmrun.control import inplace_protocol as proto
-from tmrun.launcher.inplace import Slot
 from tmrun.launcher.standby_pool import terminate
+from tmrun.launcher.worker_slots import Slot, WorkerSlots, write_gen_file
 
 
 @dataclass
@@ -33,32 +33,20 @@ class NodeOutcome:
     failed: bool = False  # this node's workers failed and were stopped; the leader decides
 
 
-class NodeMember:
+class NodeMember(WorkerSlots):
     def __init__(self, store: Store, world_size: int, gen_file: str,
                  report_failure: Callable[[bool, str], None]) -> None:
-        self._store = store
-        self._world_size = world_size
+        super().__init__(store, world_size)
         self._gen_file = gen_file
         self._report_failure = report_failure
-        self._enabled = False
         self._reports_seen = 0
         self._gen = -1
         self.failed = False
-        self.slots: dict[int, Slot] = {}
         self._mirror_gen()
 
     def adopt(self, processes: dict[int, subprocess.Popen[bytes]], promoted: bool) -> None:
         self.slots = {rank: Slot(rank, process, promoted=promoted) for rank, process in processes.items()}
         self.failed = False
-
-    def enabled(self) -> bool:
-        """True once every rank of the job runs the tmrun worker API."""
-        if not self._enabled and self._store.check([proto.API]):
-            self._enabled = self._store.add(proto.MEMBERS, 0) >= self._world_size
-        return self._enabled
-
-    def pids(self) -> list[int]:
-        return [s.pid for s in self.slots.values() if s.poll() is None]
 
     def step(self) -> NodeOutcome:
         self._mirror_gen()
@@ -84,13 +72,9 @@ class NodeMember:
 
     def _mirror_gen(self) -> None:
         gen = int(self._store.get(proto.GEN).decode()) if self._store.check([proto.GEN]) else 0
-        if gen == self._gen:
-            return
-        partial = f"{self._gen_file}.{os.getpid()}"
-        with open(partial, "w") as flag:
-            flag.write(str(gen))
-        os.replace(partial, self._gen_file)
-        self._gen = gen
+        if gen != self._gen:
+            write_gen_file(self._gen_file, gen)
+            self._gen = gen
 
     def _read_reports(self) -> str:
         """A survivor's report that it lost one of this node's live ranks (this generation)."""

@@ -32,7 +32,7 @@ from tmrun.worker import group, rng
 from tmrun.worker.drills import DrillRunner
 from tmrun.worker.launch_env import LaunchEnv, Mode
 from tmrun.worker.tracked import TrackedState
-from tmrun.worker.transfer import HealPlan, PendingTransfer, agree, hand_over, heal, take_over
+from tmrun.worker.transfer import PendingTransfer, agree, hand_over, heal, take_over
 
 COMM_PREFIX = "comm"
 POLL = 0.02  # a standby waiting to be needed

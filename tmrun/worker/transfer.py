@@ -163,7 +163,8 @@ def _receive(comm: tmrun_native.Communicator, state: TrackedState, plan: HealPla
 
 def _split(state: TrackedState) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     deferred_objects = state.deferrable()
-    now, later = [], []
+    now: list[torch.Tensor] = []
+    later: list[torch.Tensor] = []
     for name, tensor in state.tensors():
         (later if name.partition(".")[0] in deferred_objects else now).append(tensor)
     return _byte_views(now), _byte_views(later)

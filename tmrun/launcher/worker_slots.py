@@ -1,0 +1,56 @@
+"""What an in-place controller keeps of its node's workers: one slot per rank (the process that
+plays it now), whether every rank runs the worker API, and the node's generation file."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+
+from torch.distributed import Store
+
+from tmrun.control import inplace_protocol as proto
+
+
+@dataclass
+class Slot:
+    """One rank of this node and the process that currently plays it (a child of the agent:
+    the worker torch started, or a promoted standby)."""
+
+    rank: int
+    process: subprocess.Popen[bytes]
+    promoted: bool = False
+    fenced: bool = False
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+
+def write_gen_file(path: str, gen: int) -> None:
+    """Workers on this node read the generation here at every step boundary (a file read instead
+    of a store round trip). Written after the plan is in the store, replaced atomically."""
+    partial = f"{path}.{os.getpid()}"
+    with open(partial, "w") as flag:
+        flag.write(str(gen))
+    os.replace(partial, path)
+
+
+class WorkerSlots:
+    def __init__(self, store: Store, world_size: int) -> None:
+        self._store = store
+        self._world_size = world_size
+        self._enabled = False
+        self.slots: dict[int, Slot] = {}
+
+    def enabled(self) -> bool:
+        """True once every rank of the job runs the tmrun worker API."""
+        if not self._enabled and self._store.check([proto.API]):
+            self._enabled = self._store.add(proto.MEMBERS, 0) >= self._world_size
+        return self._enabled
+
+    def pids(self) -> list[int]:
+        return [s.pid for s in self.slots.values() if s.poll() is None]
