@@ -100,3 +100,20 @@ def run(cmd: Sequence[str], timeout: float, env: dict[str, str] | None = None) -
         kill_tree(proc)
         raise AssertionError(f"processes left behind: {left}")
     return subprocess.CompletedProcess(list(cmd), proc.returncode, out.decode(errors="replace"), "")
+
+
+def ctl_when_logged(log: Path, needles: Sequence[str], ctl_args: Sequence[str], state_dir: Path,
+                    out: list[str], timeout: float = 120) -> None:
+    """Once every one of ``needles`` is in ``log``, run ``tmrun-ctl *ctl_args`` against the job
+    (found through ``state_dir``) and append its output to ``out`` (for a thread: bounded)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = log.read_text() if log.exists() else ""
+        if all(needle in text for needle in needles):
+            result = subprocess.run(
+                [*tmrun_cmd()[:2], "tmrun.cli.ctl", *ctl_args], capture_output=True, text=True, timeout=60,
+                env={**os.environ, "TMRUN_STATE_DIR": str(state_dir)},
+            )
+            out.append(result.stdout + result.stderr)
+            return
+        time.sleep(0.05)

@@ -8,11 +8,12 @@ failure and the same seed.
 from __future__ import annotations
 
 import re
+from functools import partial
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import EXAMPLES, kill_tree, leftovers, start, tmrun_cmd
+from tests.helpers import EXAMPLES, ctl_when_logged, kill_tree, leftovers, start, tmrun_cmd
 
 STEPS = 12
 JOB_TIMEOUT = 240
@@ -153,32 +154,15 @@ def test_donor_killed_during_state_transfer(tmp_path: Path, reference: str) -> N
 def test_planned_migration_recomputes_nothing(tmp_path: Path) -> None:
     """tmrun-ctl migrate 1 while the job trains: the leaver hands its state to the standby at a
     step boundary and exits 0; no step is redone; the result equals a run without migration."""
-    import os
-    import subprocess
     import threading
-    import time
-
-    from tests.helpers import tmrun_cmd as cmd
 
     steps = 24
     _, ref_log, ref_final, _ = _run(tmp_path, "noswitch", steps=steps, step_time=0.15)
     assert ref_final, ref_log
     work = tmp_path / "migrate"
     requested: list[str] = []
-
-    def request() -> None:
-        deadline = time.monotonic() + 120
-        log_path = work / "agent.log"
-        while time.monotonic() < deadline:
-            if log_path.exists() and "standby 0 warm" in log_path.read_text():
-                result = subprocess.run(
-                    [*cmd()[:2], "tmrun.cli.ctl", "migrate", "1", "--reason", "drill"], capture_output=True,
-                    text=True, timeout=60, env={**os.environ, "TMRUN_STATE_DIR": str(work / "state")},
-                )  # fmt: skip
-                requested.append(result.stdout + result.stderr)
-                return
-            time.sleep(0.05)
-
+    request = partial(ctl_when_logged, work / "agent.log", ["standby 0 warm"], ["migrate", "1", "--reason", "drill"],
+                      work / "state", requested)
     thread = threading.Thread(target=request, daemon=True)
     thread.start()
     code, log, final, by_rank = _run(tmp_path, "migrate", steps=steps, step_time=0.15)

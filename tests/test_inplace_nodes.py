@@ -10,16 +10,15 @@ node, tmrun falls back to restarting the group (logged) and the job still finish
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import threading
-import time
+from functools import partial
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import EXAMPLES, free_port, kill_tree, leftovers, start, tmrun_cmd, wait_until
+from tests.helpers import EXAMPLES, ctl_when_logged, free_port, kill_tree, leftovers, start, tmrun_cmd, wait_until
 
 STEPS = 14
 NPROC = 2
@@ -138,22 +137,8 @@ def test_planned_migration_of_a_node_recomputes_nothing(tmp_path: Path, referenc
     no step is redone, and the result equals a run without migration."""
     work = tmp_path / "migrate"
     requested: list[str] = []
-
-    def request() -> None:
-        deadline = time.monotonic() + 120
-        log_path = work / "agent2.log"
-        while time.monotonic() < deadline:
-            text = log_path.read_text() if log_path.exists() else ""
-            if "standby 2000 warm" in text and "standby 2001 warm" in text:
-                result = subprocess.run(
-                    [*tmrun_cmd()[:2], "tmrun.cli.ctl", "migrate", "--node", "1", "--reason", "drain"],
-                    capture_output=True, text=True, timeout=60,
-                    env={**os.environ, "TMRUN_STATE_DIR": str(work / "state")},
-                )  # fmt: skip
-                requested.append(result.stdout + result.stderr)
-                return
-            time.sleep(0.05)
-
+    request = partial(ctl_when_logged, work / "agent2.log", ["standby 2000 warm", "standby 2001 warm"],
+                      ["migrate", "--node", "1", "--reason", "drain"], work / "state", requested)
     thread = threading.Thread(target=request, daemon=True)
     thread.start()
     codes, logs, final = _run_nodes(work, 3, script_args=["--step-time", "0.6"])

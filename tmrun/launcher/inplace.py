@@ -43,7 +43,6 @@ class InplaceController(WorkerSlots):
         self._replacements_left = max_replacements
         self._events = events_store
         self._gen_file = gen_file
-        self._reports_seen = 0
         self._refill_delay = refill_delay
         self._refill_at = 0.0  # monotonic time before which the pool is not refilled (after a recovery)
         self.gen = 0
@@ -139,13 +138,7 @@ class InplaceController(WorkerSlots):
         self._leavers.append(slot)
 
     def _read_reports(self) -> None:
-        for number, key in proto.numbered(self._store, proto.REPORT_SEQ, proto.report, self._reports_seen):
-            self._reports_seen = number + 1
-            try:
-                report = proto.WorkerReport.decode(key, self._store.get(key))
-            except proto.ProtocolMessageError as exc:
-                say(f"ignored a malformed worker report: {exc}")
-                continue
+        for report in self._new_reports():
             if report.gen != self.gen:
                 record_event(self._events, "stale", self.gen, f"report about generation {report.gen}")
                 continue

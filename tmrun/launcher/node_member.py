@@ -39,7 +39,6 @@ class NodeMember(WorkerSlots):
         super().__init__(store, world_size)
         self._gen_file = gen_file
         self._report_failure = report_failure
-        self._reports_seen = 0
         self._gen = -1
         self.failed = False
         self._mirror_gen()
@@ -78,13 +77,7 @@ class NodeMember(WorkerSlots):
 
     def _read_reports(self) -> str:
         """A survivor's report that it lost one of this node's live ranks (this generation)."""
-        for number, key in proto.numbered(self._store, proto.REPORT_SEQ, proto.report, self._reports_seen):
-            self._reports_seen = number + 1
-            try:
-                report = proto.WorkerReport.decode(key, self._store.get(key))
-            except proto.ProtocolMessageError as exc:
-                say(f"ignored a malformed worker report: {exc}")
-                continue
+        for report in self._new_reports():
             slot = self.slots.get(report.lost)
             if report.gen == self._gen and slot is not None and slot.poll() is None and report.lost != report.reporter:
                 return f"rank {report.lost} (pid {slot.pid}) lost by rank {report.reporter}, its process still running"

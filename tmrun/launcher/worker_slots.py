@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import os
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from torch.distributed import Store
 
+from tmrun.console import say
 from tmrun.control import inplace_protocol as proto
 
 
@@ -44,6 +46,7 @@ class WorkerSlots:
         self._store = store
         self._world_size = world_size
         self._enabled = False
+        self._reports_seen = 0
         self.slots: dict[int, Slot] = {}
 
     def enabled(self) -> bool:
@@ -54,3 +57,13 @@ class WorkerSlots:
 
     def pids(self) -> list[int]:
         return [s.pid for s in self.slots.values() if s.poll() is None]
+
+    def _new_reports(self) -> Iterator[proto.WorkerReport]:
+        """Workers' reports written since the last call, in order (a malformed one is logged
+        and skipped)."""
+        for number, key in proto.numbered(self._store, proto.REPORT_SEQ, proto.report, self._reports_seen):
+            self._reports_seen = number + 1
+            try:
+                yield proto.WorkerReport.decode(key, self._store.get(key))
+            except proto.ProtocolMessageError as exc:
+                say(f"ignored a malformed worker report: {exc}")
