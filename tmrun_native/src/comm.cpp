@@ -675,23 +675,36 @@ void Communicator::check_healthy() {
   if (failed_) raise_failure();
 }
 
-void Communicator::fail_op(Link* failed_link, const std::string& reason, bool protocol, int lost, Link* abort_from) {
+void Communicator::record_failure(int peer, int reporter, bool protocol, std::string msg) {
+  std::lock_guard<std::mutex> g(fail_mu_);  // callers hold op_mu_ too (see failed_ in comm.h)
+  if (failed_) return;  // sticky: the first failure of the epoch is the one reported
+  failed_ = true;
+  failed_peer_ = peer;
+  failed_reporter_ = reporter;
+  failed_protocol_ = protocol;
+  failed_msg_ = std::move(msg);
+}
+
+// The failure recorded for an abort notice about `lost` received from rank `from`.
+std::string Communicator::notice_msg(int lost, int from) const {
   std::ostringstream os;
+  os << "rank " << lost << " lost (reported by rank " << from << " to rank " << rank_ << ", epoch " << epoch_.load()
+     << ")";
+  return os.str();
+}
+
+void Communicator::fail_op(Link* failed_link, const std::string& reason, bool protocol, int lost, Link* abort_from) {
+  std::string msg;
   if (failed_link) {
+    std::ostringstream os;
     os << (protocol ? "protocol error on the link to rank " : "rank ") << lost << (protocol ? ": " : " lost: ")
        << reason << " (detected by rank " << rank_ << ", epoch " << epoch_.load() << ")";
+    msg = os.str();
     close_link(*failed_link, reason);
   } else {
-    os << "rank " << lost << " lost (reported by rank " << (abort_from ? abort_from->peer : -1) << " to rank "
-       << rank_ << ", epoch " << epoch_.load() << ")";
+    msg = notice_msg(lost, abort_from ? abort_from->peer : -1);
   }
-  if (!failed_) {
-    failed_ = true;
-    failed_peer_ = lost;
-    failed_reporter_ = failed_link ? rank_ : (abort_from ? abort_from->peer : rank_);
-    failed_protocol_ = protocol;
-    failed_msg_ = os.str();
-  }
+  record_failure(lost, failed_link ? rank_ : (abort_from ? abort_from->peer : rank_), protocol, std::move(msg));
   notify_abort(lost, abort_from);
 }
 
@@ -801,25 +814,13 @@ void Communicator::idle_tick(const std::set<Link*>& exclude) {
       std::string reason = f.reason;
       int peer = f.link->peer;
       close_link(*f.link, reason);
-      if (!failed_) {
-        failed_ = true;
-        failed_peer_ = peer;
-        failed_reporter_ = rank_;
-        failed_protocol_ = proto;
-        failed_msg_ = (proto ? "protocol error on the link to rank " : "rank ") + std::to_string(peer) +
-                      (proto ? ": " : " lost: ") + reason + " (detected by rank " + std::to_string(rank_) +
-                      " while idle, epoch " + std::to_string(epoch_.load()) + ")";
-      }
+      record_failure(peer, rank_, proto,
+                     (proto ? "protocol error on the link to rank " : "rank ") + std::to_string(peer) +
+                         (proto ? ": " : " lost: ") + reason + " (detected by rank " + std::to_string(rank_) +
+                         " while idle, epoch " + std::to_string(epoch_.load()) + ")");
       notify_abort(peer, nullptr);
     } catch (const AbortReceived& a) {
-      if (!failed_) {
-        failed_ = true;
-        failed_peer_ = a.lost;
-        failed_reporter_ = a.from->peer;
-        failed_protocol_ = false;
-        failed_msg_ = "rank " + std::to_string(a.lost) + " lost (reported by rank " + std::to_string(a.from->peer) +
-                      " to rank " + std::to_string(rank_) + ", epoch " + std::to_string(epoch_.load()) + ")";
-      }
+      record_failure(a.lost, a.from->peer, false, notice_msg(a.lost, a.from->peer));
       notify_abort(a.lost, a.from);
     } catch (const std::exception&) {
     }
@@ -842,13 +843,7 @@ void Communicator::run_plan(Plan& p) {
   for (auto& q : qs) {
     op_links.insert(q.link);
     if (q.link->broken) {
-      if (!failed_) {
-        failed_ = true;
-        failed_peer_ = q.link->peer;
-        failed_reporter_ = rank_;
-        failed_protocol_ = false;
-        failed_msg_ = "rank " + std::to_string(q.link->peer) + " lost: " + q.link->error;
-      }
+      record_failure(q.link->peer, rank_, false, "rank " + std::to_string(q.link->peer) + " lost: " + q.link->error);
       raise_failure();
     }
     q.link->last_progress = now;
@@ -937,13 +932,7 @@ void Communicator::run_plan(Plan& p) {
     raise_failure();
   } catch (const CommTimeoutError&) {
     // Unknown peer: poison the epoch so that no rank continues on a half-finished collective.
-    if (!failed_) {
-      failed_ = true;
-      failed_peer_ = -1;
-      failed_reporter_ = rank_;
-      failed_protocol_ = false;
-      failed_msg_ = "operation timed out on rank " + std::to_string(rank_);
-    }
+    record_failure(-1, rank_, false, "operation timed out on rank " + std::to_string(rank_));
     throw;
   }
 }
@@ -1386,10 +1375,13 @@ void Communicator::do_commit() {
     if (kv.first >= 0 && size_t(kv.first) < addresses_.size()) addresses_[size_t(kv.first)] = kv.second;
   epoch_ = new_epoch;
   coll_seq_ = 0;
-  failed_ = false;
-  failed_peer_ = failed_reporter_ = -1;
-  failed_protocol_ = false;
-  failed_msg_.clear();
+  {
+    std::lock_guard<std::mutex> g(fail_mu_);
+    failed_ = false;
+    failed_peer_ = failed_reporter_ = -1;
+    failed_protocol_ = false;
+    failed_msg_.clear();
+  }
   aborted_peers_.clear();
   commits_++;
   sync_links(new_epoch);
@@ -1430,7 +1422,12 @@ CommCounters Communicator::counters() const {
   return c;
 }
 
-std::string Communicator::failure() const { return failed_ ? failed_msg_ : std::string(); }
+// Called from any thread, without op_mu_ (an operation holds it while it runs): fail_mu_ makes the
+// flag and the message one consistent snapshot.
+std::string Communicator::failure() const {
+  std::lock_guard<std::mutex> g(fail_mu_);
+  return failed_ ? failed_msg_ : std::string();
+}
 
 void Communicator::debug_send_raw(int peer, const std::string& bytes) {
   std::lock_guard<std::mutex> g(op_mu_);
