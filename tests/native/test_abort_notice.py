@@ -3,12 +3,13 @@ operation, must end that operation at once (in-process ranks, loopback only)."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 import torch
 
-from conftest import buf, close_all, connect_all, run_ranks, tn
+from conftest import buf, close_all, connect_all, dt, run_ranks, tn
 
 
 @pytest.mark.timeout(60)
@@ -54,3 +55,50 @@ def test_loss_noticed_outside_the_running_operation_ends_it():
             assert res[r][3] < 2.0, (r, res[r])
     finally:
         close_all(comms)
+
+
+@pytest.mark.timeout(90)
+def test_operation_timeout_is_announced_to_the_other_ranks():
+    """Ranks 0-2 enter an allreduce that rank 3 (alive, heartbeating, but busy elsewhere) joins
+    only after they are done. Rank 0 has a short op_timeout (1 s), the others 8 s. Rank 0 gives
+    up at 1 s and must announce it (abort notice, lost rank unknown): rank 1 (waiting on rank 0)
+    learns it directly, rank 2 (waiting on rank 3) through rank 3's or rank 1's forwarding, and
+    rank 3's next operation raises at once. Before the fix rank 0 told nobody: ranks 1 and 2 kept
+    receiving heartbeats and each waited out its own op_timeout (CommTimeoutError after 8 s)."""
+    n = 4
+    opts = [dict(timeout=4.0, op_timeout=1.0)] + [dict(timeout=4.0, op_timeout=8.0)] * 3
+    comms = [tn.Communicator(r, n, "optimeout", 0, tn.Options(**opts[r])) for r in range(n)]
+    finished = threading.Semaphore(0)
+    try:
+        connect_all(comms)
+
+        def body(c):
+            x = torch.ones(1, dtype=torch.float32)
+            if c.rank == 3:  # busy until the others are done
+                for _ in range(3):
+                    assert finished.acquire(timeout=30)
+            t0 = time.monotonic()
+            try:
+                c.allreduce(buf(x), dtype=dt(x))
+                res = ("completed",)
+            except tn.CommTimeoutError as e:
+                res = ("timeout", str(e), time.monotonic() - t0)
+            except tn.PeerLostError as e:
+                res = ("lost", e.peer, e.reporter, str(e), time.monotonic() - t0)
+            except Exception as e:  # noqa: BLE001
+                res = (type(e).__name__, str(e), time.monotonic() - t0)
+            if c.rank != 3:
+                finished.release()
+            return res
+
+        res, _ = run_ranks(comms, body, timeout=60)
+        assert res[0][0] == "timeout", res[0]
+        for r in (1, 2):  # promptly, not after their own op_timeout (8 s)
+            assert res[r][0] == "lost" and res[r][1] == -1, (r, res[r])
+            assert "timed out" in res[r][3], (r, res[r])
+            assert res[r][4] < 4.0, (r, res[r])
+        assert res[1][2] == 0, res[1]  # rank 1 heard it from rank 0 itself
+        assert res[3][0] == "lost" and res[3][1] == -1 and res[3][4] < 1.0, res[3]  # epoch poisoned
+    finally:
+        close_all(comms)
+

@@ -21,6 +21,11 @@ constexpr uint32_t kKindAllreduce = 1, kKindBroadcast = 2, kKindAllgather = 3, k
 
 std::atomic<uint64_t> g_link_ids{1};
 
+// Abort notice tag when no rank was lost: an operation timed out on some rank (lost = -1).
+constexpr uint32_t kAbortUnknown = 0xFFFFFFFFu;
+uint32_t abort_tag(int lost) { return lost < 0 ? kAbortUnknown : uint32_t(lost); }
+int abort_lost(uint32_t tag) { return tag == kAbortUnknown ? -1 : int(tag); }
+
 Clock::duration secs(double s) {
   return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
 }
@@ -549,7 +554,7 @@ bool Communicator::rx_pump(Link& l, RxCtx& c) {
           continue;
         case FrameType::kAbort:
           if ((c.mode == RxMode::kOp || c.mode == RxMode::kIdle) && h.epoch == cur)
-            throw AbortReceived{&l, int(h.tag)};
+            throw AbortReceived{&l, abort_lost(h.tag)};
           continue;
         case FrameType::kSync:
           if (h.epoch <= cur && !(c.mode == RxMode::kSync && h.epoch == c.sync_epoch)) continue;  // stale
@@ -685,11 +690,16 @@ void Communicator::record_failure(int peer, int reporter, bool protocol, std::st
   failed_msg_ = std::move(msg);
 }
 
-// The failure recorded for an abort notice about `lost` received from rank `from`.
+// The failure recorded for an abort notice about `lost` (-1: an operation timed out somewhere)
+// received from rank `from`.
 std::string Communicator::notice_msg(int lost, int from) const {
   std::ostringstream os;
-  os << "rank " << lost << " lost (reported by rank " << from << " to rank " << rank_ << ", epoch " << epoch_.load()
-     << ")";
+  if (lost < 0)
+    os << "an operation timed out on another rank (reported by rank " << from << " to rank " << rank_ << ", epoch "
+       << epoch_.load() << ")";
+  else
+    os << "rank " << lost << " lost (reported by rank " << from << " to rank " << rank_ << ", epoch "
+       << epoch_.load() << ")";
   return os.str();
 }
 
@@ -708,6 +718,8 @@ void Communicator::fail_op(Link* failed_link, const std::string& reason, bool pr
   notify_abort(lost, abort_from);
 }
 
+// Sends the abort notice about `lost` (-1: unknown, an operation timed out) once per epoch to every
+// open link except the lost rank's and `skip` (the link the notice came from).
 void Communicator::notify_abort(int lost, Link* skip) {
   if (aborted_peers_.count(lost)) return;
   aborted_peers_.insert(lost);
@@ -730,7 +742,7 @@ void Communicator::notify_abort(int lost, Link* skip) {
       if (l.broken) continue;
       try {
         if (!l.tx_busy && !queued[i]) {
-          start_frame(l, FrameType::kAbort, uint32_t(lost), nullptr, 0);
+          start_frame(l, FrameType::kAbort, abort_tag(lost), nullptr, 0);
           queued[i] = true;
         }
         // finish the frame in flight and the abort; never start a heartbeat here
@@ -738,7 +750,7 @@ void Communicator::notify_abort(int lost, Link* skip) {
           if (!tx_pump(l, nullptr, nullptr, now, false)) break;
         }
         if (!l.tx_busy && !queued[i]) {
-          start_frame(l, FrameType::kAbort, uint32_t(lost), nullptr, 0);
+          start_frame(l, FrameType::kAbort, abort_tag(lost), nullptr, 0);
           queued[i] = true;
           while (l.tx_busy && tx_pump(l, nullptr, nullptr, now, false)) {
           }
@@ -931,8 +943,12 @@ void Communicator::run_plan(Plan& p) {
     fail_op(nullptr, "", false, a.lost, a.from);
     raise_failure();
   } catch (const CommTimeoutError&) {
-    // Unknown peer: poison the epoch so that no rank continues on a half-finished collective.
+    // Unknown peer: poison the epoch so that no rank continues on a half-finished collective, and
+    // announce it (abort notice, lost rank unknown) on every link. Otherwise the other ranks of
+    // the operation keep receiving our heartbeats and each waits out its own op_timeout (forever
+    // with op_timeout=0) instead of raising now.
     record_failure(-1, rank_, false, "operation timed out on rank " + std::to_string(rank_));
+    notify_abort(-1, nullptr);
     throw;
   }
 }

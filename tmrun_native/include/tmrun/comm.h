@@ -309,7 +309,7 @@ class Communicator {
   // an operation may hold that for minutes) reads it under fail_mu_.
   mutable std::mutex fail_mu_;
   bool failed_ = false;
-  int failed_peer_ = -1;
+  int failed_peer_ = -1;  // -1: unknown (an operation timed out)
   int failed_reporter_ = -1;
   bool failed_protocol_ = false;
   std::string failed_msg_;
