@@ -102,3 +102,45 @@ def test_operation_timeout_is_announced_to_the_other_ranks():
     finally:
         close_all(comms)
 
+
+@pytest.mark.timeout(60)
+def test_a_notice_is_echoed_to_the_rank_that_sent_it():
+    """Safety net: a rank that receives an abort notice answers with the notice too, also to the
+    rank it came from, so a sender that does not itself stop (simulated here: rank 0 writes the
+    notice as raw bytes and records nothing) still learns that its peer gave up. Rank 0 then waits
+    in a recv from rank 1; rank 1 has given up (its receive raises) but its idle heartbeats keep
+    the link alive. Before the fix rank 0 waited until op_timeout (8 s here, unbounded with
+    op_timeout=0); with it rank 0 raises at once (PeerLostError, reported by rank 1)."""
+    n, lost = 3, 2
+    opts = [
+        dict(timeout=4.0, heartbeat_interval=30.0, op_timeout=8.0),  # no heartbeat races the raw frame
+        dict(timeout=4.0, op_timeout=8.0),
+        dict(timeout=4.0),
+    ]
+    comms = [tn.Communicator(r, n, "echo", 0, tn.Options(**opts[r])) for r in range(n)]
+    try:
+        connect_all(comms)
+        # sequence numbers start at 1 (the hello is 0): the next frame on the link is frames_sent + 1
+        seq = next(l["frames_sent"] for l in comms[0].links() if l["peer"] == 1) + 1
+        comms[0]._debug_send_raw(1, tn.encode_frame(5, b"", job_id="echo", epoch=0, seq=seq, tag=lost))
+
+        def body(c):
+            if c.rank == lost:
+                return None
+            x = torch.zeros(1, dtype=torch.uint8)
+            t0 = time.monotonic()
+            try:
+                c.recv(buf(x), src=1 - c.rank)
+            except tn.PeerLostError as e:
+                return ("lost", e.peer, e.reporter, time.monotonic() - t0)
+            except Exception as e:  # noqa: BLE001
+                return (type(e).__name__, str(e), time.monotonic() - t0)
+            return ("completed",)
+
+        res, _ = run_ranks(comms, body, timeout=30)
+        assert res[1][:3] == ("lost", lost, 0), res[1]
+        assert res[0][:3] == ("lost", lost, 1), res[0]
+        assert res[0][3] < 4.0, res[0]
+        assert comms[0].failure() and comms[1].failure()
+    finally:
+        close_all(comms)

@@ -715,12 +715,17 @@ void Communicator::fail_op(Link* failed_link, const std::string& reason, bool pr
     msg = notice_msg(lost, abort_from ? abort_from->peer : -1);
   }
   record_failure(lost, failed_link ? rank_ : (abort_from ? abort_from->peer : rank_), protocol, std::move(msg));
-  notify_abort(lost, abort_from);
+  notify_abort(lost);
 }
 
 // Sends the abort notice about `lost` (-1: unknown, an operation timed out) once per epoch to every
-// open link except the lost rank's and `skip` (the link the notice came from).
-void Communicator::notify_abort(int lost, Link* skip) {
+// open link except the lost rank's, including the link the notice came from: the echo tells a
+// sender that this rank gave up too, so a sender still waiting on us (whatever the reason it did
+// not stop by itself) does not wait until op_timeout, or forever with op_timeout=0, while our
+// heartbeats keep the link alive. The echo cannot loop: every rank sends a notice only after
+// recording the failure of that epoch and forwards each loss once (aborted_peers_); a notice of an
+// older epoch is ignored (rx_pump), as is one arriving during an epoch switch.
+void Communicator::notify_abort(int lost) {
   if (aborted_peers_.count(lost)) return;
   aborted_peers_.insert(lost);
   std::vector<Link*> targets;
@@ -728,7 +733,7 @@ void Communicator::notify_abort(int lost, Link* skip) {
     std::lock_guard<std::mutex> t(table_mu_);
     for (auto& kv : links_) {
       Link* l = kv.second.get();
-      if (!l->broken && l->peer != lost && l != skip) targets.push_back(l);
+      if (!l->broken && l->peer != lost) targets.push_back(l);
     }
   }
   std::vector<bool> queued(targets.size(), false);
@@ -830,10 +835,10 @@ void Communicator::idle_tick(const std::set<Link*>& exclude) {
                      (proto ? "protocol error on the link to rank " : "rank ") + std::to_string(peer) +
                          (proto ? ": " : " lost: ") + reason + " (detected by rank " + std::to_string(rank_) +
                          " while idle, epoch " + std::to_string(epoch_.load()) + ")");
-      notify_abort(peer, nullptr);
+      notify_abort(peer);
     } catch (const AbortReceived& a) {
       record_failure(a.lost, a.from->peer, false, notice_msg(a.lost, a.from->peer));
-      notify_abort(a.lost, a.from);
+      notify_abort(a.lost);
     } catch (const std::exception&) {
     }
   }
@@ -856,6 +861,7 @@ void Communicator::run_plan(Plan& p) {
     op_links.insert(q.link);
     if (q.link->broken) {
       record_failure(q.link->peer, rank_, false, "rank " + std::to_string(q.link->peer) + " lost: " + q.link->error);
+      notify_abort(q.link->peer);  // (a no-op when already announced this epoch)
       raise_failure();
     }
     q.link->last_progress = now;
@@ -907,9 +913,9 @@ void Communicator::run_plan(Plan& p) {
         next_idle = now + secs(hb_interval_);
         // A loss noticed on a link outside this operation (EOF, reset, or an abort notice) poisons
         // the epoch, and idle_tick has already forwarded the notice to every other link, op links
-        // included. Raise now: the ranks it reached do not send the notice back (they skip the
-        // reporter and forward each loss once), and their heartbeats keep our op links alive, so
-        // nothing else would end this operation before op_timeout.
+        // included. Raise now: the echo of the ranks it reached may come on a link whose part of
+        // this operation is over (not read until it ends) or wait behind data we cannot take yet,
+        // while their heartbeats keep our op links alive.
         if (failed_) raise_failure();
       }
       for (size_t i = 0; i < qs.size(); ++i) {
@@ -948,7 +954,7 @@ void Communicator::run_plan(Plan& p) {
     // the operation keep receiving our heartbeats and each waits out its own op_timeout (forever
     // with op_timeout=0) instead of raising now.
     record_failure(-1, rank_, false, "operation timed out on rank " + std::to_string(rank_));
-    notify_abort(-1, nullptr);
+    notify_abort(-1);
     throw;
   }
 }

@@ -248,7 +248,7 @@ class Communicator {
   void fail_op(Link* failed_link, const std::string& reason, bool protocol, int lost, Link* abort_from);
   void record_failure(int peer, int reporter, bool protocol, std::string msg);
   std::string notice_msg(int lost, int from) const;
-  void notify_abort(int lost, Link* skip);
+  void notify_abort(int lost);
   void close_link(Link& l, const std::string& why);
   [[noreturn]] void raise_failure();
   void check_healthy();
