@@ -336,14 +336,28 @@ void Communicator::handle_hello(PendingConn& pc) {
   accept_cv_.notify_all();
 }
 
+// tick_idle: the caller holds op_mu_ (a lazy p2p link opened inside an operation), so the service
+// thread cannot heartbeat for us. Every wait (connect, handshake reply, the pause between attempts)
+// then services the other links at least every min(50 ms, heartbeat/2), as await_accepted does,
+// and gives up when that notices a failure of the epoch. Without it a dial retried until
+// connect_timeout (30 s) silenced this rank and neighbours waiting on it declared it lost.
 std::unique_ptr<Link> Communicator::dial_peer(const std::string& address, int peer, uint64_t epoch, bool ring,
-                                              Clock::time_point deadline) {
+                                              Clock::time_point deadline, bool tick_idle) {
   auto [host, port] = split_address(address);
   std::string last = "not attempted";
+  WaitTick tick;
+  if (tick_idle) {
+    tick.ms = std::max(1, std::min(50, int(hb_interval_ * 500)));
+    tick.fn = [this] {
+      idle_tick({});
+      if (failed_) raise_failure();  // as in run_plan: the epoch is over, stop dialling
+      if (stop_) throw CommError("communicator is closed");
+    };
+  }
   while (!stop_) {
     try {
       auto attempt_deadline = std::min(deadline, Clock::now() + secs(std::max(2.0, opts_.timeout)));
-      Fd fd = dial_tcp(host, port, attempt_deadline);
+      Fd fd = dial_tcp(host, port, attempt_deadline, tick);
       tune_socket(fd.get(), opts_.socket_buffer);
       FrameHeader h;
       h.type = FrameType::kHello;
@@ -355,31 +369,41 @@ std::unique_ptr<Link> Communicator::dial_peer(const std::string& address, int pe
       h.flags = kFlagPayloadCrc;
       h.payload_crc = crc32c(0, out + kHeaderSize, kHelloSize);
       encode_header(h, out);
-      write_all(fd.get(), out, sizeof(out), attempt_deadline);
+      write_all(fd.get(), out, sizeof(out), attempt_deadline, tick);
       uint8_t in[kHeaderSize];
-      read_exact(fd.get(), in, kHeaderSize, attempt_deadline);
+      read_exact(fd.get(), in, kHeaderSize, attempt_deadline, tick);
       FrameHeader r;
       std::string err;
       if (!parse_header(in, kHeaderSize, job_hash_, &r, &err)) throw std::runtime_error("bad handshake reply: " + err);
       if (r.type == FrameType::kReject) {
         std::string why(r.length, '\0');
-        read_exact(fd.get(), why.data(), why.size(), attempt_deadline);
+        read_exact(fd.get(), why.data(), why.size(), attempt_deadline, tick);
         throw std::runtime_error("rejected: " + why);
       }
       if (r.type != FrameType::kHelloAck) throw std::runtime_error("unexpected handshake reply");
       uint8_t body[kHelloSize];
-      read_exact(fd.get(), body, kHelloSize, attempt_deadline);
+      read_exact(fd.get(), body, kHelloSize, attempt_deadline, tick);
       if ((r.flags & kFlagPayloadCrc) && crc32c(0, body, kHelloSize) != r.payload_crc)
         throw std::runtime_error("handshake reply checksum mismatch");
       HelloBody b = decode_hello(body);
       if (int(b.from_rank) != peer || int(b.to_rank) != rank_ || r.epoch != epoch)
         throw std::runtime_error("handshake reply from the wrong member");
       return std::make_unique<Link>(peer, epoch, std::move(fd), ring);
+    } catch (const CommError&) {
+      throw;  // from the tick: the epoch failed or the communicator closed (never a dial error)
     } catch (const std::exception& e) {
       last = e.what();
     }
-    if (Clock::now() + std::chrono::milliseconds(50) >= deadline) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    auto retry_at = Clock::now() + std::chrono::milliseconds(50);
+    if (retry_at >= deadline) break;
+    if (!tick.fn) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      continue;
+    }
+    while (Clock::now() < retry_at) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(std::min(tick.ms, 50)));
+      tick.fn();
+    }
   }
   throw CommError("rank " + std::to_string(rank_) + " cannot connect to rank " + std::to_string(peer) + " at " +
                   address + " (epoch " + std::to_string(epoch) + "): " + last);
@@ -1039,7 +1063,7 @@ Link* Communicator::p2p_link(int peer) {
   }
   if (addresses_.size() != size_t(world_)) throw CommError("communicator is not connected");
   auto deadline = Clock::now() + secs(opts_.connect_timeout);
-  std::unique_ptr<Link> l = rank_ < peer ? dial_peer(addresses_[size_t(peer)], peer, epoch_, false, deadline)
+  std::unique_ptr<Link> l = rank_ < peer ? dial_peer(addresses_[size_t(peer)], peer, epoch_, false, deadline, true)
                                          : await_accepted(peer, epoch_, deadline, true);
   Link* raw = l.get();
   install_link(std::move(l));

@@ -267,7 +267,7 @@ class Communicator {
 
   // bootstrap / accept
   std::unique_ptr<Link> dial_peer(const std::string& address, int peer, uint64_t epoch, bool ring,
-                                  Clock::time_point deadline);
+                                  Clock::time_point deadline, bool tick_idle = false);
   std::unique_ptr<Link> await_accepted(int peer, uint64_t epoch, Clock::time_point deadline,
                                        bool tick_idle);
   void service_loop();
