@@ -3,12 +3,13 @@ operation, must end that operation at once (in-process ranks, loopback only)."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 import torch
 
-from conftest import buf, close_all, connect_all, run_ranks, tn
+from conftest import buf, close_all, connect_all, dt, run_ranks, tn
 
 
 @pytest.mark.timeout(60)
@@ -52,5 +53,94 @@ def test_loss_noticed_outside_the_running_operation_ends_it():
             # the interleaving under test: rank 0 noticed, rank 1 learned it from rank 0
             assert res[r][2] == 0, (r, res[r])
             assert res[r][3] < 2.0, (r, res[r])
+    finally:
+        close_all(comms)
+
+
+@pytest.mark.timeout(90)
+def test_operation_timeout_is_announced_to_the_other_ranks():
+    """Ranks 0-2 enter an allreduce that rank 3 (alive, heartbeating, but busy elsewhere) joins
+    only after they are done. Rank 0 has a short op_timeout (1 s), the others 8 s. Rank 0 gives
+    up at 1 s and must announce it (abort notice, lost rank unknown): rank 1 (waiting on rank 0)
+    learns it directly, rank 2 (waiting on rank 3) through rank 3's or rank 1's forwarding, and
+    rank 3's next operation raises at once. Before the fix rank 0 told nobody: ranks 1 and 2 kept
+    receiving heartbeats and each waited out its own op_timeout (CommTimeoutError after 8 s)."""
+    n = 4
+    opts = [dict(timeout=4.0, op_timeout=1.0)] + [dict(timeout=4.0, op_timeout=8.0)] * 3
+    comms = [tn.Communicator(r, n, "optimeout", 0, tn.Options(**opts[r])) for r in range(n)]
+    finished = threading.Semaphore(0)
+    try:
+        connect_all(comms)
+
+        def body(c):
+            x = torch.ones(1, dtype=torch.float32)
+            if c.rank == 3:  # busy until the others are done
+                for _ in range(3):
+                    assert finished.acquire(timeout=30)
+            t0 = time.monotonic()
+            try:
+                c.allreduce(buf(x), dtype=dt(x))
+                res = ("completed",)
+            except tn.CommTimeoutError as e:
+                res = ("timeout", str(e), time.monotonic() - t0)
+            except tn.PeerLostError as e:
+                res = ("lost", e.peer, e.reporter, str(e), time.monotonic() - t0)
+            except Exception as e:  # noqa: BLE001
+                res = (type(e).__name__, str(e), time.monotonic() - t0)
+            if c.rank != 3:
+                finished.release()
+            return res
+
+        res, _ = run_ranks(comms, body, timeout=60)
+        assert res[0][0] == "timeout", res[0]
+        for r in (1, 2):  # promptly, not after their own op_timeout (8 s)
+            assert res[r][0] == "lost" and res[r][1] == -1, (r, res[r])
+            assert "timed out" in res[r][3], (r, res[r])
+            assert res[r][4] < 4.0, (r, res[r])
+        assert res[1][2] == 0, res[1]  # rank 1 heard it from rank 0 itself
+        assert res[3][0] == "lost" and res[3][1] == -1 and res[3][4] < 1.0, res[3]  # epoch poisoned
+    finally:
+        close_all(comms)
+
+
+@pytest.mark.timeout(60)
+def test_a_notice_is_echoed_to_the_rank_that_sent_it():
+    """Safety net: a rank that receives an abort notice answers with the notice too, also to the
+    rank it came from, so a sender that does not itself stop (simulated here: rank 0 writes the
+    notice as raw bytes and records nothing) still learns that its peer gave up. Rank 0 then waits
+    in a recv from rank 1; rank 1 has given up (its receive raises) but its idle heartbeats keep
+    the link alive. Before the fix rank 0 waited until op_timeout (8 s here, unbounded with
+    op_timeout=0); with it rank 0 raises at once (PeerLostError, reported by rank 1)."""
+    n, lost = 3, 2
+    opts = [
+        dict(timeout=4.0, heartbeat_interval=30.0, op_timeout=8.0),  # no heartbeat races the raw frame
+        dict(timeout=4.0, op_timeout=8.0),
+        dict(timeout=4.0),
+    ]
+    comms = [tn.Communicator(r, n, "echo", 0, tn.Options(**opts[r])) for r in range(n)]
+    try:
+        connect_all(comms)
+        # sequence numbers start at 1 (the hello is 0): the next frame on the link is frames_sent + 1
+        seq = next(l["frames_sent"] for l in comms[0].links() if l["peer"] == 1) + 1
+        comms[0]._debug_send_raw(1, tn.encode_frame(5, b"", job_id="echo", epoch=0, seq=seq, tag=lost))
+
+        def body(c):
+            if c.rank == lost:
+                return None
+            x = torch.zeros(1, dtype=torch.uint8)
+            t0 = time.monotonic()
+            try:
+                c.recv(buf(x), src=1 - c.rank)
+            except tn.PeerLostError as e:
+                return ("lost", e.peer, e.reporter, time.monotonic() - t0)
+            except Exception as e:  # noqa: BLE001
+                return (type(e).__name__, str(e), time.monotonic() - t0)
+            return ("completed",)
+
+        res, _ = run_ranks(comms, body, timeout=30)
+        assert res[1][:3] == ("lost", lost, 0), res[1]
+        assert res[0][:3] == ("lost", lost, 1), res[0]
+        assert res[0][3] < 4.0, res[0]
+        assert comms[0].failure() and comms[1].failure()
     finally:
         close_all(comms)

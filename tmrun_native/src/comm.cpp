@@ -21,6 +21,11 @@ constexpr uint32_t kKindAllreduce = 1, kKindBroadcast = 2, kKindAllgather = 3, k
 
 std::atomic<uint64_t> g_link_ids{1};
 
+// Abort notice tag when no rank was lost: an operation timed out on some rank (lost = -1).
+constexpr uint32_t kAbortUnknown = 0xFFFFFFFFu;
+uint32_t abort_tag(int lost) { return lost < 0 ? kAbortUnknown : uint32_t(lost); }
+int abort_lost(uint32_t tag) { return tag == kAbortUnknown ? -1 : int(tag); }
+
 Clock::duration secs(double s) {
   return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
 }
@@ -331,14 +336,28 @@ void Communicator::handle_hello(PendingConn& pc) {
   accept_cv_.notify_all();
 }
 
+// tick_idle: the caller holds op_mu_ (a lazy p2p link opened inside an operation), so the service
+// thread cannot heartbeat for us. Every wait (connect, handshake reply, the pause between attempts)
+// then services the other links at least every min(50 ms, heartbeat/2), as await_accepted does,
+// and gives up when that notices a failure of the epoch. Without it a dial retried until
+// connect_timeout (30 s) silenced this rank and neighbours waiting on it declared it lost.
 std::unique_ptr<Link> Communicator::dial_peer(const std::string& address, int peer, uint64_t epoch, bool ring,
-                                              Clock::time_point deadline) {
+                                              Clock::time_point deadline, bool tick_idle) {
   auto [host, port] = split_address(address);
   std::string last = "not attempted";
+  WaitTick tick;
+  if (tick_idle) {
+    tick.ms = std::max(1, std::min(50, int(hb_interval_ * 500)));
+    tick.fn = [this] {
+      idle_tick({});
+      if (failed_) raise_failure();  // as in run_plan: the epoch is over, stop dialling
+      if (stop_) throw CommError("communicator is closed");
+    };
+  }
   while (!stop_) {
     try {
       auto attempt_deadline = std::min(deadline, Clock::now() + secs(std::max(2.0, opts_.timeout)));
-      Fd fd = dial_tcp(host, port, attempt_deadline);
+      Fd fd = dial_tcp(host, port, attempt_deadline, tick);
       tune_socket(fd.get(), opts_.socket_buffer);
       FrameHeader h;
       h.type = FrameType::kHello;
@@ -350,31 +369,41 @@ std::unique_ptr<Link> Communicator::dial_peer(const std::string& address, int pe
       h.flags = kFlagPayloadCrc;
       h.payload_crc = crc32c(0, out + kHeaderSize, kHelloSize);
       encode_header(h, out);
-      write_all(fd.get(), out, sizeof(out), attempt_deadline);
+      write_all(fd.get(), out, sizeof(out), attempt_deadline, tick);
       uint8_t in[kHeaderSize];
-      read_exact(fd.get(), in, kHeaderSize, attempt_deadline);
+      read_exact(fd.get(), in, kHeaderSize, attempt_deadline, tick);
       FrameHeader r;
       std::string err;
       if (!parse_header(in, kHeaderSize, job_hash_, &r, &err)) throw std::runtime_error("bad handshake reply: " + err);
       if (r.type == FrameType::kReject) {
         std::string why(r.length, '\0');
-        read_exact(fd.get(), why.data(), why.size(), attempt_deadline);
+        read_exact(fd.get(), why.data(), why.size(), attempt_deadline, tick);
         throw std::runtime_error("rejected: " + why);
       }
       if (r.type != FrameType::kHelloAck) throw std::runtime_error("unexpected handshake reply");
       uint8_t body[kHelloSize];
-      read_exact(fd.get(), body, kHelloSize, attempt_deadline);
+      read_exact(fd.get(), body, kHelloSize, attempt_deadline, tick);
       if ((r.flags & kFlagPayloadCrc) && crc32c(0, body, kHelloSize) != r.payload_crc)
         throw std::runtime_error("handshake reply checksum mismatch");
       HelloBody b = decode_hello(body);
       if (int(b.from_rank) != peer || int(b.to_rank) != rank_ || r.epoch != epoch)
         throw std::runtime_error("handshake reply from the wrong member");
       return std::make_unique<Link>(peer, epoch, std::move(fd), ring);
+    } catch (const CommError&) {
+      throw;  // from the tick: the epoch failed or the communicator closed (never a dial error)
     } catch (const std::exception& e) {
       last = e.what();
     }
-    if (Clock::now() + std::chrono::milliseconds(50) >= deadline) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    auto retry_at = Clock::now() + std::chrono::milliseconds(50);
+    if (retry_at >= deadline) break;
+    if (!tick.fn) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      continue;
+    }
+    while (Clock::now() < retry_at) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(std::min(tick.ms, 50)));
+      tick.fn();
+    }
   }
   throw CommError("rank " + std::to_string(rank_) + " cannot connect to rank " + std::to_string(peer) + " at " +
                   address + " (epoch " + std::to_string(epoch) + "): " + last);
@@ -549,7 +578,7 @@ bool Communicator::rx_pump(Link& l, RxCtx& c) {
           continue;
         case FrameType::kAbort:
           if ((c.mode == RxMode::kOp || c.mode == RxMode::kIdle) && h.epoch == cur)
-            throw AbortReceived{&l, int(h.tag)};
+            throw AbortReceived{&l, abort_lost(h.tag)};
           continue;
         case FrameType::kSync:
           if (h.epoch <= cur && !(c.mode == RxMode::kSync && h.epoch == c.sync_epoch)) continue;  // stale
@@ -675,27 +704,52 @@ void Communicator::check_healthy() {
   if (failed_) raise_failure();
 }
 
-void Communicator::fail_op(Link* failed_link, const std::string& reason, bool protocol, int lost, Link* abort_from) {
-  std::ostringstream os;
-  if (failed_link) {
-    os << (protocol ? "protocol error on the link to rank " : "rank ") << lost << (protocol ? ": " : " lost: ")
-       << reason << " (detected by rank " << rank_ << ", epoch " << epoch_.load() << ")";
-    close_link(*failed_link, reason);
-  } else {
-    os << "rank " << lost << " lost (reported by rank " << (abort_from ? abort_from->peer : -1) << " to rank "
-       << rank_ << ", epoch " << epoch_.load() << ")";
-  }
-  if (!failed_) {
-    failed_ = true;
-    failed_peer_ = lost;
-    failed_reporter_ = failed_link ? rank_ : (abort_from ? abort_from->peer : rank_);
-    failed_protocol_ = protocol;
-    failed_msg_ = os.str();
-  }
-  notify_abort(lost, abort_from);
+void Communicator::record_failure(int peer, int reporter, bool protocol, std::string msg) {
+  std::lock_guard<std::mutex> g(fail_mu_);  // callers hold op_mu_ too (see failed_ in comm.h)
+  if (failed_) return;  // sticky: the first failure of the epoch is the one reported
+  failed_ = true;
+  failed_peer_ = peer;
+  failed_reporter_ = reporter;
+  failed_protocol_ = protocol;
+  failed_msg_ = std::move(msg);
 }
 
-void Communicator::notify_abort(int lost, Link* skip) {
+// The failure recorded for an abort notice about `lost` (-1: an operation timed out somewhere)
+// received from rank `from`.
+std::string Communicator::notice_msg(int lost, int from) const {
+  std::ostringstream os;
+  if (lost < 0)
+    os << "an operation timed out on another rank (reported by rank " << from << " to rank " << rank_ << ", epoch "
+       << epoch_.load() << ")";
+  else
+    os << "rank " << lost << " lost (reported by rank " << from << " to rank " << rank_ << ", epoch "
+       << epoch_.load() << ")";
+  return os.str();
+}
+
+void Communicator::fail_op(Link* failed_link, const std::string& reason, bool protocol, int lost, Link* abort_from) {
+  std::string msg;
+  if (failed_link) {
+    std::ostringstream os;
+    os << (protocol ? "protocol error on the link to rank " : "rank ") << lost << (protocol ? ": " : " lost: ")
+       << reason << " (detected by rank " << rank_ << ", epoch " << epoch_.load() << ")";
+    msg = os.str();
+    close_link(*failed_link, reason);
+  } else {
+    msg = notice_msg(lost, abort_from ? abort_from->peer : -1);
+  }
+  record_failure(lost, failed_link ? rank_ : (abort_from ? abort_from->peer : rank_), protocol, std::move(msg));
+  notify_abort(lost);
+}
+
+// Sends the abort notice about `lost` (-1: unknown, an operation timed out) once per epoch to every
+// open link except the lost rank's, including the link the notice came from: the echo tells a
+// sender that this rank gave up too, so a sender still waiting on us (whatever the reason it did
+// not stop by itself) does not wait until op_timeout, or forever with op_timeout=0, while our
+// heartbeats keep the link alive. The echo cannot loop: every rank sends a notice only after
+// recording the failure of that epoch and forwards each loss once (aborted_peers_); a notice of an
+// older epoch is ignored (rx_pump), as is one arriving during an epoch switch.
+void Communicator::notify_abort(int lost) {
   if (aborted_peers_.count(lost)) return;
   aborted_peers_.insert(lost);
   std::vector<Link*> targets;
@@ -703,7 +757,7 @@ void Communicator::notify_abort(int lost, Link* skip) {
     std::lock_guard<std::mutex> t(table_mu_);
     for (auto& kv : links_) {
       Link* l = kv.second.get();
-      if (!l->broken && l->peer != lost && l != skip) targets.push_back(l);
+      if (!l->broken && l->peer != lost) targets.push_back(l);
     }
   }
   std::vector<bool> queued(targets.size(), false);
@@ -717,7 +771,7 @@ void Communicator::notify_abort(int lost, Link* skip) {
       if (l.broken) continue;
       try {
         if (!l.tx_busy && !queued[i]) {
-          start_frame(l, FrameType::kAbort, uint32_t(lost), nullptr, 0);
+          start_frame(l, FrameType::kAbort, abort_tag(lost), nullptr, 0);
           queued[i] = true;
         }
         // finish the frame in flight and the abort; never start a heartbeat here
@@ -725,7 +779,7 @@ void Communicator::notify_abort(int lost, Link* skip) {
           if (!tx_pump(l, nullptr, nullptr, now, false)) break;
         }
         if (!l.tx_busy && !queued[i]) {
-          start_frame(l, FrameType::kAbort, uint32_t(lost), nullptr, 0);
+          start_frame(l, FrameType::kAbort, abort_tag(lost), nullptr, 0);
           queued[i] = true;
           while (l.tx_busy && tx_pump(l, nullptr, nullptr, now, false)) {
           }
@@ -801,26 +855,14 @@ void Communicator::idle_tick(const std::set<Link*>& exclude) {
       std::string reason = f.reason;
       int peer = f.link->peer;
       close_link(*f.link, reason);
-      if (!failed_) {
-        failed_ = true;
-        failed_peer_ = peer;
-        failed_reporter_ = rank_;
-        failed_protocol_ = proto;
-        failed_msg_ = (proto ? "protocol error on the link to rank " : "rank ") + std::to_string(peer) +
-                      (proto ? ": " : " lost: ") + reason + " (detected by rank " + std::to_string(rank_) +
-                      " while idle, epoch " + std::to_string(epoch_.load()) + ")";
-      }
-      notify_abort(peer, nullptr);
+      record_failure(peer, rank_, proto,
+                     (proto ? "protocol error on the link to rank " : "rank ") + std::to_string(peer) +
+                         (proto ? ": " : " lost: ") + reason + " (detected by rank " + std::to_string(rank_) +
+                         " while idle, epoch " + std::to_string(epoch_.load()) + ")");
+      notify_abort(peer);
     } catch (const AbortReceived& a) {
-      if (!failed_) {
-        failed_ = true;
-        failed_peer_ = a.lost;
-        failed_reporter_ = a.from->peer;
-        failed_protocol_ = false;
-        failed_msg_ = "rank " + std::to_string(a.lost) + " lost (reported by rank " + std::to_string(a.from->peer) +
-                      " to rank " + std::to_string(rank_) + ", epoch " + std::to_string(epoch_.load()) + ")";
-      }
-      notify_abort(a.lost, a.from);
+      record_failure(a.lost, a.from->peer, false, notice_msg(a.lost, a.from->peer));
+      notify_abort(a.lost);
     } catch (const std::exception&) {
     }
   }
@@ -842,13 +884,8 @@ void Communicator::run_plan(Plan& p) {
   for (auto& q : qs) {
     op_links.insert(q.link);
     if (q.link->broken) {
-      if (!failed_) {
-        failed_ = true;
-        failed_peer_ = q.link->peer;
-        failed_reporter_ = rank_;
-        failed_protocol_ = false;
-        failed_msg_ = "rank " + std::to_string(q.link->peer) + " lost: " + q.link->error;
-      }
+      record_failure(q.link->peer, rank_, false, "rank " + std::to_string(q.link->peer) + " lost: " + q.link->error);
+      notify_abort(q.link->peer);  // (a no-op when already announced this epoch)
       raise_failure();
     }
     q.link->last_progress = now;
@@ -900,9 +937,9 @@ void Communicator::run_plan(Plan& p) {
         next_idle = now + secs(hb_interval_);
         // A loss noticed on a link outside this operation (EOF, reset, or an abort notice) poisons
         // the epoch, and idle_tick has already forwarded the notice to every other link, op links
-        // included. Raise now: the ranks it reached do not send the notice back (they skip the
-        // reporter and forward each loss once), and their heartbeats keep our op links alive, so
-        // nothing else would end this operation before op_timeout.
+        // included. Raise now: the echo of the ranks it reached may come on a link whose part of
+        // this operation is over (not read until it ends) or wait behind data we cannot take yet,
+        // while their heartbeats keep our op links alive.
         if (failed_) raise_failure();
       }
       for (size_t i = 0; i < qs.size(); ++i) {
@@ -936,14 +973,12 @@ void Communicator::run_plan(Plan& p) {
     fail_op(nullptr, "", false, a.lost, a.from);
     raise_failure();
   } catch (const CommTimeoutError&) {
-    // Unknown peer: poison the epoch so that no rank continues on a half-finished collective.
-    if (!failed_) {
-      failed_ = true;
-      failed_peer_ = -1;
-      failed_reporter_ = rank_;
-      failed_protocol_ = false;
-      failed_msg_ = "operation timed out on rank " + std::to_string(rank_);
-    }
+    // Unknown peer: poison the epoch so that no rank continues on a half-finished collective, and
+    // announce it (abort notice, lost rank unknown) on every link. Otherwise the other ranks of
+    // the operation keep receiving our heartbeats and each waits out its own op_timeout (forever
+    // with op_timeout=0) instead of raising now.
+    record_failure(-1, rank_, false, "operation timed out on rank " + std::to_string(rank_));
+    notify_abort(-1);
     throw;
   }
 }
@@ -1028,7 +1063,7 @@ Link* Communicator::p2p_link(int peer) {
   }
   if (addresses_.size() != size_t(world_)) throw CommError("communicator is not connected");
   auto deadline = Clock::now() + secs(opts_.connect_timeout);
-  std::unique_ptr<Link> l = rank_ < peer ? dial_peer(addresses_[size_t(peer)], peer, epoch_, false, deadline)
+  std::unique_ptr<Link> l = rank_ < peer ? dial_peer(addresses_[size_t(peer)], peer, epoch_, false, deadline, true)
                                          : await_accepted(peer, epoch_, deadline, true);
   Link* raw = l.get();
   install_link(std::move(l));
@@ -1386,10 +1421,13 @@ void Communicator::do_commit() {
     if (kv.first >= 0 && size_t(kv.first) < addresses_.size()) addresses_[size_t(kv.first)] = kv.second;
   epoch_ = new_epoch;
   coll_seq_ = 0;
-  failed_ = false;
-  failed_peer_ = failed_reporter_ = -1;
-  failed_protocol_ = false;
-  failed_msg_.clear();
+  {
+    std::lock_guard<std::mutex> g(fail_mu_);
+    failed_ = false;
+    failed_peer_ = failed_reporter_ = -1;
+    failed_protocol_ = false;
+    failed_msg_.clear();
+  }
   aborted_peers_.clear();
   commits_++;
   sync_links(new_epoch);
@@ -1430,7 +1468,12 @@ CommCounters Communicator::counters() const {
   return c;
 }
 
-std::string Communicator::failure() const { return failed_ ? failed_msg_ : std::string(); }
+// Called from any thread, without op_mu_ (an operation holds it while it runs): fail_mu_ makes the
+// flag and the message one consistent snapshot.
+std::string Communicator::failure() const {
+  std::lock_guard<std::mutex> g(fail_mu_);
+  return failed_ ? failed_msg_ : std::string();
+}
 
 void Communicator::debug_send_raw(int peer, const std::string& bytes) {
   std::lock_guard<std::mutex> g(op_mu_);

@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <stdexcept>
@@ -114,7 +115,24 @@ int ms_until(Clock::time_point deadline, int cap_ms) {
   return static_cast<int>(ms < cap_ms ? ms : cap_ms);
 }
 
-Fd dial_tcp(const std::string& host, int port, Clock::time_point deadline) {
+namespace {
+
+// poll() one descriptor until it is ready or the deadline passes, calling the tick (when set)
+// between slices of at most tick.ms. Returns poll's result (0: deadline).
+int poll_ticking(pollfd* pf, Clock::time_point deadline, const WaitTick& tick) {
+  const int cap = tick.fn ? std::max(1, tick.ms) : (1 << 30);
+  for (;;) {
+    int ms = ms_until(deadline, cap);
+    int pr = ::poll(pf, 1, ms);
+    if (pr < 0 && errno == EINTR) continue;
+    if (pr != 0 || ms == 0 || !tick.fn) return pr;
+    tick.fn();
+  }
+}
+
+}  // namespace
+
+Fd dial_tcp(const std::string& host, int port, Clock::time_point deadline, const WaitTick& tick) {
   AddrInfo ai;
   resolve(host, port, false, &ai);
   std::string last = "no address";
@@ -132,10 +150,7 @@ Fd dial_tcp(const std::string& host, int port, Clock::time_point deadline) {
     }
     if (rc != 0) {
       pollfd pf{fd.get(), POLLOUT, 0};
-      int pr;
-      do {
-        pr = ::poll(&pf, 1, ms_until(deadline, 1 << 30));
-      } while (pr < 0 && errno == EINTR);
+      int pr = poll_ticking(&pf, deadline, tick);
       if (pr <= 0) {
         last = "connect timed out";
         continue;
@@ -153,7 +168,7 @@ Fd dial_tcp(const std::string& host, int port, Clock::time_point deadline) {
   throw std::runtime_error("cannot connect to " + host + ":" + std::to_string(port) + ": " + last);
 }
 
-void write_all(int fd, const void* data, size_t len, Clock::time_point deadline) {
+void write_all(int fd, const void* data, size_t len, Clock::time_point deadline, const WaitTick& tick) {
   const auto* p = static_cast<const uint8_t*>(data);
   while (len > 0) {
     ssize_t n = ::send(fd, p, len, MSG_NOSIGNAL | MSG_DONTWAIT);
@@ -165,16 +180,15 @@ void write_all(int fd, const void* data, size_t len, Clock::time_point deadline)
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
       pollfd pf{fd, POLLOUT, 0};
-      int ms = ms_until(deadline, 1 << 30);
-      if (ms == 0) throw std::runtime_error("write timed out");
-      ::poll(&pf, 1, ms);
+      if (ms_until(deadline, 1) == 0 || poll_ticking(&pf, deadline, tick) == 0)
+        throw std::runtime_error("write timed out");
       continue;
     }
     throw std::runtime_error(std::string("write failed: ") + std::strerror(errno));
   }
 }
 
-void read_exact(int fd, void* data, size_t len, Clock::time_point deadline) {
+void read_exact(int fd, void* data, size_t len, Clock::time_point deadline, const WaitTick& tick) {
   auto* p = static_cast<uint8_t*>(data);
   while (len > 0) {
     ssize_t n = ::recv(fd, p, len, MSG_DONTWAIT);
@@ -187,9 +201,8 @@ void read_exact(int fd, void* data, size_t len, Clock::time_point deadline) {
     if (errno == EINTR) continue;
     if (errno == EAGAIN || errno == EWOULDBLOCK) {
       pollfd pf{fd, POLLIN, 0};
-      int ms = ms_until(deadline, 1 << 30);
-      if (ms == 0) throw std::runtime_error("read timed out");
-      ::poll(&pf, 1, ms);
+      if (ms_until(deadline, 1) == 0 || poll_ticking(&pf, deadline, tick) == 0)
+        throw std::runtime_error("read timed out");
       continue;
     }
     throw std::runtime_error(std::string("read failed: ") + std::strerror(errno));

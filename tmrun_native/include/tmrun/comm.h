@@ -246,7 +246,9 @@ class Communicator {
   bool rx_pump(Link& l, RxCtx& c);
   void start_frame(Link& l, FrameType t, uint32_t tag, const uint8_t* payload, size_t len);
   void fail_op(Link* failed_link, const std::string& reason, bool protocol, int lost, Link* abort_from);
-  void notify_abort(int lost, Link* skip);
+  void record_failure(int peer, int reporter, bool protocol, std::string msg);
+  std::string notice_msg(int lost, int from) const;
+  void notify_abort(int lost);
   void close_link(Link& l, const std::string& why);
   [[noreturn]] void raise_failure();
   void check_healthy();
@@ -265,7 +267,7 @@ class Communicator {
 
   // bootstrap / accept
   std::unique_ptr<Link> dial_peer(const std::string& address, int peer, uint64_t epoch, bool ring,
-                                  Clock::time_point deadline);
+                                  Clock::time_point deadline, bool tick_idle = false);
   std::unique_ptr<Link> await_accepted(int peer, uint64_t epoch, Clock::time_point deadline,
                                        bool tick_idle);
   void service_loop();
@@ -302,13 +304,16 @@ class Communicator {
   std::string last_reject_;
   uint32_t coll_seq_ = 0;
 
-  // sticky failure of the current epoch
+  // sticky failure of the current epoch. Written only by record_failure / do_commit, which hold
+  // op_mu_ *and* fail_mu_: code under op_mu_ may read it freely, failure() (any thread, no op_mu_:
+  // an operation may hold that for minutes) reads it under fail_mu_.
+  mutable std::mutex fail_mu_;
   bool failed_ = false;
-  int failed_peer_ = -1;
+  int failed_peer_ = -1;  // -1: unknown (an operation timed out)
   int failed_reporter_ = -1;
   bool failed_protocol_ = false;
   std::string failed_msg_;
-  std::set<int> aborted_peers_;
+  std::set<int> aborted_peers_;  // losses already announced this epoch (op_mu_)
 
   // accepted, handshaken connections waiting to be claimed: (peer, epoch) -> link
   std::mutex accept_mu_;

@@ -1,0 +1,48 @@
+"""Communicator::failure() is read by other threads (a Python monitor, the backend) while the
+worker or the service thread records the sticky failure: the read must be synchronised. Checked
+with ThreadSanitizer on a small C++ harness (skipped where no C++ compiler with TSan exists)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+SRC = os.path.join(ROOT, "tmrun_native", "src")
+SOURCES = ["comm.cpp", "net.cpp", "frame.cpp", "checksum.cpp", "reduce.cpp"]
+
+
+def _cxx() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
+    if not cxx or not os.path.isdir(SRC):
+        pytest.skip("no C++ compiler or no native sources")
+    return cxx
+
+
+@pytest.mark.timeout(300)
+def test_failure_read_is_race_free_under_tsan(tmp_path):
+    """Before the fix failure() read failed_ and failed_msg_ (a std::string) with no lock while
+    the service thread wrote them: ThreadSanitizer reported a data race in
+    Communicator::failure() (and a torn string could be returned or freed memory read)."""
+    cxx = _cxx()
+    exe = str(tmp_path / "tsan_failure_race")
+    cmd = [cxx, "-std=c++17", "-O1", "-g", "-fsanitize=thread", "-pthread",
+           "-I", os.path.join(ROOT, "tmrun_native", "include"),
+           os.path.join(HERE, "tsan_failure_race.cpp"), *[os.path.join(SRC, s) for s in SOURCES], "-o", exe]
+    build = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    if build.returncode != 0:
+        if "sanitize" in build.stderr or "tsan" in build.stderr:
+            pytest.skip("ThreadSanitizer unavailable: " + build.stderr[-300:])
+        raise AssertionError(build.stderr[-3000:])
+    env = dict(os.environ, TSAN_OPTIONS="halt_on_error=0 exitcode=66 second_deadlock_stack=1")
+    run = subprocess.run([exe], capture_output=True, text=True, timeout=60, env=env)
+    if "FATAL: ThreadSanitizer" in run.stderr:  # e.g. an incompatible memory layout (ASLR)
+        pytest.skip("ThreadSanitizer cannot run here: " + run.stderr[-300:])
+    assert "failure: rank 1 lost" in run.stdout, (run.stdout, run.stderr[-3000:])
+    reports = run.stderr.split("WARNING: ThreadSanitizer:")[1:]
+    mine = [r for r in reports if "Communicator::failure" in r]
+    assert not mine, mine[0][:3000]
