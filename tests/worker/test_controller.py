@@ -133,6 +133,8 @@ def test_a_reported_rank_that_still_runs_is_fenced(tmp_path: Path, procs) -> Non
     stale = store.add(proto.REPORT_SEQ, 1) - 1
     store.set(proto.report(stale), proto.WorkerReport(reporter=1, lost=0, gen=7).encode())  # another generation
     store.set(proto.report(store.add(proto.REPORT_SEQ, 1) - 1), "not json")  # ignored, no crash
+    unknown = store.add(proto.REPORT_SEQ, 1) - 1  # a timed-out collective: nobody to blame, nobody fenced
+    store.set(proto.report(unknown), proto.WorkerReport(reporter=1, lost=-1, gen=0).encode())
     controller.step()
     assert hung.wait(timeout=10) == -9  # SIGKILLed
     assert survivor.poll() is None  # the stale report about rank 0 was not acted on

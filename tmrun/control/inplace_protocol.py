@@ -219,7 +219,8 @@ def request_migration(job_store: Any, rank: int = -1, reason: str = "operator re
 
 @dataclass(frozen=True)
 class WorkerReport:
-    """A worker's word: ``lost`` is the rank it lost (its own rank for 'I am leaving')."""
+    """A worker's word: ``lost`` is the rank it lost (its own rank for 'I am leaving'; -1 when the
+    communicator could not tell, e.g. a collective that timed out with every link alive)."""
 
     reporter: int
     lost: int
@@ -234,7 +235,7 @@ class WorkerReport:
         data = _load(key, raw)
         return cls(
             reporter=_int(key, data, "reporter"),
-            lost=_int(key, data, "lost"),
+            lost=_int(key, data, "lost", -1),
             gen=_int(key, data, "gen"),
             detail=str(data.get("detail", "")),
         )

@@ -273,7 +273,7 @@ class Runtime:
     def _report(self, lost: int, detail: str) -> None:
         assert self._store is not None
         seq = self._store.add(proto.REPORT_SEQ, 1) - 1
-        message = proto.WorkerReport(reporter=self._rank, lost=max(lost, 0), gen=self._gen, detail=detail[:300])
+        message = proto.WorkerReport(reporter=self._rank, lost=max(lost, -1), gen=self._gen, detail=detail[:300])
         self._store.set(proto.report(seq), message.encode())
 
     def _pending_plan(self) -> proto.ReplacementPlan | None:
