@@ -5,7 +5,9 @@
 2 CPU workers, examples/train_inplace.py (6 x Linear(2048), about 25M parameters, AdamW). When
 rank 0 has completed --at steps, the bench runs ``tmrun-ctl migrate 1``. Per run, from rank 0's
 step log: steady step (median interval before the request), downtime (largest interval after the
-request minus one steady step) and steps recomputed (step numbers logged twice). The baseline of a
+request minus one steady step) and steps recomputed (step numbers logged twice); from the workers'
+log lines, where the handover's time goes (the model received by the joiner, the optimizer state
+complete, the leaver done). The baseline of a
 planned move under torchrun is a checkpoint-restart; bench/inplace_failover.py measures that
 cost for an unexpected failure, which a planned restart cannot beat.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -64,8 +67,17 @@ def one_run(args: argparse.Namespace, work: Path) -> dict[str, float]:
     steady = statistics.median(before)
     after = [b - a for a, b in zip(times, times[1:]) if b > requested_at]
     steps = [s for s, _ in rows]
+    text = (work / "agent.log").read_text(errors="replace")
+
+    def seconds(pattern: str) -> float:
+        found = re.search(pattern, text)
+        return float(found.group(1)) if found else float("nan")
+
     return {"steady": steady, "downtime": max(0.0, max(after) - steady),
-            "recomputed": float(len(steps) - len(set(steps)))}
+            "recomputed": float(len(steps) - len(set(steps))),
+            "model": seconds(r"received the model \(\d+ bytes\) in ([\d.]+)s"),
+            "complete": seconds(r"optimizer state complete \(\d+ bytes\), ([\d.]+)s after"),
+            "leaver": seconds(r"handed \d+ bytes to the joiner in ([\d.]+)s")}
 
 
 def main() -> None:
@@ -90,6 +102,10 @@ def main() -> None:
     print(f"| {statistics.median(r['steady'] for r in results) * 1e3:.0f} | "
           f"{min(downs):.3f} / {statistics.median(downs):.3f} / {max(downs):.3f} | "
           f"{', '.join(str(int(r['recomputed'])) for r in results)} |")
+    print()
+    print("handover, per run (s): joiner has the model / joiner has the optimizer state / leaver done")
+    for index, r in enumerate(results):
+        print(f"  run {index}: {r['model']:.3f} / {r['complete']:.3f} / {r['leaver']:.3f}")
 
 
 if __name__ == "__main__":
