@@ -93,7 +93,10 @@ class NodeMember(WorkerSlots):
                 except ProcessLookupError:
                     pass
         for slot in self.slots.values():
-            slot.process.wait(timeout=10)
+            try:
+                slot.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # stuck in the kernel: report anyway, it cannot compute
+                say(f"rank {slot.rank} (pid {slot.pid}) did not exit 10 s after SIGKILL")
         self.failed = True
         self._report_failure(by_signal, detail)
 
