@@ -88,12 +88,13 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--keep", default="", help="keep each run's logs in this folder")
     args = parser.parse_args()
     results = []
     with tempfile.TemporaryDirectory(prefix="tmrun-migrate-") as tmp:
         for index in range(args.runs):
-            work = Path(tmp) / f"run{index}"
-            work.mkdir()
+            work = Path(args.keep or tmp) / f"run{index}"
+            work.mkdir(parents=True)
             results.append(one_run(args, work))
     print(f"planned migration of rank 1 (2 workers, {args.depth}x{args.width} MLP, AdamW), {args.runs} runs")
     print("| steady step (ms) | downtime (s) min / median / max | steps recomputed |")
