@@ -188,6 +188,11 @@ def test_migrate_without_a_job_is_a_clear_error(tmp_path: Path) -> None:
     result = subprocess.run([*tmrun_cmd()[:2], "tmrun.cli.ctl", "migrate", "--", "-3"], capture_output=True,
                             text=True, timeout=60, env=env)
     assert result.returncode == 2 and "Traceback" not in result.stderr
+    for args in ([], ["1", "--node", "1"], ["--node", "-1"]):  # neither, both, a negative node
+        result = subprocess.run([*tmrun_cmd()[:2], "tmrun.cli.ctl", "migrate", *args], capture_output=True,
+                                text=True, timeout=60, env=env)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, args
+        assert ("rank or --node" in result.stderr) or ("--node must be 0 or more" in result.stderr), result.stderr
 
 
 def test_api_script_runs_unchanged_under_torchrun(tmp_path: Path, reference: str) -> None:
