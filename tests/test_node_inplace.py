@@ -92,3 +92,13 @@ def test_standby_node_of_another_size_is_not_used(store: dist.Store) -> None:
     _epoch(store).set(proto.standby_node(2), json.dumps({"ids": [2000]}))
     coordinator = NodeInplaceCoordinator(store, _job(store), RUN, standby_wait=30)
     assert coordinator.decide(_membership(), [1], {1}, time.monotonic())[0] is Decision.WAIT
+
+
+def test_a_node_failing_after_every_other_rank_finished_ends_the_job(store: dist.Store) -> None:
+    _api_job(store)
+    for rank in (0, 1):  # node 0's ranks are done; node 1 fails afterwards (e.g. while exiting)
+        _epoch(store).set(proto.done(rank), "13")
+    coordinator = NodeInplaceCoordinator(store, _job(store), RUN, standby_wait=30)
+    decision, swapped, why = coordinator.decide(_membership(), [1], {1}, time.monotonic())
+    assert (decision, swapped) == (Decision.FINAL, None) and "after every other rank" in why
+    assert not _epoch(store).check([proto.plan(1)])  # nothing published

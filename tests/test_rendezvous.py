@@ -150,3 +150,53 @@ def test_closing_releases_standbys(three_nodes: list[Node]) -> None:
     with pytest.raises(RendezvousClosedError):
         spare.wait()
     assert spare.handler.closed_reason() == (Phase.SUCCEEDED, "done")
+
+
+def _in_place_job(node: Node, epoch: int, spare_id: int) -> object:
+    """What the agents and workers of an in-place job write: 2 nodes of 1 rank, the worker API,
+    a warm standby worker on the spare node."""
+    import json
+
+    from torch.distributed import PrefixStore
+
+    from tmrun.control import inplace_protocol as proto
+
+    store = PrefixStore(proto.node_prefix("unit", epoch), node.handler._tcp_store)
+    store.set(proto.API, "1")
+    store.add(proto.MEMBERS, 2)
+    members = node.handler._read_membership().active
+    for group_rank, node_id in enumerate(members):
+        store.set(proto.node_ranks(group_rank), json.dumps({"node_id": node_id, "ranks": [group_rank]}))
+    store.set(proto.standby_node(spare_id), json.dumps({"ids": [7]}))
+    store.set(proto.standby_ready(7), "{}")
+    return store
+
+
+def test_in_place_node_replacement_keeps_the_epoch(three_nodes: list[Node]) -> None:
+    from tmrun.rendezvous.handler import NodeRetiredError
+
+    a, b, spare = three_nodes
+    _form_with_standby(a, b, spare)
+    b_rank = b.result.rank  # type: ignore[union-attr]
+    _in_place_job(a, 1, spare.handler.node_id)  # type: ignore[arg-type]
+    b.handler.report_failure(by_signal=True, detail="rank 1 exit code 1")
+    promoted = spare.wait()  # the standby node returns from its wait with b's group rank ...
+    assert promoted.rank == b_rank and spare.handler.epoch == 1  # ... in the same epoch
+    assert a.handler.num_nodes_waiting() == 0  # the survivor's agent restarts nothing
+    with pytest.raises(NodeRetiredError):
+        b.handler.check_retired()  # the failed node (alive) leaves
+    assert any(e.kind == "replace" and "in place" in e.detail for e in read_events(a.handler.store))
+
+
+def test_a_node_failing_after_the_others_finished_closes_the_job(three_nodes: list[Node]) -> None:
+    from tmrun.control import inplace_protocol as proto
+
+    a, b, spare = three_nodes
+    _form_with_standby(a, b, spare)
+    store = _in_place_job(a, 1, spare.handler.node_id)  # type: ignore[arg-type]
+    store.set(proto.done(a.result.rank), "9")  # type: ignore[attr-defined, union-attr]
+    b.handler.report_failure(by_signal=True, detail="rank 1 exit code 1")
+    assert wait_until(lambda: a.handler.closed_reason() is not None, 5)
+    phase, reason = a.handler.closed_reason()  # type: ignore[misc]
+    assert phase is Phase.FAILED and "after every other rank had finished" in reason
+    assert spare.handler.epoch == 0  # nobody was promoted

@@ -225,6 +225,10 @@ class Leader:
         if decision is Decision.WAIT:
             return
         self._pending = None
+        if decision is Decision.FINAL:
+            self._event("failure", "; ".join(f"node {r.node_id}: {r.detail}" for r in pending.reports))
+            self._fail(f"{why}; the job ends failed (a restart would redo the whole training)")
+            return
         if swapped is not None:
             self._publish(swapped)
             self._event("failure", "; ".join(f"node {r.node_id}: {r.detail}" for r in pending.reports))

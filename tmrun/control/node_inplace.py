@@ -32,6 +32,8 @@ class Decision(Enum):
     WAIT = "wait"  # in-place is possible but no standby node is warm yet: ask again
     FALLBACK = "fallback"  # in-place was possible but cannot happen: restart the group (logged)
     PLAIN = "plain"  # not an in-place job (yet): restart the group, as torchrun would
+    FINAL = "final"  # every other rank already finished its steps: the job ends failed (a restart
+    # would redo the whole training, and there is no one left to heal a joiner from)
 
 
 @dataclass
@@ -89,6 +91,10 @@ class NodeInplaceCoordinator:
         if ranks is None or store.add(proto.MEMBERS, 0) < sum(len(r) for r in ranks):
             return Decision.PLAIN, None, "not every rank had started the tmrun worker API"
         failed = [c for c in culprits if c in membership.active]
+        failed_ranks = {r for c in failed for r in ranks[membership.active.index(c)]}
+        others = [r for node_ranks in ranks for r in node_ranks if r not in failed_ranks]
+        if failed and others and store.check([proto.done(r) for r in others]):
+            return Decision.FINAL, None, "a node failed after every other rank had finished its steps"
         size = len(ranks[membership.active.index(failed[0])]) if failed else 0
         if not failed or any(len(ranks[membership.active.index(c)]) != size for c in failed):
             return Decision.FALLBACK, None, "failed nodes of different sizes"
