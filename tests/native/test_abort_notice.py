@@ -13,6 +13,20 @@ from conftest import buf, close_all, connect_all, dt, run_ranks, tn
 
 
 @pytest.mark.timeout(60)
+
+def _recv_from_partner(c):
+    """Ranks 0 and 1 wait on each other; what ended the wait, and after how long."""
+    x = torch.zeros(1, dtype=torch.uint8)
+    t0 = time.monotonic()
+    try:
+        c.recv(buf(x), src=1 - c.rank)
+    except tn.PeerLostError as e:
+        return ("lost", e.peer, e.reporter, time.monotonic() - t0)
+    except Exception as e:  # noqa: BLE001
+        return (type(e).__name__, str(e), time.monotonic() - t0)
+    return ("completed",)
+
+
 def test_loss_noticed_outside_the_running_operation_ends_it():
     """Rank 0 waits in a recv from rank 1 (rank 1 waits in a recv from rank 0) when its other
     neighbour, rank 2, closes. Rank 0's in-operation idle tick (every 0.05 s: short heartbeat
@@ -36,15 +50,7 @@ def test_loss_noticed_outside_the_running_operation_ends_it():
                 time.sleep(0.3)
                 c.close()
                 return None
-            x = torch.zeros(1, dtype=torch.uint8)
-            t0 = time.monotonic()
-            try:
-                c.recv(buf(x), src=1 - c.rank)
-            except tn.PeerLostError as e:
-                return ("lost", e.peer, e.reporter, time.monotonic() - t0)
-            except Exception as e:  # noqa: BLE001
-                return (type(e).__name__, str(e), time.monotonic() - t0)
-            return ("completed",)
+            return _recv_from_partner(c)
 
         res, _ = run_ranks(comms, body, timeout=30)
         for r in (0, 1):
@@ -125,17 +131,7 @@ def test_a_notice_is_echoed_to_the_rank_that_sent_it():
         comms[0]._debug_send_raw(1, tn.encode_frame(5, b"", job_id="echo", epoch=0, seq=seq, tag=lost))
 
         def body(c):
-            if c.rank == lost:
-                return None
-            x = torch.zeros(1, dtype=torch.uint8)
-            t0 = time.monotonic()
-            try:
-                c.recv(buf(x), src=1 - c.rank)
-            except tn.PeerLostError as e:
-                return ("lost", e.peer, e.reporter, time.monotonic() - t0)
-            except Exception as e:  # noqa: BLE001
-                return (type(e).__name__, str(e), time.monotonic() - t0)
-            return ("completed",)
+            return None if c.rank == lost else _recv_from_partner(c)
 
         res, _ = run_ranks(comms, body, timeout=30)
         assert res[1][:3] == ("lost", lost, 0), res[1]

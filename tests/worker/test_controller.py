@@ -8,7 +8,6 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytest
 import torch.distributed as dist
 
 from tmrun.control import inplace_protocol as proto
@@ -36,16 +35,6 @@ class FakePool:
 
     def take(self, member: FakeMember) -> None:
         self.members.remove(member)
-
-
-@pytest.fixture
-def procs():  # type: ignore[no-untyped-def]
-    started: list[subprocess.Popen[bytes]] = []
-    yield started
-    for process in started:
-        if process.poll() is None:
-            process.kill()
-        process.wait(timeout=10)
 
 
 def make(tmp_path: Path, pool: FakePool, world: int = 2, replacements: int = 3, wait: float = 0.0,

@@ -8,23 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch.distributed as dist
 
 from tmrun.control import inplace_protocol as proto
 from tmrun.launcher.node_member import NodeMember
 
 SLEEP = "import time; time.sleep(60)"
-
-
-@pytest.fixture
-def procs():  # type: ignore[no-untyped-def]
-    started: list[subprocess.Popen[bytes]] = []
-    yield started
-    for process in started:
-        if process.poll() is None:
-            process.kill()
-        process.wait(timeout=10)
 
 
 def _member(tmp_path: Path) -> tuple[dist.Store, NodeMember, list[tuple[bool, str]]]:
