@@ -685,11 +685,17 @@ bool Communicator::rx_pump(Link& l, RxCtx& c) {
   }
 }
 
+// Callers hold op_mu_ (every reader of link I/O state does); the fields links() reports (broken,
+// error, fd) are also written under table_mu_, which links() holds from any thread without op_mu_.
+// Lock order op_mu_ -> table_mu_ (as close() and debug_send_raw): never call with table_mu_ held.
 void Communicator::close_link(Link& l, const std::string& why) {
-  if (l.fd.valid()) links_closed_++;
-  l.broken = true;
-  if (l.error.empty()) l.error = why;
-  l.fd.reset();
+  {
+    std::lock_guard<std::mutex> t(table_mu_);
+    if (l.fd.valid()) links_closed_++;
+    l.broken = true;
+    if (l.error.empty()) l.error = why;
+    l.fd.reset();
+  }
   l.tx_busy = false;
   l.rx_have = false;
 }

@@ -294,7 +294,9 @@ class Communicator {
 
   // op_mu_ serialises every access to link I/O state (worker thread and idle service ticks).
   std::mutex op_mu_;
-  // table_mu_ guards the link table's structure for readers (links(), counters(), acceptor).
+  // table_mu_ guards the link table's structure for readers (links(), counters(), acceptor), and
+  // each link's broken, error and fd (written under op_mu_ and table_mu_, read by links()).
+  // Lock order: op_mu_ before table_mu_.
   mutable std::mutex table_mu_;
   std::map<int, std::unique_ptr<Link>> links_;
   std::map<int, std::pair<uint64_t, uint64_t>> closed_bytes_;
