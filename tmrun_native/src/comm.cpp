@@ -606,9 +606,7 @@ bool Communicator::rx_pump(Link& l, RxCtx& c) {
         return true;
       }
       if (c.mode == RxMode::kOp && c.q && c.q->ri < c.q->rq.size())
-        throw CommError("rank " + std::to_string(l.peer) + " switched to epoch " + std::to_string(l.rx_h.epoch) +
-                        " while rank " + std::to_string(rank_) + " is in epoch " + std::to_string(cur) +
-                        " (call prepare/commit)");
+        throw EpochSwitched{&l, l.rx_h.epoch};  // the sync stays stashed for our own commit
       return prog;
     }
     // data payload
@@ -977,6 +975,19 @@ void Communicator::run_plan(Plan& p) {
     raise_failure();
   } catch (const AbortReceived& a) {
     fail_op(nullptr, "", false, a.lost, a.from);
+    raise_failure();
+  } catch (const EpochSwitched& e) {
+    // A live peer committed a new epoch while this rank still waits on it in this one (this rank
+    // missed the replacement, or its operations are out of step with the peer's). Not a lost rank:
+    // the peer is healthy and the link stays open (its stashed sync is consumed by our own commit).
+    // Poison the epoch with the lost rank unknown (nobody is fenced for it) and announce it, as for
+    // a timed-out operation: the other ranks of the operation, kept alive by our heartbeats, would
+    // otherwise wait on us until op_timeout. The peer ignores the notice (an older epoch's).
+    std::string msg = "rank " + std::to_string(e.link->peer) + " switched to epoch " + std::to_string(e.epoch) +
+                      " while rank " + std::to_string(rank_) + " is in epoch " + std::to_string(epoch_.load()) +
+                      " (call prepare/commit)";
+    record_failure(-1, rank_, false, std::move(msg));
+    notify_abort(-1);
     raise_failure();
   } catch (const CommTimeoutError&) {
     // Unknown peer: poison the epoch so that no rank continues on a half-finished collective, and

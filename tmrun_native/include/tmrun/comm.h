@@ -239,6 +239,10 @@ class Communicator {
     Link* from;
     int lost;
   };
+  struct EpochSwitched {  // thrown by rx_pump: a sync of a later epoch where an operation expects data
+    Link* link;
+    uint64_t epoch;
+  };
 
   // engine
   void run_plan(Plan& p);
