@@ -905,8 +905,20 @@ void Communicator::run_plan(Plan& p) {
       bool prog = false, done = true;
       for (auto& q : qs) {
         Link& l = *q.link;
-        if (q.si == q.sq.size() && q.ri == q.rq.size()) continue;  // this link's part is over:
-        // do not read further (the peer may already have moved on, even closed the link)
+        if (q.si == q.sq.size() && q.ri == q.rq.size()) {  // this link's part is over: do not
+          // read further (the peer may already have moved on, even closed the link), but keep
+          // heartbeating it (idle_tick skips op links): the peer may already wait on us in its next
+          // operation and would declare us lost after `timeout`. A failed write is not this
+          // operation's failure (a departing peer closes after its part): judged when next used.
+          if (!q.hb_failed) {
+            try {
+              tx_pump(l, nullptr, nullptr, now);
+            } catch (const LinkFailure&) {
+              q.hb_failed = true;
+            }
+          }
+          continue;
+        }
         prog |= tx_pump(l, &q, &p, now);
         RxCtx c{RxMode::kOp, &q, &p};
         prog |= rx_pump(l, c);

@@ -221,6 +221,7 @@ class Communicator {
     Link* link;
     std::vector<int> sq, rq;
     size_t si = 0, ri = 0;
+    bool hb_failed = false;  // heartbeat write failed after this link's part was over
   };
   enum class RxMode { kOp, kIdle, kDiscard, kSync };
   struct RxCtx {
