@@ -140,3 +140,57 @@ def test_a_notice_is_echoed_to_the_rank_that_sent_it():
         assert comms[0].failure() and comms[1].failure()
     finally:
         close_all(comms)
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_in_a_new_epoch_ends_the_operation_and_is_announced():
+    """Rank 1 commits epoch 1 (prepare([]) + commit()) while rank 0 waits in a recv from it and
+    rank 2 waits in a recv from rank 0: rank 0 reads rank 1's sync of epoch 1 where it expects
+    data. Rank 0 must record the failure of epoch 0 (lost rank unknown: rank 1 is alive, nobody is
+    to be fenced) and announce it, so that rank 2 stops at once. Before the fix rank 0 raised a
+    plain CommError and recorded nothing (failure() stayed ''), and rank 2, kept alive by rank 0's
+    heartbeats, waited out its op_timeout (CommTimeoutError after 5 s here). Afterwards ranks 0 and
+    2 commit epoch 1 too (once both receives ended) and the three ranks work on: rank 1's sync
+    waited on rank 0's link."""
+    n = 3
+    opts = dict(timeout=4.0, heartbeat_interval=0.05, op_timeout=5.0)
+    comms = [tn.Communicator(r, n, "epochswitch", 0, tn.Options(**opts)) for r in range(n)]
+    try:
+        connect_all(comms)
+        failures = {}
+        gate = threading.Barrier(2)  # ranks 0 and 2 commit once both receives ended
+
+        def body(c):
+            x = torch.zeros(1, dtype=torch.uint8)
+            res = ("none",)
+            if c.rank == 1:
+                time.sleep(0.5)  # ranks 0 and 2 are in their receives
+                c.prepare([], {}, 1)
+            else:
+                t0 = time.monotonic()
+                try:
+                    c.recv(buf(x), src=1 if c.rank == 0 else 0)
+                    res = ("completed",)
+                except tn.PeerLostError as e:
+                    res = ("lost", e.peer, e.reporter, str(e), time.monotonic() - t0)
+                except Exception as e:  # noqa: BLE001
+                    res = (type(e).__name__, str(e), time.monotonic() - t0)
+                failures[c.rank] = c.failure()
+                gate.wait(timeout=20)
+                c.prepare([], {}, 1)
+            c.commit()
+            y = torch.ones(1, dtype=torch.float32)
+            c.allreduce(buf(y), dtype=dt(y))
+            return res, c.epoch, float(y[0])
+
+        res, _ = run_ranks(comms, body, timeout=40)
+        r0, r2 = res[0][0], res[2][0]
+        assert r0[:3] == ("lost", -1, 0), r0
+        assert "switched to epoch 1" in r0[3], r0
+        assert "switched to epoch 1" in failures[0], failures  # recorded for epoch 0
+        assert r2[:3] == ("lost", -1, 0), r2  # rank 0's notice, not its own op_timeout
+        assert r2[4] < 3.0, r2
+        for r in range(n):  # the new epoch works
+            assert res[r][1:] == (1, 3.0), (r, res[r])
+    finally:
+        close_all(comms)

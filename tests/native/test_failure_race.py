@@ -1,4 +1,4 @@
-"""Communicator::failure() is read by other threads (a Python monitor, the backend) while the
+"""Communicator::failure() and links() are read by other threads (a Python monitor, the backend) while the
 worker or the service thread records the sticky failure: the read must be synchronised. Checked
 with ThreadSanitizer on a small C++ harness (skipped where no C++ compiler with TSan exists)."""
 
@@ -23,13 +23,11 @@ def _cxx() -> str:
     return cxx
 
 
-@pytest.mark.timeout(300)
-def test_failure_read_is_race_free_under_tsan(tmp_path):
-    """Before the fix failure() read failed_ and failed_msg_ (a std::string) with no lock while
-    the service thread wrote them: ThreadSanitizer reported a data race in
-    Communicator::failure() (and a torn string could be returned or freed memory read)."""
+@pytest.fixture(scope="module")
+def tsan_run(tmp_path_factory):
+    """Builds the harness with ThreadSanitizer and runs it once: (stdout, TSan reports)."""
     cxx = _cxx()
-    exe = str(tmp_path / "tsan_failure_race")
+    exe = str(tmp_path_factory.mktemp("tsan") / "tsan_failure_race")
     cmd = [cxx, "-std=c++17", "-O1", "-g", "-fsanitize=thread", "-pthread",
            "-I", os.path.join(ROOT, "tmrun_native", "include"),
            os.path.join(HERE, "tsan_failure_race.cpp"), *[os.path.join(SRC, s) for s in SOURCES], "-o", exe]
@@ -42,7 +40,28 @@ def test_failure_read_is_race_free_under_tsan(tmp_path):
     run = subprocess.run([exe], capture_output=True, text=True, timeout=60, env=env)
     if "FATAL: ThreadSanitizer" in run.stderr:  # e.g. an incompatible memory layout (ASLR)
         pytest.skip("ThreadSanitizer cannot run here: " + run.stderr[-300:])
-    assert "failure: rank 1 lost" in run.stdout, (run.stdout, run.stderr[-3000:])
-    reports = run.stderr.split("WARNING: ThreadSanitizer:")[1:]
+    return run.stdout, run.stderr, run.stderr.split("WARNING: ThreadSanitizer:")[1:]
+
+
+@pytest.mark.timeout(300)
+def test_failure_read_is_race_free_under_tsan(tsan_run):
+    """Before the fix failure() read failed_ and failed_msg_ (a std::string) with no lock while
+    the service thread wrote them: ThreadSanitizer reported a data race in
+    Communicator::failure() (and a torn string could be returned or freed memory read)."""
+    out, err, reports = tsan_run
+    assert "failure: rank 1 lost" in out, (out, err[-3000:])
     mine = [r for r in reports if "Communicator::failure" in r]
+    assert not mine, mine[0][:3000]
+
+
+@pytest.mark.timeout(300)
+def test_links_read_is_race_free_under_tsan(tsan_run):
+    """links() reads each link's broken flag, fd and error (a std::string) under table_mu_.
+    Before the fix close_link wrote them under op_mu_ only (the service thread's idle tick, here),
+    so a monitor thread calling links() raced with it: ThreadSanitizer reported a data race in
+    Communicator::links() against Communicator::close_link. close_link now writes them under
+    table_mu_ too."""
+    out, err, reports = tsan_run
+    assert "link: closed " in out and "connection closed by peer" in out, (out, err[-3000:])
+    mine = [r for r in reports if "Communicator::links" in r or "Communicator::close_link" in r]
     assert not mine, mine[0][:3000]

@@ -1,8 +1,10 @@
-// ThreadSanitizer harness for Communicator::failure() (built and run by test_failure_race.py).
-// Rank 1 closes; rank 0's service thread notices the loss in its idle tick and records the sticky
-// failure while the main thread keeps polling failure(), as a Python monitor thread would.
-// Exit status 0 when rank 0 reported the failure; ThreadSanitizer adds its own reports (and exit
-// status 66) when the two threads touch the failure state without synchronisation.
+// ThreadSanitizer harness for Communicator::failure() and Communicator::links() (built and run by
+// test_failure_race.py). Rank 1 closes; rank 0's service thread notices the loss in its idle tick,
+// closes the link (broken, error, fd) and records the sticky failure while the main thread keeps
+// polling failure() and links(), as a Python monitor thread would.
+// Exit status 0 when rank 0 reported the failure and showed the link closed with its error;
+// ThreadSanitizer adds its own reports (and exit status 66) when the threads touch the failure or
+// link state without synchronisation.
 #include <chrono>
 #include <cstdio>
 #include <string>
@@ -22,13 +24,25 @@ int main() {
   a.connect(addrs);
   tb.join();
   std::string seen = a.failure();  // "" (healthy): a read before the write
+  std::string link_error;
+  bool link_closed = false;
+  auto poll_links = [&] {
+    for (const auto& li : a.links())  // reads open (broken, fd) and error of every link
+      if (li.peer == 1 && !li.open) {
+        link_closed = true;
+        link_error = li.error;
+      }
+  };
+  poll_links();
   b.close();
   auto deadline = std::chrono::steady_clock::now() + 10s;
-  while (seen.empty() && std::chrono::steady_clock::now() < deadline) {
+  while ((seen.empty() || !link_closed) && std::chrono::steady_clock::now() < deadline) {
     seen = a.failure();
-    std::this_thread::sleep_for(1ms);
+    poll_links();  // no sleep: keep reading while the service thread closes the link
+    std::this_thread::yield();
   }
   std::printf("failure: %s\n", seen.c_str());
+  std::printf("link: %s %s\n", link_closed ? "closed" : "open", link_error.c_str());
   a.close();
-  return seen.empty() ? 1 : 0;
+  return seen.empty() || !link_closed ? 1 : 0;
 }

@@ -606,9 +606,7 @@ bool Communicator::rx_pump(Link& l, RxCtx& c) {
         return true;
       }
       if (c.mode == RxMode::kOp && c.q && c.q->ri < c.q->rq.size())
-        throw CommError("rank " + std::to_string(l.peer) + " switched to epoch " + std::to_string(l.rx_h.epoch) +
-                        " while rank " + std::to_string(rank_) + " is in epoch " + std::to_string(cur) +
-                        " (call prepare/commit)");
+        throw EpochSwitched{&l, l.rx_h.epoch};  // the sync stays stashed for our own commit
       return prog;
     }
     // data payload
@@ -685,11 +683,17 @@ bool Communicator::rx_pump(Link& l, RxCtx& c) {
   }
 }
 
+// Callers hold op_mu_ (every reader of link I/O state does); the fields links() reports (broken,
+// error, fd) are also written under table_mu_, which links() holds from any thread without op_mu_.
+// Lock order op_mu_ -> table_mu_ (as close() and debug_send_raw): never call with table_mu_ held.
 void Communicator::close_link(Link& l, const std::string& why) {
-  if (l.fd.valid()) links_closed_++;
-  l.broken = true;
-  if (l.error.empty()) l.error = why;
-  l.fd.reset();
+  {
+    std::lock_guard<std::mutex> t(table_mu_);
+    if (l.fd.valid()) links_closed_++;
+    l.broken = true;
+    if (l.error.empty()) l.error = why;
+    l.fd.reset();
+  }
   l.tx_busy = false;
   l.rx_have = false;
 }
@@ -901,8 +905,20 @@ void Communicator::run_plan(Plan& p) {
       bool prog = false, done = true;
       for (auto& q : qs) {
         Link& l = *q.link;
-        if (q.si == q.sq.size() && q.ri == q.rq.size()) continue;  // this link's part is over:
-        // do not read further (the peer may already have moved on, even closed the link)
+        if (q.si == q.sq.size() && q.ri == q.rq.size()) {  // this link's part is over: do not
+          // read further (the peer may already have moved on, even closed the link), but keep
+          // heartbeating it (idle_tick skips op links): the peer may already wait on us in its next
+          // operation and would declare us lost after `timeout`. A failed write is not this
+          // operation's failure (a departing peer closes after its part): judged when next used.
+          if (!q.hb_failed) {
+            try {
+              tx_pump(l, nullptr, nullptr, now);
+            } catch (const LinkFailure&) {
+              q.hb_failed = true;
+            }
+          }
+          continue;
+        }
         prog |= tx_pump(l, &q, &p, now);
         RxCtx c{RxMode::kOp, &q, &p};
         prog |= rx_pump(l, c);
@@ -971,6 +987,19 @@ void Communicator::run_plan(Plan& p) {
     raise_failure();
   } catch (const AbortReceived& a) {
     fail_op(nullptr, "", false, a.lost, a.from);
+    raise_failure();
+  } catch (const EpochSwitched& e) {
+    // A live peer committed a new epoch while this rank still waits on it in this one (this rank
+    // missed the replacement, or its operations are out of step with the peer's). Not a lost rank:
+    // the peer is healthy and the link stays open (its stashed sync is consumed by our own commit).
+    // Poison the epoch with the lost rank unknown (nobody is fenced for it) and announce it, as for
+    // a timed-out operation: the other ranks of the operation, kept alive by our heartbeats, would
+    // otherwise wait on us until op_timeout. The peer ignores the notice (an older epoch's).
+    std::string msg = "rank " + std::to_string(e.link->peer) + " switched to epoch " + std::to_string(e.epoch) +
+                      " while rank " + std::to_string(rank_) + " is in epoch " + std::to_string(epoch_.load()) +
+                      " (call prepare/commit)";
+    record_failure(-1, rank_, false, std::move(msg));
+    notify_abort(-1);
     raise_failure();
   } catch (const CommTimeoutError&) {
     // Unknown peer: poison the epoch so that no rank continues on a half-finished collective, and

@@ -221,6 +221,7 @@ class Communicator {
     Link* link;
     std::vector<int> sq, rq;
     size_t si = 0, ri = 0;
+    bool hb_failed = false;  // heartbeat write failed after this link's part was over
   };
   enum class RxMode { kOp, kIdle, kDiscard, kSync };
   struct RxCtx {
@@ -238,6 +239,10 @@ class Communicator {
   struct AbortReceived {
     Link* from;
     int lost;
+  };
+  struct EpochSwitched {  // thrown by rx_pump: a sync of a later epoch where an operation expects data
+    Link* link;
+    uint64_t epoch;
   };
 
   // engine
@@ -294,7 +299,9 @@ class Communicator {
 
   // op_mu_ serialises every access to link I/O state (worker thread and idle service ticks).
   std::mutex op_mu_;
-  // table_mu_ guards the link table's structure for readers (links(), counters(), acceptor).
+  // table_mu_ guards the link table's structure for readers (links(), counters(), acceptor), and
+  // each link's broken, error and fd (written under op_mu_ and table_mu_, read by links()).
+  // Lock order: op_mu_ before table_mu_.
   mutable std::mutex table_mu_;
   std::map<int, std::unique_ptr<Link>> links_;
   std::map<int, std::pair<uint64_t, uint64_t>> closed_bytes_;
