@@ -10,7 +10,7 @@ from __future__ import annotations
 import pickle
 import struct
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -107,48 +107,75 @@ def heal(
     return moved, received_meta
 
 
-def _donate(comm: tmrun_native.Communicator, state: TrackedState, plan: HealPlan, needy: int, step_meta: dict[str, object]) -> int:
-    index = plan.donors.index(comm.rank)
-    if index == 0:
-        blob = pickle.dumps({"specs": state.specs(), "rest": state.rest(), "meta": step_meta})
-        _send_blob(comm, blob, needy)
-    pieces = _stripe(_byte_views([t for _, t in state.tensors()]), index, len(plan.donors))
-    buffers = [as_buffer(piece)[0] for piece in pieces]
-    works = [comm.send_async(buffer, needy, TAG_STRIPE) for buffer in buffers]  # sending starts
-    crc = 0
-    for buffer in buffers:  # the checksum is computed while the bytes go out (GIL released)
-        crc = tmrun_native.crc32c(buffer, crc)
-    for work in works:
-        work.wait()
-    comm.send(struct.pack("<I", crc), needy, TAG_CRC)
-    return sum(p.numel() for p in pieces)
+def _send_header(comm: tmrun_native.Communicator, state: TrackedState, step_meta: dict[str, object], dst: int) -> None:
+    """What the receiver needs before the tensors: their specs, the non-tensor state, the step."""
+    _send_blob(comm, pickle.dumps({"specs": state.specs(), "rest": state.rest(), "meta": step_meta}), dst)
 
 
-def _receive(comm: tmrun_native.Communicator, state: TrackedState, plan: HealPlan) -> tuple[int, dict[str, object]]:
-    header = pickle.loads(_recv_blob(comm, plan.donors[0]))
+def _receive_header(comm: tmrun_native.Communicator, state: TrackedState, src: int) -> dict[str, Any]:
+    """The sender's header; allocates optimizer state this member lacks and checks the layouts."""
+    header = pickle.loads(_recv_blob(comm, src))
     donor_specs: list[TensorSpec] = header["specs"]
     state.allocate_missing(donor_specs)
     mine = state.specs()
     if mine != donor_specs:
         differing = next((a.name for a, b in zip(mine, donor_specs) if a != b), "(count)")
         raise TransferError(f"this member's tracked state differs from the donor's at {differing}")
-    views = _byte_views([t for _, t in state.tensors()])
-    moved = 0
-    for index, donor in enumerate(plan.donors):
-        pieces = _stripe(views, index, len(plan.donors))
-        works = []
-        for piece in pieces:
-            buffer, _ = as_buffer(piece)
-            works.append((comm.recv_async(buffer, donor, TAG_STRIPE), buffer))
+    return header
+
+
+def _send_part(comm: tmrun_native.Communicator, views: list[torch.Tensor], dst: int) -> int:
+    """Send ``views`` straight from memory, then their CRC-32C. Returns the bytes sent."""
+    buffers = [as_buffer(view)[0] for view in views]
+    works = [comm.send_async(buffer, dst, TAG_STRIPE) for buffer in buffers]  # sending starts
+    crc = 0
+    for buffer in buffers:  # the checksum is computed while the bytes go out (GIL released)
+        crc = tmrun_native.crc32c(buffer, crc)
+    for work in works:
+        work.wait()
+    comm.send(struct.pack("<I", crc), dst, TAG_CRC)
+    return sum(v.numel() for v in views)
+
+
+class PendingTransfer:
+    """A part sent by :func:`_send_part`, arriving in place into ``views`` (the receives are
+    posted at once): :meth:`finish` waits for it and checks its CRC-32C."""
+
+    def __init__(self, comm: tmrun_native.Communicator, views: list[torch.Tensor], src: int, what: str) -> None:
+        self._buffers = [as_buffer(view)[0] for view in views]
+        self._views = views  # keeps the tensors' memory alive while the receives run
+        self._works = [comm.recv_async(buffer, src, TAG_STRIPE) for buffer in self._buffers]
+        self._comm = comm
+        self._src = src
+        self._what = what
+        self.nbytes = sum(v.numel() for v in views)
+
+    def finish(self) -> None:
         crc = 0
-        for work, buffer in works:
+        for work, buffer in zip(self._works, self._buffers):
             work.wait()
             crc = tmrun_native.crc32c(buffer, crc)
         expected = bytearray(4)
-        comm.recv(expected, donor, TAG_CRC)
+        self._comm.recv(expected, self._src, TAG_CRC)
         if struct.unpack("<I", expected)[0] != crc:
-            raise TransferError(f"checksum mismatch in the stripe from rank {donor}")
-        moved += sum(p.numel() for p in pieces)
+            raise TransferError(f"checksum mismatch in {self._what} from rank {self._src}")
+
+
+def _donate(comm: tmrun_native.Communicator, state: TrackedState, plan: HealPlan, needy: int, step_meta: dict[str, object]) -> int:
+    index = plan.donors.index(comm.rank)
+    if index == 0:
+        _send_header(comm, state, step_meta, needy)
+    return _send_part(comm, _stripe(_byte_views([t for _, t in state.tensors()]), index, len(plan.donors)), needy)
+
+
+def _receive(comm: tmrun_native.Communicator, state: TrackedState, plan: HealPlan) -> tuple[int, dict[str, object]]:
+    header = _receive_header(comm, state, plan.donors[0])
+    views = _byte_views([t for _, t in state.tensors()])
+    moved = 0
+    for index, donor in enumerate(plan.donors):
+        stripe = PendingTransfer(comm, _stripe(views, index, len(plan.donors)), donor, "the stripe")
+        stripe.finish()
+        moved += stripe.nbytes
     state.apply_rest(header["rest"])
     return moved, dict(header["meta"])
 
@@ -170,44 +197,10 @@ def _split(state: TrackedState) -> tuple[list[torch.Tensor], list[torch.Tensor]]
     return _byte_views(now), _byte_views(later)
 
 
-def _send_part(comm: tmrun_native.Communicator, views: list[torch.Tensor], dst: int) -> int:
-    buffers = [as_buffer(view)[0] for view in views]
-    works = [comm.send_async(buffer, dst, TAG_STRIPE) for buffer in buffers]
-    crc = 0
-    for buffer in buffers:  # computed while the bytes go out (GIL released)
-        crc = tmrun_native.crc32c(buffer, crc)
-    for work in works:
-        work.wait()
-    comm.send(struct.pack("<I", crc), dst, TAG_CRC)
-    return sum(v.numel() for v in views)
-
-
-class PendingTransfer:
-    """The optimizer's state, still arriving: :meth:`finish` waits for it and checks it."""
-
-    def __init__(self, comm: tmrun_native.Communicator, views: list[torch.Tensor], src: int) -> None:
-        self._buffers = [as_buffer(view)[0] for view in views]
-        self._views = views  # keeps the tensors' memory alive while the receives run
-        self._works = [comm.recv_async(buffer, src, TAG_STRIPE) for buffer in self._buffers]
-        self._comm = comm
-        self._src = src
-        self.nbytes = sum(v.numel() for v in views)
-
-    def finish(self) -> None:
-        crc = 0
-        for work, buffer in zip(self._works, self._buffers):
-            work.wait()
-            crc = tmrun_native.crc32c(buffer, crc)
-        expected = bytearray(4)
-        self._comm.recv(expected, self._src, TAG_CRC)
-        if struct.unpack("<I", expected)[0] != crc:
-            raise TransferError(f"checksum mismatch in the optimizer state from rank {self._src}")
-
-
 def hand_over(comm: tmrun_native.Communicator, state: TrackedState, step_meta: dict[str, object],
               joiner: int = 1) -> int:
     """The leaver's side: header, model tensors, then the optimizer's state. Returns bytes sent."""
-    _send_blob(comm, pickle.dumps({"specs": state.specs(), "rest": state.rest(), "meta": step_meta}), joiner)
+    _send_header(comm, state, step_meta, joiner)
     now, later = _split(state)
     return _send_part(comm, now, joiner) + _send_part(comm, later, joiner)
 
@@ -216,13 +209,10 @@ def take_over(comm: tmrun_native.Communicator, state: TrackedState,
               leaver: int = 0) -> tuple[dict[str, object], PendingTransfer, int]:
     """The joiner's side: returns once the header and the model's tensors arrived intact (the
     step metadata, the optimizer state's :class:`PendingTransfer`, bytes received so far)."""
-    header = pickle.loads(_recv_blob(comm, leaver))
-    donor_specs: list[TensorSpec] = header["specs"]
-    state.allocate_missing(donor_specs)
-    if state.specs() != donor_specs:
-        raise TransferError("this member's tracked state differs from the leaver's")
+    header = _receive_header(comm, state, leaver)
     now, later = _split(state)
-    pending_now = PendingTransfer(comm, now, leaver)
-    pending_now.finish()
+    model = PendingTransfer(comm, now, leaver, "the model")
+    model.finish()
     state.apply_rest(header["rest"])
-    return dict(header["meta"]), PendingTransfer(comm, later, leaver), pending_now.nbytes
+    meta = dict(header["meta"])
+    return meta, PendingTransfer(comm, later, leaver, "the optimizer state"), model.nbytes
