@@ -44,7 +44,6 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import (
     AllgatherOptions,
-    AllreduceCoalescedOptions,
     AllreduceOptions,
     BarrierOptions,
     BroadcastOptions,

@@ -26,7 +26,6 @@ from __future__ import annotations
 import ctypes
 from typing import Any, Iterable, Optional
 
-import tmrun_native
 from tmrun_native import (  # noqa: F401  (re-exported API)
     CommError,
     CommTimeoutError,

@@ -80,6 +80,11 @@ def standby_node(node_id: int) -> str:
     return f"standby_node/{node_id}"
 
 
+def read_gen(store: Any) -> int:
+    """The current generation (0 before the controller published any)."""
+    return int(store.get(GEN).decode()) if store.check([GEN]) else 0
+
+
 def node_prefix(run_id: str, epoch: int) -> str:
     """The in-place protocol's prefix of a multi-node job's ``epoch``."""
     return f"tmrun/{run_id}/ip/e{epoch}/"

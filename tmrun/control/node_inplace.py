@@ -65,6 +65,13 @@ class NodeInplaceCoordinator:
             ranks.append([int(r) for r in data["ranks"]])
         return ranks
 
+    def _api_ranks(self, store: Store, membership: Membership) -> list[list[int]] | None:
+        """Every active node's ranks once all of them run the tmrun worker API, else None."""
+        ranks = self._node_ranks(store, membership)
+        if ranks is None or not store.check([proto.API]) or store.add(proto.MEMBERS, 0) < sum(map(len, ranks)):
+            return None
+        return ranks
+
     def _ready_standby_nodes(self, store: Store, membership: Membership, size: int) -> list[tuple[int, list[int]]]:
         """(node id, standby ids by local rank) of the standby nodes whose ``size`` standby
         workers are all warm, in promotion order."""
@@ -87,8 +94,8 @@ class NodeInplaceCoordinator:
             return Decision.PLAIN, None, "the script does not use the tmrun worker API"
         if store.check([proto.ABORT]):
             return Decision.FALLBACK, None, "in-place recovery was already abandoned in this epoch"
-        ranks = self._node_ranks(store, membership)
-        if ranks is None or store.add(proto.MEMBERS, 0) < sum(len(r) for r in ranks):
+        ranks = self._api_ranks(store, membership)
+        if ranks is None:
             return Decision.PLAIN, None, "not every rank had started the tmrun worker API"
         failed = [c for c in culprits if c in membership.active]
         failed_ranks = {r for c in failed for r in ranks[membership.active.index(c)]}
@@ -104,7 +111,7 @@ class NodeInplaceCoordinator:
             if waited < self._standby_wait:
                 return Decision.WAIT, None, ""
             why = f"no warm standby node within {self._standby_wait:g}s"
-            store.set(proto.ABORT, proto.AbortNotice(why, self._current_gen(store)).encode())
+            store.set(proto.ABORT, proto.AbortNotice(why, proto.read_gen(store)).encode())
             return Decision.FALLBACK, None, why
         swapped, why = self._publish(store, membership, ranks, dict(zip(failed, (n for n, _ in standby))),
                                      dict(standby), dead, planned=False, started=first_seen)
@@ -115,7 +122,7 @@ class NodeInplaceCoordinator:
                  started: float) -> tuple[Membership, str]:
         """Generation gen+1 of the epoch: each node in ``moves`` is replaced by its standby node
         (assignments first, so the joiners connect while the survivors read the plan)."""
-        gen = self._current_gen(store) + 1
+        gen = proto.read_gen(store) + 1
         world_size = sum(len(r) for r in ranks)
         replaced: dict[int, int] = {}
         for culprit, node_id in moves.items():
@@ -149,8 +156,8 @@ class NodeInplaceCoordinator:
                 lines.append(f"migrate-refused: malformed request ({exc})")
                 continue
             store = self._epoch_store(membership.epoch)
-            ranks = self._node_ranks(store, membership)
-            if not store.check([proto.API]) or ranks is None or store.add(proto.MEMBERS, 0) < sum(map(len, ranks)):
+            ranks = self._api_ranks(store, membership)
+            if ranks is None:
                 lines.append(f"migrate-refused: {request.describe()}: the job does not run the tmrun worker API")
                 continue
             group_rank = request.node if request.node >= 0 else next(
@@ -172,10 +179,6 @@ class NodeInplaceCoordinator:
     def _epoch_store(self, epoch: int) -> Store:
         return PrefixStore(proto.node_prefix(self._run_id, epoch), self._raw)
 
-    @staticmethod
-    def _current_gen(store: Store) -> int:
-        return int(store.get(proto.GEN).decode()) if store.check([proto.GEN]) else 0
-
     def recovered(self) -> list[str]:
         """Lines for the event log: generations whose every rank finished recovering."""
         lines = []
@@ -185,6 +188,6 @@ class NodeInplaceCoordinator:
                 self._awaiting.remove(recovery)
                 elapsed = time.monotonic() - recovery.started
                 lines.append(f"generation {recovery.gen}: all {recovery.world_size} ranks back in {elapsed:.3f}s")
-            elif self._current_gen(store) > recovery.gen or store.check([proto.ABORT]):
+            elif proto.read_gen(store) > recovery.gen or store.check([proto.ABORT]):
                 self._awaiting.remove(recovery)  # superseded by a later failure, or abandoned
         return lines

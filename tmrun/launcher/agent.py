@@ -155,17 +155,15 @@ class TmrunAgent(LocalElasticAgent):
         a standby node (the leader decides); this node only watches and fences its workers."""
         self._wait_for_exit(0.05, member.pids())
         outcome = member.step()
-        if outcome.finished:
+        if outcome.finished or outcome.failed:
             handler = self.tmrun_handler
             assert handler is not None
-            handler.check_retired()  # a migrated node: its workers handed over and left
-            return RunResult(state=WorkerState.SUCCEEDED, return_values={w.global_rank: None for w in worker_group.workers})
-        if outcome.failed:
-            handler = self.tmrun_handler
-            assert handler is not None
-            # raises once a standby node took this node's ranks; if the leader falls back to a
-            # new epoch instead, the elastic loop restarts the group (num_nodes_waiting)
+            # raises once a standby node took this node's ranks (a failure, or a migration whose
+            # workers handed over and left); if the leader falls back to a new epoch instead, the
+            # elastic loop restarts the group (num_nodes_waiting)
             handler.check_retired()
+        if outcome.finished:
+            return RunResult(state=WorkerState.SUCCEEDED, return_values={w.global_rank: None for w in worker_group.workers})
         return RunResult(state=WorkerState.HEALTHY)
 
     def _report_failure(self, result: RunResult) -> None:
@@ -225,7 +223,7 @@ class TmrunAgent(LocalElasticAgent):
         handler = self.tmrun_handler
         if self._node_pool is None or handler is None or self._standby_epoch != handler.epoch:
             return None
-        store = PrefixStore(proto.node_prefix(handler.get_run_id(), handler.epoch), handler._tcp_store)
+        store = self._node_store(handler, handler.epoch)
         ranks = {w.global_rank for w in worker_group.workers}
         adopted: dict[int, Any] = {}
         for standby in self._node_pool.members:
@@ -265,9 +263,13 @@ class TmrunAgent(LocalElasticAgent):
         pool.fill()
         ids = [m.index for m in sorted(pool.members, key=lambda m: m.local_rank)]
         if ids != self._standby_ids and len(ids) == spec.local_world_size:
-            store = PrefixStore(proto.node_prefix(handler.get_run_id(), membership.epoch), handler._tcp_store)
-            store.set(proto.standby_node(handler.node_id or 0), json.dumps({"ids": ids}))
+            self._node_store(handler, membership.epoch).set(proto.standby_node(handler.node_id or 0), json.dumps({"ids": ids}))
             self._standby_ids = ids
+
+    @staticmethod
+    def _node_store(handler: TmrunRendezvousHandler, epoch: int) -> PrefixStore:
+        """The in-place protocol's store of ``epoch`` (several nodes)."""
+        return PrefixStore(proto.node_prefix(handler.get_run_id(), epoch), handler._tcp_store)
 
     def _stop_node_pool(self) -> None:
         if self._node_pool is not None:
@@ -322,13 +324,13 @@ class TmrunAgent(LocalElasticAgent):
             self._standby_pool.stop(final=False)  # standbys of the previous group start again
 
     def _prepare_node(self, worker_group: WorkerGroup, handler: TmrunRendezvousHandler) -> None:
-        prefix = proto.node_prefix(handler.get_run_id(), handler.epoch)
-        store = PrefixStore(prefix, handler._tcp_store)
+        store = self._node_store(handler, handler.epoch)
         gen_file = os.path.join(self._node_dir, f"gen-{handler.epoch}")
         world_size = worker_group.workers[0].world_size if worker_group.workers else worker_group.spec.local_world_size
         self._member = NodeMember(store, world_size, gen_file, handler.report_failure)
         ranks = [w.global_rank for w in worker_group.workers]
         store.set(proto.node_ranks(worker_group.group_rank or 0), json.dumps({"node_id": handler.node_id, "ranks": ranks}))
+        prefix = proto.node_prefix(handler.get_run_id(), handler.epoch)
         os.environ.update(self._inplace_env(handler, prefix, gen_file))  # the workers torch starts inherit these
 
     def _stop_promoted(self) -> None:

@@ -70,7 +70,7 @@ class NodeMember(WorkerSlots):
         return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
     def _mirror_gen(self) -> None:
-        gen = int(self._store.get(proto.GEN).decode()) if self._store.check([proto.GEN]) else 0
+        gen = proto.read_gen(self._store)
         if gen != self._gen:
             write_gen_file(self._gen_file, gen)
             self._gen = gen

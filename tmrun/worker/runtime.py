@@ -209,7 +209,7 @@ class Runtime:
             signal.signal(signal.SIGTERM, self._on_term)
             group.init_local(env.world_size)
             return
-        self._gen = int(self._store.get(proto.GEN).decode()) if self._store.check([proto.GEN]) else 0
+        self._gen = proto.read_gen(self._store)
         group.init_active(dist.PrefixStore("pg/", self._store), env.rank, env.world_size, env.comm_timeout)
         group.set_failure_handler(self._on_comm_failure)
         if env.rank == 0:
