@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import socket
@@ -11,6 +12,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 
 import psutil
 
@@ -117,3 +119,13 @@ def ctl_when_logged(log: Path, needles: Sequence[str], ctl_args: Sequence[str], 
             out.append(result.stdout + result.stderr)
             return
         time.sleep(0.05)
+
+
+def load_script(path: str | Path, name: str) -> ModuleType:
+    """Import a script that is not in a package (a bench, a build helper) as module ``name``."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module

@@ -4,21 +4,15 @@ the bench notices when tmrun's log lines or the example's step log change under 
 from __future__ import annotations
 
 import datetime as dt
-import importlib.util
 import sys
 
-from tests.helpers import ROOT, run
+from tests.helpers import ROOT, load_script, run
 
 BENCH = ROOT / "bench" / "inplace_failover.py"
 
 
 def _bench():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("inplace_failover", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script(BENCH, "inplace_failover")
 
 
 def test_log_stamp_takes_the_date_nearest_the_reference() -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import http.server
-import importlib.util
 import io
 import os
 import re
@@ -18,16 +17,14 @@ import zipfile
 
 import pytest
 
+from tests.helpers import load_script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tmrun_native", "cmake", "fetch_nccl_header.py")
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("tmrun_fetch_nccl_header", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(SCRIPT, "tmrun_fetch_nccl_header")
 
 
 HEADER = b"/* fake nccl.h */\n#define NCCL_VERSION_CODE 23203\n" + b"// padding\n" * 2000

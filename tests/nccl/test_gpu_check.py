@@ -6,7 +6,6 @@ logic slip in the GPU script shows up without a GPU.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -14,16 +13,14 @@ from datetime import timedelta
 
 import pytest
 
+from tests.helpers import load_script
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "gpu_check.py")
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("tmrun_gpu_check", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(SCRIPT, "tmrun_gpu_check")
 
 
 gpu_check = _load_script()

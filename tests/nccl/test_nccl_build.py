@@ -7,11 +7,12 @@ NCCL tests skip.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 
 import pytest
+
+from tests.helpers import load_script
 
 tmrun_native = pytest.importorskip("tmrun_native")
 
@@ -21,10 +22,7 @@ FETCH_FLAG = "-C cmake.define.TMRUN_NCCL_HEADERS=FETCH"
 
 def _pinned_version_code() -> int:
     path = os.path.join(ROOT, "tmrun_native", "cmake", "fetch_nccl_header.py")
-    spec = importlib.util.spec_from_file_location("tmrun_fetch_nccl_header_pin", path)
-    mod = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(mod)
+    mod = load_script(path, "tmrun_fetch_nccl_header_pin")
     major, minor, patch = (int(x) for x in mod.VERSION.split("."))
     return major * 10000 + minor * 100 + patch
 
