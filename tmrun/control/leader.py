@@ -225,13 +225,14 @@ class Leader:
         if decision is Decision.WAIT:
             return
         self._pending = None
+        every_report = "; ".join(f"node {r.node_id}: {r.detail}" for r in pending.reports)
         if decision is Decision.FINAL:
-            self._event("failure", "; ".join(f"node {r.node_id}: {r.detail}" for r in pending.reports))
+            self._event("failure", every_report)
             self._fail(f"{why}; the job ends failed (a restart would redo the whole training)")
             return
         if swapped is not None:
             self._publish(swapped)
-            self._event("failure", "; ".join(f"node {r.node_id}: {r.detail}" for r in pending.reports))
+            self._event("failure", every_report)
             self._event("replace", why)
             return
         if decision is Decision.FALLBACK:
@@ -247,9 +248,8 @@ class Leader:
             self._hole_since = time.monotonic()
 
     def _maybe_migrate(self) -> None:
-        swapped, lines = self._inplace.migrate(self._membership)
-        for line in lines:
-            kind, _, detail = line.partition(": ")
+        swapped, events = self._inplace.migrate(self._membership)
+        for kind, detail in events:
             self._event(kind, detail)
         if swapped is not None:
             self._publish(swapped)

@@ -140,12 +140,12 @@ class NodeInplaceCoordinator:
         ranks_moved = ", ".join(f"{rank}->standby {sid}" for rank, sid in sorted(replaced.items()))
         return swapped, f"generation {gen}: {swapped.reason} (ranks {ranks_moved})"
 
-    def migrate(self, membership: Membership) -> tuple[Membership | None, list[str]]:
+    def migrate(self, membership: Membership) -> tuple[Membership | None, list[tuple[str, str]]]:
         """Planned migrations requested since the last call: the whole node that holds the rank
         moves to a warm standby node at a step boundary (its workers hand their state over and
-        leave; nothing is recomputed). Returns the new membership (or None) and event lines.
+        leave; nothing is recomputed). Returns the new membership (or None) and events (kind, detail).
         One change at a time: nothing happens while a recovery is under way."""
-        lines: list[str] = []
+        events: list[tuple[str, str]] = []
         for number, key in proto.numbered(self._job, proto.MIGRATE_SEQ, proto.migrate_request, self._migrations_seen):
             if self._awaiting:
                 break  # retried once the current change is over
@@ -153,28 +153,28 @@ class NodeInplaceCoordinator:
             try:
                 request = proto.MigrateRequest.decode(key, self._job.get(key))
             except proto.ProtocolMessageError as exc:
-                lines.append(f"migrate-refused: malformed request ({exc})")
+                events.append(("migrate-refused", f"malformed request ({exc})"))
                 continue
             store = self._epoch_store(membership.epoch)
             ranks = self._api_ranks(store, membership)
             if ranks is None:
-                lines.append(f"migrate-refused: {request.describe()}: the job does not run the tmrun worker API")
+                events.append(("migrate-refused", f"{request.describe()}: the job does not run the tmrun worker API"))
                 continue
             group_rank = request.node if request.node >= 0 else next(
                 (g for g, node_ranks in enumerate(ranks) if request.rank in node_ranks), -1)
             if not 0 <= group_rank < len(ranks):
-                lines.append(f"migrate-refused: {request.describe()}: no such rank or node in this job")
+                events.append(("migrate-refused", f"{request.describe()}: no such rank or node in this job"))
                 continue
             standby = self._ready_standby_nodes(store, membership, len(ranks[group_rank]))
             if not standby:
-                lines.append(f"migrate-refused: {request.describe()}: no warm standby node")
+                events.append(("migrate-refused", f"{request.describe()}: no warm standby node"))
                 continue
             node_id, ids = standby[0]
             swapped, why = self._publish(store, membership, ranks, {membership.active[group_rank]: node_id},
                                          {node_id: ids}, set(), planned=True, started=time.monotonic())
-            lines.append(f"migrate: {why}: {request.reason}")
-            return swapped, lines
-        return None, lines
+            events.append(("migrate", f"{why}: {request.reason}"))
+            return swapped, events
+        return None, events
 
     def _epoch_store(self, epoch: int) -> Store:
         return PrefixStore(proto.node_prefix(self._run_id, epoch), self._raw)
