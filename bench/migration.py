@@ -35,12 +35,21 @@ def _rows(path: Path) -> list[tuple[int, float]]:
     return [(int(f[0]), float(f[1])) for f in (line.split() for line in path.read_text().splitlines()) if len(f) >= 2]
 
 
+def _ctl_prefix(args: argparse.Namespace) -> list[str]:
+    """tmrun-ctl is an operator's tool, not part of the job: on a GPU host it runs beside many
+    idle cores (or on a login node). Here it would take one of the two cores the workers use
+    for its 1.3 s torch import, so by default it runs at the lowest priority."""
+    return [] if args.ctl_same_priority else ["nice", "-n", "19"]
+
+
 def one_run(args: argparse.Namespace, work: Path) -> dict[str, float]:
     env = {**os.environ, "TMRUN_STATE_DIR": str(work / "state")}
     log0 = work / "steps-0.log"
     cmd = [sys.executable, "-m", "tmrun.cli.main", "--standalone", "--nproc-per-node", "2", "--standby", "1",
            str(SCRIPT), "--steps", str(args.steps), "--width", str(args.width), "--depth", str(args.depth),
            "--step-log", str(work / "steps-{rank}.log")]
+    if args.via == "api":
+        cmd += ["--migrate-at", str(args.at)]  # rank 1 calls tm.migrate() after step --at
     with open(work / "agent.log", "wb") as out:
         job = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     requested_at = 0.0
@@ -48,9 +57,10 @@ def one_run(args: argparse.Namespace, work: Path) -> dict[str, float]:
         deadline = time.monotonic() + args.timeout
         while time.monotonic() < deadline and job.poll() is None:
             ready = "standby 0 warm" in (work / "agent.log").read_text(errors="replace")
-            if ready and len(_rows(log0)) >= args.at and not requested_at:
+            if args.via == "ctl" and ready and len(_rows(log0)) >= args.at and not requested_at:
                 requested_at = time.time()
-                subprocess.run([sys.executable, "-m", "tmrun.cli.ctl", "migrate", "1", "--reason", "bench"],
+                subprocess.run([*_ctl_prefix(args), sys.executable, "-m", "tmrun.cli.ctl", "migrate", "1",
+                                "--reason", "bench"],
                                env=env, capture_output=True, timeout=60, check=True)
             time.sleep(0.02)
         if job.wait(timeout=max(1.0, deadline - time.monotonic())) != 0:
@@ -59,15 +69,17 @@ def one_run(args: argparse.Namespace, work: Path) -> dict[str, float]:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
             job.wait()
-    if not requested_at:
-        raise SystemExit("the migration was never requested (the standby never got warm?)")
     rows = _rows(log0)
+    text = (work / "agent.log").read_text(errors="replace")
+    if args.via == "api" and len(rows) > args.at:
+        requested_at = rows[args.at][1]  # rank 1 asked right after this step; rank 0 finished it about then
+    if not requested_at or "planned migration" not in text:
+        raise SystemExit(f"no migration happened (the standby was not warm in time?); see {work / 'agent.log'}")
     times = [t for _, t in rows]
     before = [b - a for a, b in zip(times, times[1:]) if b <= requested_at][-8:]
     steady = statistics.median(before)
     after = [b - a for a, b in zip(times, times[1:]) if b > requested_at]
     steps = [s for s, _ in rows]
-    text = (work / "agent.log").read_text(errors="replace")
 
     def seconds(pattern: str) -> float:
         found = re.search(pattern, text)
@@ -88,6 +100,10 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--via", choices=("api", "ctl"), default="api",
+                        help="who asks: rank 1 itself (tm.migrate) or an operator (tmrun-ctl migrate 1)")
+    parser.add_argument("--ctl-same-priority", action="store_true",
+                        help="run tmrun-ctl at the workers' priority (it competes with them for the CPUs)")
     parser.add_argument("--keep", default="", help="keep each run's logs in this folder")
     args = parser.parse_args()
     results = []

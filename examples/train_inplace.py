@@ -77,6 +77,9 @@ def main() -> None:
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (a slower job)")
     parser.add_argument("--step-log", default="")
     parser.add_argument("--final", default="")
+    parser.add_argument("--migrate-at", type=int, default=-1,
+                        help="after this step, ask for a planned migration of --migrate-rank (tm.migrate)")
+    parser.add_argument("--migrate-rank", type=int, default=1)
     args = parser.parse_args()
 
     tm = tmrun.init()  # on a standby: runs in the sandbox until promoted
@@ -97,6 +100,8 @@ def main() -> None:
             time.sleep(args.step_time)
         if not tm.is_shadow:
             done.append((step, time.monotonic()))
+            if step == args.migrate_at and tm.rank == args.migrate_rank and not tm.aborted:
+                tm.migrate(reason=f"--migrate-at {step}")
         if args.step_log and not tm.is_shadow:
             with open(args.step_log.replace("{rank}", str(tm.rank)), "a") as log:
                 log.write(f"{step} {time.time():.6f} {os.getpid()}\n")

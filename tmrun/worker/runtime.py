@@ -31,6 +31,7 @@ from tmrun.control import inplace_protocol as proto
 from tmrun.worker import group, rng
 from tmrun.worker.drills import DrillRunner
 from tmrun.worker.launch_env import LaunchEnv, Mode
+from tmrun.worker.leave import leave
 from tmrun.worker.tracked import TrackedState
 from tmrun.worker.transfer import PendingTransfer, agree, hand_over, heal, take_over
 
@@ -345,7 +346,7 @@ class Runtime:
         finally:
             handoff.close()
         _log(f"rank {self._rank}: handed {moved} bytes to the joiner in {time.monotonic() - started:.3f}s; leaving")
-        raise SystemExit(0)
+        leave()
 
     def _take_over(self, plan_gen: int) -> None:
         """The joiner of a migration: receive the model from the leaver; the optimizer's state

@@ -25,6 +25,14 @@ PYBIND11_MODULE(tmrun_native, m) {
       py::arg("data"), py::arg("crc") = 0u,
       "CRC-32C of a contiguous buffer (bytes, bytearray, memoryview, numpy array); "
       "pass a previous result as `crc` to extend it.");
+  m.def(
+      "crc32c_portable",
+      [](py::bytes data, uint32_t crc) {
+        const std::string_view view(data);
+        return tmrun::crc32c_portable(crc, view.data(), view.size());
+      },
+      py::arg("data"), py::arg("crc") = 0u, "CRC-32C with lookup tables only (checks the CPU instruction's path).");
+  m.attr("crc32c_hardware") = tmrun::crc32c_hardware();
   bind_comm(m);
   bind_nccl(m);
 }
