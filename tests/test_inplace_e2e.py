@@ -151,30 +151,61 @@ def test_donor_killed_during_state_transfer(tmp_path: Path, reference: str) -> N
     assert len(re.findall(r"in-place replacement, generation \d", log)) == 2
 
 
-def test_planned_migration_recomputes_nothing(tmp_path: Path) -> None:
-    """tmrun-ctl migrate 1 while the job trains: the leaver hands its state to the standby at a
-    step boundary and exits 0; no step is redone; the result equals a run without migration."""
+MIGRATION_STEPS = 24
+
+
+@pytest.fixture(scope="module")
+def migration_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    code, log, final, _ = _run(tmp_path_factory.mktemp("ref"), "noswitch", steps=MIGRATION_STEPS)
+    assert code == 0 and final, log
+    return final
+
+
+def _migrate_while_training(tmp_path: Path, name: str, *tmrun_args: str) -> tuple[int, str, str, dict]:
+    """Run the example with tmrun-ctl migrate 1 issued once the standby is warm."""
     import threading
 
-    steps = 24
-    _, ref_log, ref_final, _ = _run(tmp_path, "noswitch", steps=steps, step_time=0.15)
-    assert ref_final, ref_log
-    work = tmp_path / "migrate"
+    work = tmp_path / name
     requested: list[str] = []
     request = partial(ctl_when_logged, work / "agent.log", ["standby 0 warm"], ["migrate", "1", "--reason", "drill"],
                       work / "state", requested)
     thread = threading.Thread(target=request, daemon=True)
     thread.start()
-    code, log, final, by_rank = _run(tmp_path, "migrate", steps=steps, step_time=0.15)
+    result = _run(tmp_path, name, *tmrun_args, steps=MIGRATION_STEPS, step_time=0.15)
     thread.join(timeout=5)
     assert requested and "migration of rank 1 requested" in requested[0], requested
+    return result
+
+
+@pytest.mark.parametrize("handover,path", [("auto", "memory"), ("socket", "socket")])
+def test_planned_migration_recomputes_nothing(tmp_path: Path, migration_reference: str, handover: str,
+                                              path: str) -> None:
+    """tmrun-ctl migrate 1 while the job trains: the leaver hands its state to the standby at a
+    step boundary and exits 0; no step is redone; the result equals a run without migration.
+    On one host the joiner reads the leaver's memory; --handover socket sends it instead."""
+    code, log, final, by_rank = _migrate_while_training(tmp_path, "migrate", "--handover", handover)
     assert code == 0, log
     assert "planned migration, generation 1" in log and "handed over and left cleanly" in log
-    assert final == ref_final
+    assert re.search(rf"received the model \(\d+ bytes\) in [\d.]+s \({path}\)", log), log
+    assert final == migration_reference
     for rank in (0, 1):
         done = [s for s, _ in by_rank[rank]]
-        assert done == list(range(steps)), (rank, done)  # nothing recomputed
+        assert done == list(range(MIGRATION_STEPS)), (rank, done)  # nothing recomputed
     assert len({pid for _, pid in by_rank[0]}) == 1 and len({pid for _, pid in by_rank[1]}) == 2
+
+
+def test_leaver_killed_during_the_handover(tmp_path: Path, migration_reference: str) -> None:
+    """The leaver dies once its joiner is connected, before it sent anything: the joiner takes
+    the same committed state from rank 0 instead; nothing is lost or recomputed."""
+    code, log, final, by_rank = _migrate_while_training(
+        tmp_path, "leaverkill", "--inject-failure", "rank=1,at=handover")
+    assert code == 0, log
+    assert "handover failed" in log and "healing from the other ranks instead" in log, log
+    assert re.search(r"rank 1's previous process \(pid \d+\) left with exit code -9", log), log
+    assert final == migration_reference
+    for rank in (0, 1):
+        assert [s for s, _ in by_rank[rank]] == list(range(MIGRATION_STEPS)), rank
+    assert len({pid for _, pid in by_rank[0]}) == 1
 
 
 def test_migrate_without_a_job_is_a_clear_error(tmp_path: Path) -> None:

@@ -51,6 +51,12 @@ def test_drill_specs() -> None:
     assert (drill.rank, drill.step, drill.at, drill.signal_name) == (1, 8, "backward", "KILL")
     assert Drill.parse(drill.encode()) == drill
     assert parse_all(f"{drill.encode()};rank=0,who=joiner")[1].at == "promotion"
+    handover = Drill.parse("rank=1,at=handover,signal=RAISE")  # a leaver's handover: any step
+    assert Drill.parse(handover.encode()) == handover
+    runner = DrillRunner([handover], rank=1, promoted=False)
+    runner.fire("step", 5)
+    with pytest.raises(InjectedFailure):
+        runner.fire("handover", 17)
     for bad, match in [
         ("rank", "key=value"),
         ("step=3", "rank=N"),

@@ -111,9 +111,13 @@ def test_track_refuses_what_cannot_move():
         state.track(handle=lambda: None)
 
 
-def test_handover_delivers_the_model_first_and_the_optimizer_state_later():
+@pytest.mark.parametrize("leaver_reads,joiner_reads,path", [
+    (True, True, "memory"), (False, True, "socket"), (True, False, "socket"), (False, False, "socket"),
+])
+def test_handover_delivers_the_model_first_and_the_optimizer_state_later(leaver_reads, joiner_reads, path):
     """A migration: take_over returns once the model arrived; the optimizer's state arrives in
-    the background and is complete (bit for bit, in place) after finish()."""
+    the background and is complete (bit for bit, in place) after finish(). On one host the
+    joiner reads the leaver's memory unless either side turned that off."""
     from tmrun.worker.transfer import hand_over, take_over
 
     comms = make_group(2, job="handover")
@@ -125,8 +129,9 @@ def test_handover_delivers_the_model_first_and_the_optimizer_state_later():
 
         def body(comm):
             if comm.rank == 0:
-                return hand_over(comm, leaver_state, {"committed_step": 3})
-            meta, pending, received = take_over(comm, joiner_state)
+                return hand_over(comm, leaver_state, {"committed_step": 3}, same_host_reads=leaver_reads)
+            meta, pending, received = take_over(comm, joiner_state, same_host_reads=joiner_reads)
+            seen["path"] = pending.path
             model_now = [bytes(p.detach().reshape(-1).view(torch.uint8).tolist()) for p in joiner_model.state_dict().values()]
             seen.update(meta=meta, received=received, model=model_now, deferred=pending.nbytes)
             pending.finish()
@@ -134,7 +139,7 @@ def test_handover_delivers_the_model_first_and_the_optimizer_state_later():
 
         results, _ = run_ranks(comms, body, timeout=60)
         assert snapshot(joiner_state) == snapshot(leaver_state)
-        assert seen["meta"] == {"committed_step": 3}
+        assert seen["meta"] == {"committed_step": 3} and seen["path"] == path
         leaver_model = [name for name, _ in leaver_state.tensors() if name.startswith("model.")]
         assert len(seen["model"]) == len(leaver_model)  # the model was complete when take_over returned
         assert seen["model"] == snapshot(leaver_state)[: len(leaver_model)]
@@ -143,3 +148,70 @@ def test_handover_delivers_the_model_first_and_the_optimizer_state_later():
         assert joiner_state.values["epoch"] == 30
     finally:
         close_all(comms)
+
+
+def _handover_pair(monkeypatch, tamper):
+    """Run a handover on one host with ``tamper(monkeypatch)`` applied; returns (errors, joiner state)."""
+    from tmrun.worker.transfer import hand_over, take_over
+
+    tamper(monkeypatch)
+    comms = make_group(2, job="handover-bad")
+    try:
+        leaver_state, _, _ = make_member(seed=1, steps=3)
+        joiner_state, _, _ = make_member(seed=7, steps=1)
+
+        def body(comm):
+            if comm.rank == 0:
+                return hand_over(comm, leaver_state, {"committed_step": 3})
+            _, pending, _ = take_over(comm, joiner_state)
+            pending.finish()
+            return pending.path
+
+        results, errors = run_ranks(comms, body, timeout=60, raise_errors=False)
+        return results, errors
+    finally:
+        close_all(comms)
+
+
+def test_handover_falls_back_to_the_socket_when_the_leaver_cannot_be_read(monkeypatch):
+    from tmrun.worker import peer_read
+
+    def unreadable(mp):  # as if another user's process, or a kernel that forbids the reads
+        mp.setattr(peer_read.tmrun_native, "read_peer_memory",
+                   lambda *a: (_ for _ in ()).throw(PermissionError(1, "Operation not permitted")))
+
+    results, errors = _handover_pair(monkeypatch, unreadable)
+    assert errors == [None, None] and results[1] == "socket"
+
+
+@pytest.mark.parametrize("part", ["the model", "the optimizer state"])
+def test_handover_damaged_in_memory_fails_on_both_sides(monkeypatch, part):
+    """A copy that does not match the leaver's checksum: the joiner raises TransferError (the
+    runtime then heals it from the other ranks), and the leaver learns of it instead of waiting."""
+    from tmrun.worker import peer_read
+    from tmrun.worker.transfer import TransferError
+
+    original = peer_read.read_part
+
+    def flip_a_byte(pid, remote, views, what):
+        moved = original(pid, remote, views, what)
+        if what == part:
+            views[-1][0] ^= 0xFF
+        return moved
+
+    results, errors = _handover_pair(monkeypatch, lambda mp: mp.setattr(peer_read, "read_part", flip_a_byte))
+    assert isinstance(errors[1], TransferError) and "checksum mismatch" in str(errors[1])
+    assert isinstance(errors[0], TransferError) and "could not take the state" in str(errors[0])
+
+
+def test_handover_from_a_dead_leaver_is_a_transfer_error(monkeypatch):
+    from tmrun.worker import peer_read
+    from tmrun.worker.transfer import TransferError
+
+    original = peer_read.read_part
+
+    def gone(pid, remote, views, what):  # the leaver's pid no longer exists
+        return original(2**22 + 12345, remote, views, what)
+
+    results, errors = _handover_pair(monkeypatch, lambda mp: mp.setattr(peer_read, "read_part", gone))
+    assert isinstance(errors[1], TransferError) and "could not read the model" in str(errors[1])

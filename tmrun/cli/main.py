@@ -77,12 +77,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="In-place jobs: steps a standby worker runs in its sandbox to warm up. Default 2.",
     )
     group.add_argument(
+        "--handover",
+        choices=("auto", "socket"),
+        default="auto",
+        help="Planned migrations: how the leaver's state reaches its joiner. auto (default): read straight "
+        "out of the leaver's memory when both run on one host, else over the network; socket: always over "
+        "the network.",
+    )
+    group.add_argument(
         "--inject-failure",
         action="append",
         default=[],
         metavar="SPEC",
         help="Failure drill (repeatable): kill a rank once, e.g. rank=1,step=8 (keys: rank, step, at=step|forward|"
-        "backward|optimizer|transfer|promotion, time=SECONDS, signal=KILL|TERM|RAISE, who=original|joiner).",
+        "backward|optimizer|transfer|promotion|handover, time=SECONDS, signal=KILL|TERM|RAISE, who=original|joiner).",
     )
     for action in torch_parser._actions:  # noqa: SLF001
         if not action.option_strings:
@@ -226,6 +234,7 @@ def run(argv: Sequence[str]) -> int:
         raise UsageError(str(exc)) from None
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
     os.environ["TMRUN_SHADOW_STEPS"] = str(args.shadow_steps)
+    os.environ["TMRUN_HANDOVER"] = args.handover
     if args.inject_failure:
         from tmrun.worker.drills import ENV
 

@@ -12,7 +12,8 @@ process that started as that rank fires (a joiner that takes the rank over does 
 Points (``at=``): ``step`` (start of the step, default), ``forward`` (the tracked module's
 forward), ``backward`` (while gradients are being reduced), ``optimizer`` (inside
 ``optimizer.step``), ``transfer`` (while donating state to a joiner), ``promotion`` (a joiner,
-after it joined and before it received the state). ``time=SECONDS`` fires that many seconds
+after it joined and before it received the state), ``handover`` (a migration's leaver, once
+its joiner is connected and before it sends anything). ``time=SECONDS`` fires that many seconds
 after the worker's runtime started instead of at a step.
 """
 
@@ -25,7 +26,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 ENV = "TMRUN_INJECT_FAILURE"
-POINTS = ("step", "forward", "backward", "optimizer", "transfer", "promotion")
+POINTS = ("step", "forward", "backward", "optimizer", "transfer", "promotion", "handover")
+ANY_STEP = ("promotion", "handover")  # points that happen once, whatever the step
 
 
 class DrillSpecError(ValueError):
@@ -82,7 +84,7 @@ class Drill:
             raise DrillSpecError("--inject-failure: rank must be >= 0")
         if name == "RAISE" and seconds >= 0:
             raise DrillSpecError("--inject-failure: signal=RAISE needs step=N (an exception cannot be raised from a timer)")
-        if who == "original" and step < 0 and seconds < 0:
+        if who == "original" and step < 0 and seconds < 0 and at not in ANY_STEP:
             raise DrillSpecError("--inject-failure needs step=N or time=SECONDS")
         return cls(rank=rank, step=step, at=at, seconds=seconds, signal_name=name, who=who, node=node)
 
@@ -164,7 +166,7 @@ class DrillRunner:
             return False
         if (drill.who == "joiner") != self._promoted:
             return False
-        return drill.step < 0 or drill.step == step or point == "promotion"
+        return drill.step < 0 or drill.step == step or point in ANY_STEP
 
     def _trigger(self, drill: Drill, where: str) -> None:
         """Fire ``drill`` once per job: the first process to claim it kills itself (or raises)."""

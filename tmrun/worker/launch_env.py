@@ -16,6 +16,7 @@ ENV_AGENT_PID = "TMRUN_AGENT_PID"
 ENV_SHADOW_STEPS = "TMRUN_SHADOW_STEPS"
 ENV_RECOVERY_TIMEOUT = "TMRUN_RECOVERY_TIMEOUT"
 ENV_COMM_TIMEOUT = "TMRUN_COMM_TIMEOUT"
+ENV_HANDOVER = "TMRUN_HANDOVER"  # "auto" (same-host reads where possible) or "socket"
 
 
 class Mode(Enum):
@@ -57,6 +58,7 @@ class LaunchEnv:
     shadow_steps: int
     recovery_timeout: float
     comm_timeout: float
+    same_host_reads: bool = True  # a migration's joiner may read the leaver's memory (TMRUN_HANDOVER)
 
     @classmethod
     def from_environ(cls) -> LaunchEnv:
@@ -70,6 +72,9 @@ class LaunchEnv:
             if not host or not port_text.isdigit():
                 raise LaunchEnvError(f"{ENV_STORE}={store!r} is not host:port")
             port = int(port_text)
+        handover = os.environ.get(ENV_HANDOVER, "") or "auto"
+        if handover not in ("auto", "socket"):
+            raise LaunchEnvError(f"{ENV_HANDOVER}={handover!r} must be auto or socket")
         return cls(
             mode=mode,
             rank=int(os.environ.get("RANK", "0")),
@@ -85,4 +90,5 @@ class LaunchEnv:
             shadow_steps=int(_number(ENV_SHADOW_STEPS, 2)),
             recovery_timeout=_number(ENV_RECOVERY_TIMEOUT, 120.0),
             comm_timeout=_number(ENV_COMM_TIMEOUT, 5.0),
+            same_host_reads=handover == "auto",
         )

@@ -33,7 +33,7 @@ from tmrun.worker.drills import DrillRunner
 from tmrun.worker.launch_env import LaunchEnv, Mode
 from tmrun.worker.leave import leave
 from tmrun.worker.tracked import TrackedState
-from tmrun.worker.transfer import PendingTransfer, agree, hand_over, heal, take_over
+from tmrun.worker.transfer import PendingPart, TransferError, agree, hand_over, heal, take_over
 
 COMM_PREFIX = "comm"
 POLL = 0.02  # a standby waiting to be needed
@@ -80,7 +80,7 @@ class Runtime:
         self._rng_published: dict[str, Any] | None = None
         self._cached_plan: proto.ReplacementPlan | None = None
         self._prepared_gen = -1
-        self._handover: tuple[Any, PendingTransfer, float] | None = None  # a migration's state still arriving
+        self._handover: tuple[Any, PendingPart, float] | None = None  # a migration's state still arriving
         self.recoveries: list[dict[str, float | int]] = []
         self._drills = DrillRunner.from_environ(self._rank if not self._standby else -1, promoted=False)
         self._connect()
@@ -332,7 +332,7 @@ class Runtime:
         return native.connect_via_store(
             dist.PrefixStore(f"{COMM_PREFIX}/", self._store), rank, 2, f"{job_id}/handoff{plan_gen}/{self._rank}", 0,
             prefix=proto.handoff_prefix(plan_gen, self._rank), timeout=self._env.comm_timeout,
-            connect_timeout=self._env.recovery_timeout,
+            connect_timeout=self._env.recovery_timeout, op_timeout=self._env.recovery_timeout,
         )
 
     def _hand_over(self, plan: proto.ReplacementPlan, switch_at: int) -> None:
@@ -341,8 +341,9 @@ class Runtime:
         started = time.monotonic()
         handoff = self._handoff_comm(plan.gen, 0)
         try:
+            self._fire("handover")
             meta = {"committed_step": switch_at, "rng": rng.capture()}
-            moved = hand_over(handoff, self._state, meta)
+            moved = hand_over(handoff, self._state, meta, same_host_reads=self._env.same_host_reads)
         finally:
             handoff.close()
         _log(f"rank {self._rank}: handed {moved} bytes to the joiner in {time.monotonic() - started:.3f}s; leaving")
@@ -350,20 +351,29 @@ class Runtime:
 
     def _take_over(self, plan_gen: int) -> None:
         """The joiner of a migration: receive the model from the leaver; the optimizer's state
-        keeps arriving in the background until :meth:`_finish_handover`."""
+        keeps arriving in the background until :meth:`_finish_handover`. If the leaver cannot
+        hand over (it died, its state arrived damaged), this joiner stays fresh and heals from
+        the other ranks, which hold the same committed state."""
         started = time.monotonic()
-        handoff = self._handoff_comm(plan_gen, 1)
+        handoff = None
         try:
-            meta, pending, received = take_over(handoff, self._state)
+            handoff = self._handoff_comm(plan_gen, 1)
+            meta, pending, received = take_over(handoff, self._state, same_host_reads=self._env.same_host_reads)
+        except (native.CommError, TransferError) as exc:
+            if handoff is not None:
+                handoff.close()
+            _log(f"rank {self._rank}: the leaver's handover failed ({exc}); healing from the other ranks instead")
+            return
         except BaseException:
-            handoff.close()
+            if handoff is not None:
+                handoff.close()
             raise
         self._handover = (handoff, pending, started)
         self._committed_step = int(meta["committed_step"])  # type: ignore[call-overload]
         rng.restore(meta["rng"])  # type: ignore[arg-type]
         self._fresh = False
-        _log(f"rank {self._rank}: received the model ({received} bytes) in {time.monotonic() - started:.3f}s; "
-             f"{pending.nbytes} bytes of optimizer state follow in the background")
+        _log(f"rank {self._rank}: received the model ({received} bytes) in {time.monotonic() - started:.3f}s "
+             f"({pending.path}); {pending.nbytes} bytes of optimizer state follow in the background")
 
     def _finish_handover(self) -> None:
         """Wait for the rest of a migration's state (before the optimizer steps, and at the end of

@@ -7,20 +7,25 @@ Runs on the native communicator right after a replacement was committed; every m
 
 from __future__ import annotations
 
+import json
+import os
 import pickle
 import struct
 from dataclasses import dataclass
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
 import tmrun_native
 from tmrun.comm.native import as_buffer
+from tmrun.worker import peer_read
 from tmrun.worker.tracked import TensorSpec, TrackedState
 
 TAG_META = 0x7E01
 TAG_STRIPE = 0x7E02
 TAG_CRC = 0x7E03
+READ_TIMEOUT = 120.0  # seconds for copying a part out of the leaver's memory (GB/s: never near)
 
 
 class TransferError(RuntimeError):
@@ -141,6 +146,8 @@ class PendingTransfer:
     """A part sent by :func:`_send_part`, arriving in place into ``views`` (the receives are
     posted at once): :meth:`finish` waits for it and checks its CRC-32C."""
 
+    path = "socket"
+
     def __init__(self, comm: tmrun_native.Communicator, views: list[torch.Tensor], src: int, what: str) -> None:
         self._buffers = [as_buffer(view)[0] for view in views]
         self._views = views  # keeps the tensors' memory alive while the receives run
@@ -183,9 +190,27 @@ def _receive(comm: tmrun_native.Communicator, state: TrackedState, plan: HealPla
 # -- planned migration: the leaver hands over to its joiner in two parts -----------------------
 #
 # The joiner needs the model's tensors before its first forward, but the optimizer's state only
-# when the optimizer steps. The leaver sends the header and the model first; the joiner returns
-# as soon as those arrived intact and receives the optimizer's state in the background while it
-# computes its first forward and backward (:class:`PendingTransfer`).
+# when the optimizer steps. The joiner returns from take_over as soon as the header and the
+# model arrived intact; the optimizer's state arrives in the background while it computes its
+# first forward and backward (finish() before the optimizer steps).
+#
+# On the wire (the 2-member handoff link): the joiner's hello (its pid and host identity, JSON),
+# the leaver's header (tensor specs, the rest, the step, and its tensors' addresses when both
+# share a host), the joiner's choice ("memory" or "socket"), then either the two parts over the
+# socket with their CRCs, or the two CRCs while the joiner reads the parts out of the leaver's
+# memory, and the joiner's "done" when it has both (the leaver must live until then).
+
+class PendingPart(Protocol):
+    """A part of a handover still arriving (over the socket, or read from the leaver's memory)."""
+
+    path: str
+    nbytes: int
+
+    def finish(self) -> None: ...
+
+
+PATH_MEMORY = "memory"
+PATH_SOCKET = "socket"
 
 
 def _split(state: TrackedState) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -197,22 +222,94 @@ def _split(state: TrackedState) -> tuple[list[torch.Tensor], list[torch.Tensor]]
     return _byte_views(now), _byte_views(later)
 
 
+def _send_json(comm: tmrun_native.Communicator, value: dict[str, Any], dst: int) -> None:
+    _send_blob(comm, json.dumps(value).encode(), dst)
+
+
+def _recv_json(comm: tmrun_native.Communicator, src: int, what: str) -> dict[str, Any]:
+    try:
+        value = json.loads(_recv_blob(comm, src))
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise TransferError(f"malformed {what} from rank {src}")
+    return value
+
+
+def _recv_crc(comm: tmrun_native.Communicator, src: int) -> int:
+    raw = bytearray(4)
+    comm.recv(raw, src, TAG_CRC)
+    return int(struct.unpack("<I", raw)[0])
+
+
 def hand_over(comm: tmrun_native.Communicator, state: TrackedState, step_meta: dict[str, object],
-              joiner: int = 1) -> int:
-    """The leaver's side: header, model tensors, then the optimizer's state. Returns bytes sent."""
-    _send_header(comm, state, step_meta, joiner)
+              joiner: int = 1, same_host_reads: bool = True) -> int:
+    """The leaver's side. Returns the bytes handed over (sent, or read by the joiner)."""
+    hello = _recv_json(comm, joiner, "hello")
     now, later = _split(state)
-    return _send_part(comm, now, joiner) + _send_part(comm, later, joiner)
+    offer = None
+    if same_host_reads and hello.get("host") and hello.get("host") == peer_read.host_identity():
+        tmrun_native.allow_peer_reader(int(hello.get("pid", 0)))
+        offer = {"pid": os.getpid(), "now": peer_read.addresses(now), "later": peer_read.addresses(later)}
+    header = {"specs": state.specs(), "rest": state.rest(), "meta": step_meta, "peer": offer}
+    _send_blob(comm, pickle.dumps(header), joiner)
+    choice = _recv_json(comm, joiner, "choice").get("path")
+    if choice != PATH_MEMORY or offer is None:
+        return _send_part(comm, now, joiner) + _send_part(comm, later, joiner)
+    for part in (now, later):  # the joiner reads meanwhile; the tensors stay as they are
+        comm.send(struct.pack("<I", peer_read.checksum(part)), joiner, TAG_CRC)
+    done = _recv_json(comm, joiner, "receipt")  # the joiner has copied everything (or gave up)
+    if done.get("ok") is not True:
+        raise TransferError(f"the joiner could not take the state: {done.get('error', '?')}")
+    return sum(v.numel() for v in now + later)
 
 
-def take_over(comm: tmrun_native.Communicator, state: TrackedState,
-              leaver: int = 0) -> tuple[dict[str, object], PendingTransfer, int]:
+class _MemoryPart:
+    """The optimizer's state, read from the leaver's memory in the background; :meth:`finish`
+    also tells the leaver it may go."""
+
+    path = "memory"
+
+    def __init__(self, comm: tmrun_native.Communicator, read: peer_read.BackgroundRead, leaver: int) -> None:
+        self._comm, self._read, self._leaver = comm, read, leaver
+        self.nbytes = read.nbytes
+
+    def finish(self) -> None:
+        try:
+            self._read.finish()
+        except peer_read.PeerReadError as exc:
+            _send_json(self._comm, {"ok": False, "error": str(exc)}, self._leaver)
+            raise TransferError(str(exc)) from None
+        _send_json(self._comm, {"ok": True}, self._leaver)
+
+
+def take_over(comm: tmrun_native.Communicator, state: TrackedState, leaver: int = 0,
+              same_host_reads: bool = True) -> tuple[dict[str, object], PendingPart, int]:
     """The joiner's side: returns once the header and the model's tensors arrived intact (the
-    step metadata, the optimizer state's :class:`PendingTransfer`, bytes received so far)."""
+    step metadata, the optimizer state still arriving, bytes received so far)."""
+    _send_json(comm, {"pid": os.getpid(), "host": peer_read.host_identity() if same_host_reads else ""}, leaver)
     header = _receive_header(comm, state, leaver)
     now, later = _split(state)
-    model = PendingTransfer(comm, now, leaver, "the model")
-    model.finish()
+    offer = header.get("peer")
+    pid = int(offer["pid"]) if isinstance(offer, dict) else 0
+    use_memory = pid > 0 and peer_read.readable(pid, list(offer["now"]), now)  # type: ignore[index]
+    _send_json(comm, {"path": PATH_MEMORY if use_memory else PATH_SOCKET}, leaver)
+    if not use_memory:
+        model = PendingTransfer(comm, now, leaver, "the model")
+        model.finish()
+        state.apply_rest(header["rest"])
+        return dict(header["meta"]), PendingTransfer(comm, later, leaver, "the optimizer state"), model.nbytes
+    assert isinstance(offer, dict)
+    try:
+        received = peer_read.read_part(pid, list(offer["now"]), now, "the model")
+    except peer_read.PeerReadError as exc:
+        _send_json(comm, {"ok": False, "error": str(exc)}, leaver)
+        raise TransferError(str(exc)) from None
+    expected_model, expected_rest = _recv_crc(comm, leaver), _recv_crc(comm, leaver)
+    if peer_read.checksum(now) != expected_model:
+        _send_json(comm, {"ok": False, "error": "checksum mismatch in the model"}, leaver)
+        raise TransferError(f"checksum mismatch in the model read from rank {leaver}")
     state.apply_rest(header["rest"])
-    meta = dict(header["meta"])
-    return meta, PendingTransfer(comm, later, leaver, "the optimizer state"), model.nbytes
+    read = peer_read.BackgroundRead(pid, list(offer["later"]), later, expected_rest, "the optimizer state",
+                                    timeout=READ_TIMEOUT)
+    return dict(header["meta"]), _MemoryPart(comm, read, leaver), received

@@ -6,7 +6,8 @@
 namespace py = pybind11;
 
 void bind_comm(py::module_& m);  // bind_comm.cpp: TCP communicator
-void bind_nccl(py::module_& m);  // nccl_bind.cpp: NCCL transport (stub when built without nccl.h)
+void bind_nccl(py::module_& m);
+void bind_peer_memory(py::module_& m);  // peer_memory.cpp: same-host reads of a peer's memory  // nccl_bind.cpp: NCCL transport (stub when built without nccl.h)
 
 PYBIND11_MODULE(tmrun_native, m) {
   m.doc() = "tmrun native communicator and helpers";
@@ -35,4 +36,5 @@ PYBIND11_MODULE(tmrun_native, m) {
   m.attr("crc32c_hardware") = tmrun::crc32c_hardware();
   bind_comm(m);
   bind_nccl(m);
+  bind_peer_memory(m);
 }
