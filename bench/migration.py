@@ -36,6 +36,7 @@ from itertools import pairwise
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))  # for inplace_failover's log arithmetic
 SCRIPT = ROOT / "examples" / "train_inplace.py"
 
 
@@ -46,6 +47,7 @@ def _rows(path: Path) -> list[tuple[int, float]]:
 
 
 def one_run(args: argparse.Namespace, work: Path) -> dict[str, float]:
+    from inplace_failover import log_time  # the agent log's stamps as unix time
     env = {**os.environ, "TMRUN_STATE_DIR": str(work / "state")}
     log0 = work / "steps-0.log"
     cmd = [sys.executable, "-m", "tmrun.cli.main", "--standalone", "--nproc-per-node", "2", "--standby", "1",
@@ -80,8 +82,8 @@ def one_run(args: argparse.Namespace, work: Path) -> dict[str, float]:
         raise SystemExit(f"no migration happened (the standby was not warm in time?); see {work / 'agent.log'}")
     gaps = [(b, b - a) for a, b in pairwise(t for _, t in rows)]  # (step completed at, interval)
     steady = statistics.median([gap for end, gap in gaps if end <= requested_at][-8:])
-    refill_from = _logged_at(text, r"standby worker 1 started", requested_at) or float("inf")
-    refill_to = (_logged_at(text, r"standby 1 warm", requested_at) or float("inf")) + 2 * steady
+    refill_from = log_time(text, r"^standby worker 1 started", requested_at) or float("inf")
+    refill_to = (log_time(text, r"^standby 1 warm", requested_at) or float("inf")) + 2 * steady
     switch = [gap for end, gap in gaps if requested_at < end <= refill_from]
     refill = [gap for end, gap in gaps if refill_from < end <= refill_to]
     steps = [s for s, _ in rows]
@@ -98,17 +100,6 @@ def one_run(args: argparse.Namespace, work: Path) -> dict[str, float]:
             "model": seconds(r"received the model \(\d+ bytes\) in ([\d.]+)s"),
             "complete": seconds(r"optimizer state complete \(\d+ bytes\), ([\d.]+)s after"),
             "leaver": seconds(r"handed \d+ bytes to the joiner in ([\d.]+)s")}
-
-
-def _logged_at(text: str, pattern: str, near: float) -> float | None:
-    """Unix time of the first agent-log line (local HH:MM:SS.mmm stamp) matching ``pattern``."""
-    found = re.search(r"\[tmrun[^\]]*?(\d\d):(\d\d):(\d\d\.\d+)\] " + pattern, text)
-    if not found:
-        return None
-    day = time.localtime(near)
-    midnight = time.mktime((day.tm_year, day.tm_mon, day.tm_mday, 0, 0, 0, 0, 0, -1))
-    stamp = midnight + int(found.group(1)) * 3600 + int(found.group(2)) * 60 + float(found.group(3))
-    return stamp + 86400 if stamp < near - 43200 else stamp  # the line was written after midnight
 
 
 def main() -> None:

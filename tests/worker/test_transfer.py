@@ -215,3 +215,26 @@ def test_handover_from_a_dead_leaver_is_a_transfer_error(monkeypatch):
 
     results, errors = _handover_pair(monkeypatch, lambda mp: mp.setattr(peer_read, "read_part", gone))
     assert isinstance(errors[1], TransferError) and "could not read the model" in str(errors[1])
+
+
+def test_a_malformed_hello_is_a_one_line_transfer_error():
+    import struct
+
+    from tmrun.worker.transfer import TAG_META, TransferError, hand_over
+
+    comms = make_group(2, job="handover-hello")
+    try:
+        leaver_state, _, _ = make_member(seed=1, steps=1)
+
+        def body(comm):
+            if comm.rank == 0:
+                return hand_over(comm, leaver_state, {"committed_step": 1})
+            blob = b"[not a dict"
+            comm.send(struct.pack("<Q", len(blob)), 0, TAG_META)
+            comm.send(blob, 0, TAG_META)
+            return None
+
+        _, errors = run_ranks(comms, body, timeout=60, raise_errors=False)
+        assert isinstance(errors[0], TransferError) and str(errors[0]) == "malformed hello from rank 1"
+    finally:
+        close_all(comms)
