@@ -149,6 +149,8 @@ def test_planned_migration_of_a_node_recomputes_nothing(tmp_path: Path, referenc
     assert re.search(r"migrate: generation 1: node 2 replaces node 1 at group rank 1 in place "
                      r"\(ranks 2->standby 2000, 3->standby 2001\): drain", logs[0]), everything
     assert "this node leaves, the job goes on" in logs[1], logs[1]
+    # both ranks' joiners read their leaver's memory (the three agents share this host)
+    assert len(re.findall(r"received the model \(\d+ bytes\) in [\d.]+s \(memory\)", everything)) == 2, everything
     assert final == reference, everything
     steps = _steps(work)
     for rank in range(WORLD):
