@@ -40,7 +40,7 @@ def batch_for(step: int, rank: int, world_size: int, width: int, batch: int) -> 
 def _raw(tensor: torch.Tensor) -> memoryview:
     from tmrun.comm.native import as_buffer
 
-    return as_buffer(tensor.detach().contiguous().view(-1).view(torch.uint8))[0]
+    return as_buffer(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8))[0]
 
 
 def digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
@@ -80,11 +80,16 @@ def main() -> None:
     parser.add_argument("--migrate-at", type=int, default=-1,
                         help="after this step, ask for a planned migration of --migrate-rank (tm.migrate)")
     parser.add_argument("--migrate-rank", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (every process on cuda:LOCAL_RANK %% GPUs)")
     args = parser.parse_args()
 
     tm = tmrun.init()  # on a standby: runs in the sandbox until promoted
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", tm.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     torch.manual_seed(0)
-    model = build_model(args.width, args.depth)
+    model = build_model(args.width, args.depth).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model = tm.ddp(model)  # DistributedDataParallel over the resilient group
     tm.track(model=model, optimizer=opt)  # what a joiner receives; step and RNG state included
@@ -92,7 +97,7 @@ def main() -> None:
     done: list[tuple[int, float]] = []  # (step, completion time) on this process
     for step in tm.steps(args.steps):  # re-yields a step that a failure aborted
         x, y = batch_for(step, tm.rank, tm.world_size, args.width, args.batch)
-        loss = loss_fn(model(x), y)
+        loss = loss_fn(model(x.to(device)), y.to(device))
         loss.backward()
         opt.step()  # applied only when every rank finished the step
         opt.zero_grad()

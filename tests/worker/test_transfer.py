@@ -36,8 +36,20 @@ def snapshot(state: TrackedState) -> list[bytes]:
     return [bytes(t.detach().reshape(-1).view(torch.uint8).tolist()) for _, t in state.tensors()]
 
 
-@pytest.mark.parametrize("n,needy", [(2, [1]), (3, [1]), (4, [0, 3]), (5, [2])])
-def test_joiners_receive_the_state_bit_for_bit(n, needy):
+@pytest.fixture
+def staged(monkeypatch):
+    """Every tensor treated as if it lived on a device (CUDA): moved through host copies."""
+    from tmrun.worker import host_bytes
+
+    monkeypatch.setattr(host_bytes, "in_host_memory", lambda tensor: False)
+
+
+@pytest.mark.parametrize("n,needy,through_host", [
+    (2, [1], False), (3, [1], False), (4, [0, 3], False), (5, [2], False), (3, [0, 2], True),
+])
+def test_joiners_receive_the_state_bit_for_bit(n, needy, through_host, request):
+    if through_host:  # the path of CUDA tensors: loaded to host copies, sent, stored back
+        request.getfixturevalue("staged")
     comms = make_group(n, job=f"heal{n}")
     try:
         members = {}
@@ -111,15 +123,19 @@ def test_track_refuses_what_cannot_move():
         state.track(handle=lambda: None)
 
 
-@pytest.mark.parametrize("leaver_reads,joiner_reads,path", [
-    (True, True, "memory"), (False, True, "socket"), (True, False, "socket"), (False, False, "socket"),
+@pytest.mark.parametrize("leaver_reads,joiner_reads,path,through_host", [
+    (True, True, "memory", False), (False, True, "socket", False), (True, False, "socket", False),
+    (False, False, "socket", False), (True, True, "memory", True), (False, False, "socket", True),
 ])
-def test_handover_delivers_the_model_first_and_the_optimizer_state_later(leaver_reads, joiner_reads, path):
+def test_handover_delivers_the_model_first_and_the_optimizer_state_later(leaver_reads, joiner_reads, path,
+                                                                         through_host, request):
     """A migration: take_over returns once the model arrived; the optimizer's state arrives in
     the background and is complete (bit for bit, in place) after finish(). On one host the
     joiner reads the leaver's memory unless either side turned that off."""
     from tmrun.worker.transfer import hand_over, take_over
 
+    if through_host:  # the path of CUDA tensors
+        request.getfixturevalue("staged")
     comms = make_group(2, job="handover")
     try:
         leaver_state, _, _ = make_member(seed=1, steps=3)

@@ -11,8 +11,8 @@ import json
 import os
 import pickle
 import struct
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -20,6 +20,7 @@ import torch
 import tmrun_native
 from tmrun.comm.native import as_buffer
 from tmrun.worker import peer_read
+from tmrun.worker.host_bytes import HostBytes
 from tmrun.worker.tracked import TensorSpec, TrackedState
 
 TAG_META = 0x7E01
@@ -57,10 +58,6 @@ def agree(comm: tmrun_native.Communicator, committed_step: int, digest: int, fre
         raise TransferError("the members that hold the state track different objects or shapes")
     needy = [r for r in range(comm.world_size) if r not in donors]
     return HealPlan(target, donors, needy)
-
-
-def _byte_views(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [t.detach().reshape(-1).view(torch.uint8) for t in tensors if t.numel()]
 
 
 def _stripe(views: list[torch.Tensor], index: int, count: int) -> list[torch.Tensor]:
@@ -172,17 +169,19 @@ def _donate(comm: tmrun_native.Communicator, state: TrackedState, plan: HealPlan
     index = plan.donors.index(comm.rank)
     if index == 0:
         _send_header(comm, state, step_meta, needy)
-    return _send_part(comm, _stripe(_byte_views([t for _, t in state.tensors()]), index, len(plan.donors)), needy)
+    host = HostBytes([t for _, t in state.tensors()], load=True)
+    return _send_part(comm, _stripe(host.views, index, len(plan.donors)), needy)
 
 
 def _receive(comm: tmrun_native.Communicator, state: TrackedState, plan: HealPlan) -> tuple[int, dict[str, object]]:
     header = _receive_header(comm, state, plan.donors[0])
-    views = _byte_views([t for _, t in state.tensors()])
+    host = HostBytes([t for _, t in state.tensors()], load=False)
     moved = 0
     for index, donor in enumerate(plan.donors):
-        stripe = PendingTransfer(comm, _stripe(views, index, len(plan.donors)), donor, "the stripe")
+        stripe = PendingTransfer(comm, _stripe(host.views, index, len(plan.donors)), donor, "the stripe")
         stripe.finish()
         moved += stripe.nbytes
+    host.store()
     state.apply_rest(header["rest"])
     return moved, dict(header["meta"])
 
@@ -213,13 +212,13 @@ PATH_MEMORY = "memory"
 PATH_SOCKET = "socket"
 
 
-def _split(state: TrackedState) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _split(state: TrackedState, load: bool) -> tuple[HostBytes, HostBytes]:
     deferred_objects = state.deferrable()
     now: list[torch.Tensor] = []
     later: list[torch.Tensor] = []
     for name, tensor in state.tensors():
         (later if name.partition(".")[0] in deferred_objects else now).append(tensor)
-    return _byte_views(now), _byte_views(later)
+    return HostBytes(now, load), HostBytes(later, load)
 
 
 def _send_json(comm: tmrun_native.Communicator, value: dict[str, Any], dst: int) -> None:
@@ -246,7 +245,8 @@ def hand_over(comm: tmrun_native.Communicator, state: TrackedState, step_meta: d
               joiner: int = 1, same_host_reads: bool = True) -> int:
     """The leaver's side. Returns the bytes handed over (sent, or read by the joiner)."""
     hello = _recv_json(comm, joiner, "hello")
-    now, later = _split(state)
+    now_host, later_host = _split(state, load=True)
+    now, later = now_host.views, later_host.views
     offer = None
     if same_host_reads and hello.get("host") and hello.get("host") == peer_read.host_identity():
         tmrun_native.allow_peer_reader(int(hello.get("pid", 0)))
@@ -283,13 +283,26 @@ class _MemoryPart:
         _send_json(self._comm, {"ok": True}, self._leaver)
 
 
+class _Stored:
+    """A pending part whose bytes, once complete, are stored to their device tensors."""
+
+    def __init__(self, part: PendingPart, host: HostBytes) -> None:
+        self._part, self._host = part, host
+        self.path, self.nbytes = part.path, part.nbytes
+
+    def finish(self) -> None:
+        self._part.finish()
+        self._host.store()
+
+
 def take_over(comm: tmrun_native.Communicator, state: TrackedState, leaver: int = 0,
               same_host_reads: bool = True) -> tuple[dict[str, object], PendingPart, int]:
     """The joiner's side: returns once the header and the model's tensors arrived intact (the
     step metadata, the optimizer state still arriving, bytes received so far)."""
     _send_json(comm, {"pid": os.getpid(), "host": peer_read.host_identity() if same_host_reads else ""}, leaver)
     header = _receive_header(comm, state, leaver)
-    now, later = _split(state)
+    now_host, later_host = _split(state, load=False)
+    now, later = now_host.views, later_host.views
     offer = header.get("peer")
     pid = int(offer["pid"]) if isinstance(offer, dict) else 0
     use_memory = pid > 0 and peer_read.readable(pid, list(offer["now"]), now)  # type: ignore[index]
@@ -297,8 +310,10 @@ def take_over(comm: tmrun_native.Communicator, state: TrackedState, leaver: int 
     if not use_memory:
         model = PendingTransfer(comm, now, leaver, "the model")
         model.finish()
+        now_host.store()
         state.apply_rest(header["rest"])
-        return dict(header["meta"]), PendingTransfer(comm, later, leaver, "the optimizer state"), model.nbytes
+        rest = _Stored(PendingTransfer(comm, later, leaver, "the optimizer state"), later_host)
+        return dict(header["meta"]), rest, model.nbytes
     assert isinstance(offer, dict)
     try:
         received = peer_read.read_part(pid, list(offer["now"]), now, "the model")
@@ -309,7 +324,8 @@ def take_over(comm: tmrun_native.Communicator, state: TrackedState, leaver: int 
     if peer_read.checksum(now) != expected_model:
         _send_json(comm, {"ok": False, "error": "checksum mismatch in the model"}, leaver)
         raise TransferError(f"checksum mismatch in the model read from rank {leaver}")
+    now_host.store()
     state.apply_rest(header["rest"])
     read = peer_read.BackgroundRead(pid, list(offer["later"]), later, expected_rest, "the optimizer state",
                                     timeout=READ_TIMEOUT)
-    return dict(header["meta"]), _MemoryPart(comm, read, leaver), received
+    return dict(header["meta"]), _Stored(_MemoryPart(comm, read, leaver), later_host), received

@@ -1,0 +1,96 @@
+"""GPU check of in-place replacement and planned migration with CUDA tensors (GPU only).
+
+    python bench/gpu_inplace.py [--steps 30] [--width 2048] [--depth 6] [--json PATH]
+
+Runs examples/train_inplace.py with ``--device cuda`` under tmrun (2 workers and a standby on
+the first GPU, the "tmrun" backend: TCP over loopback, CUDA tensors staged through host memory):
+
+1. reference: no failure;
+2. failure: rank 1 SIGKILLed during backward at step --kill-step (``--inject-failure``);
+3. migration: rank 1 asks for its own migration after step --kill-step (``tm.migrate``), with the
+   joiner reading the leaver's host copies (same host);
+4. migration with ``--handover socket``.
+
+Each run must exit 0 with final parameters and optimizer state bitwise equal to the reference;
+the example's own report (downtime, steps recomputed) and the handover's log lines are shown.
+Exit status: 0 passed, 1 failed, 77 skipped (no CUDA device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "examples" / "train_inplace.py"
+SKIP = 77
+
+
+def run_job(work: Path, name: str, args: argparse.Namespace, tmrun_args: list[str], script_args: list[str]) -> dict:
+    out = work / name
+    out.mkdir()
+    cmd = [sys.executable, "-m", "tmrun.cli.main", "--standalone", "--nproc-per-node", "2", "--standby", "1",
+           *tmrun_args, str(SCRIPT), "--device", "cuda", "--steps", str(args.steps), "--width", str(args.width),
+           "--depth", str(args.depth), "--final", str(out / "final"), "--step-log", str(out / "steps-{rank}.log"),
+           *script_args]
+    started = time.monotonic()
+    env = {**os.environ, "TMRUN_STATE_DIR": str(out / "state")}
+    with open(out / "agent.log", "wb") as log:
+        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=args.timeout,
+                              start_new_session=True, check=False).returncode
+    text = (out / "agent.log").read_text(errors="replace")
+    final = (out / "final").read_text().strip() if (out / "final").exists() else ""
+    report = re.search(r"\[rank 0\].*", text)
+    lines = [m.group(0) for m in re.finditer(
+        r"[^\n]*(?:replacement, generation|planned migration|recovered into|received the model|handed \d+|"
+        r"optimizer state complete|healing from|Traceback|Error)[^\n]*", text)]
+    return {"name": name, "exit": code, "final": final, "seconds": round(time.monotonic() - started, 1),
+            "report": report.group(0) if report else "", "log": lines[-14:], "log_path": str(out / "agent.log")}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--kill-step", type=int, default=12)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--depth", type=int, default=6)
+    parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--json", default="")
+    parser.add_argument("--keep", default="", help="keep the runs' logs in this folder")
+    args = parser.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        print("SKIP: no CUDA device")
+        return SKIP
+    print(f"GPU: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
+    kill = str(args.kill_step)
+    with tempfile.TemporaryDirectory(prefix="tmrun-gpu-") as tmp:
+        work = Path(args.keep or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        runs = [run_job(work, "reference", args, [], [])]
+        runs.append(run_job(work, "failure", args, ["--inject-failure", f"rank=1,step={kill},at=backward"], []))
+        runs.append(run_job(work, "migration", args, [], ["--migrate-at", kill]))
+        runs.append(run_job(work, "migration-socket", args, ["--handover", "socket"], ["--migrate-at", kill]))
+    reference = runs[0]["final"]
+    ok = bool(reference) and all(r["exit"] == 0 and r["final"] == reference for r in runs)
+    for r in runs:
+        same = "bitwise equal to the reference" if r["final"] == reference else "DIFFERS from the reference"
+        print(f"\n== {r['name']}: exit {r['exit']} in {r['seconds']} s; final state {same}\n   {r['report']}")
+        for line in r["log"]:
+            print(f"   {line[:220]}")
+    print("\nPASS" if ok else "\nFAIL")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"ok": ok, "runs": runs}, indent=2))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
