@@ -82,7 +82,8 @@ def main() -> int:
     reference = runs[0]["final"]
     ok = bool(reference) and all(r["exit"] == 0 and r["final"] == reference for r in runs)
     for r in runs:
-        same = "bitwise equal to the reference" if r["final"] == reference else "DIFFERS from the reference"
+        same = ("missing" if not r["final"] else
+                "bitwise equal to the reference" if r["final"] == reference else "DIFFERS from the reference")
         print(f"\n== {r['name']}: exit {r['exit']} in {r['seconds']} s; final state {same}\n   {r['report']}")
         for line in r["log"]:
             print(f"   {line[:220]}")

@@ -144,7 +144,7 @@ def test_standby_killed_before_the_failure(tmp_path: Path, reference: str) -> No
 
 def test_donor_killed_during_state_transfer(tmp_path: Path, reference: str) -> None:
     code, log, final, steps = _run(
-        tmp_path, "transfer", "--inject-failure", "rank=1,step=3", "--inject-failure", "rank=0,at=transfer,step=3",
+        tmp_path, "transfer", "--inject-failure", "rank=1,step=3", "--inject-failure", "rank=0,at=transfer",
         nproc=3,
     )
     assert code == 0, log

@@ -51,6 +51,7 @@ def test_drill_specs() -> None:
     assert (drill.rank, drill.step, drill.at, drill.signal_name) == (1, 8, "backward", "KILL")
     assert Drill.parse(drill.encode()) == drill
     assert parse_all(f"{drill.encode()};rank=0,who=joiner")[1].at == "promotion"
+    assert Drill.parse("rank=0,at=transfer").step == -1  # the first donation, whatever the step
     handover = Drill.parse("rank=1,at=handover,signal=RAISE")  # a leaver's handover: any step
     assert Drill.parse(handover.encode()) == handover
     runner = DrillRunner([handover], rank=1, promoted=False)

@@ -13,6 +13,7 @@ What it adds to the elastic agent (and nothing else):
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import select
@@ -22,9 +23,14 @@ import tempfile
 import time
 from typing import Any
 
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed import PrefixStore
+from torch.distributed.elastic.agent.server.api import (
+    RunResult,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
+)
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
@@ -52,12 +58,16 @@ class TmrunAgent(LocalElasticAgent):
         log_line_prefix_template: str | None = None,
         shutdown_timeout: int = 30,
     ) -> None:
+        if "shutdown_timeout" in inspect.signature(LocalElasticAgent.__init__).parameters:  # torch >= 2.12
+            extra: dict[str, int] = {"shutdown_timeout": shutdown_timeout}
+        else:
+            extra = {}
         super().__init__(
             spec=spec,
             logs_specs=logs_specs,
             start_method=start_method,
             log_line_prefix_template=log_line_prefix_template,
-            shutdown_timeout=shutdown_timeout,
+            **extra,
         )
         # The elastic loop sleeps spec.monitor_interval before each check; we wait on the
         # workers instead (woken by an exit), so its sleep is only a yield.
@@ -349,7 +359,10 @@ class TmrunAgent(LocalElasticAgent):
         # lives on (see run()); only the workers, promoted standbys included, stop here.
         self._close_pidfds()
         self._stop_promoted()
-        super()._shutdown(death_sig, timeout)
+        if "timeout" in inspect.signature(LocalElasticAgent._shutdown).parameters:  # torch >= 2.12
+            super()._shutdown(death_sig, timeout)
+        else:
+            super()._shutdown(death_sig)
 
     def run(self, role: str = "default") -> RunResult:
         try:

@@ -77,7 +77,7 @@ def launch(config: LaunchConfig, entrypoint: str, args: list[Any], options: Tmru
         refill_delay=options.refill_delay,
         standby_nodes=0 if single_node else options.standby,
         log_line_prefix_template=config.log_line_prefix_template,
-        shutdown_timeout=int(config.shutdown_timeout),
+        shutdown_timeout=int(getattr(config, "shutdown_timeout", 30)),  # torch >= 2.12 has it
     )
     runfile = None
     if tmrun_handler is not None and tmrun_handler.is_host:

@@ -11,7 +11,8 @@ process that started as that rank fires (a joiner that takes the rank over does 
 
 Points (``at=``): ``step`` (start of the step, default), ``forward`` (the tracked module's
 forward), ``backward`` (while gradients are being reduced), ``optimizer`` (inside
-``optimizer.step``), ``transfer`` (while donating state to a joiner), ``promotion`` (a joiner,
+``optimizer.step``), ``transfer`` (while donating state to a joiner; ``step=`` may be left out),
+``promotion`` (a joiner,
 after it joined and before it received the state), ``handover`` (a migration's leaver, once
 its joiner is connected and before it sends anything). ``time=SECONDS`` fires that many seconds
 after the worker's runtime started instead of at a step.
@@ -28,6 +29,7 @@ from typing import Callable
 ENV = "TMRUN_INJECT_FAILURE"
 POINTS = ("step", "forward", "backward", "optimizer", "transfer", "promotion", "handover")
 ANY_STEP = ("promotion", "handover")  # points that happen once, whatever the step
+STEP_OPTIONAL = (*ANY_STEP, "transfer")  # without step=, a transfer drill fires at the first donation
 
 
 class DrillSpecError(ValueError):
@@ -84,7 +86,7 @@ class Drill:
             raise DrillSpecError("--inject-failure: rank must be >= 0")
         if name == "RAISE" and seconds >= 0:
             raise DrillSpecError("--inject-failure: signal=RAISE needs step=N (an exception cannot be raised from a timer)")
-        if who == "original" and step < 0 and seconds < 0 and at not in ANY_STEP:
+        if who == "original" and step < 0 and seconds < 0 and at not in STEP_OPTIONAL:
             raise DrillSpecError("--inject-failure needs step=N or time=SECONDS")
         return cls(rank=rank, step=step, at=at, seconds=seconds, signal_name=name, who=who, node=node)
 
