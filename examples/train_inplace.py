@@ -80,10 +80,14 @@ def main() -> None:
     parser.add_argument("--migrate-at", type=int, default=-1,
                         help="after this step, ask for a planned migration of --migrate-rank (tm.migrate)")
     parser.add_argument("--migrate-rank", type=int, default=1)
+    parser.add_argument("--deterministic", action="store_true",
+                        help="torch.use_deterministic_algorithms(True) (on CUDA also set CUBLAS_WORKSPACE_CONFIG)")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (every process on cuda:LOCAL_RANK %% GPUs)")
     args = parser.parse_args()
 
     tm = tmrun.init()  # on a standby: runs in the sandbox until promoted
+    if args.deterministic:
+        torch.use_deterministic_algorithms(True)
     device = torch.device("cpu")
     if args.device == "cuda":
         device = torch.device("cuda", tm.local_rank % torch.cuda.device_count())

@@ -8,9 +8,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <sstream>
 
 #include "tmrun/checksum.h"
+#include "tmrun/str_cat.h"
 
 namespace tmrun {
 namespace {
@@ -632,10 +632,11 @@ bool Communicator::rx_pump(Link& l, RxCtx& c) {
     if (s.dep >= 0 && !c.plan->recvs[size_t(s.dep)].done) return prog;
     if (!l.rx_bound) {
       if (len != s.len || l.rx_h.tag != c.plan->tag) {
-        std::ostringstream os;
-        os << "frame does not match the operation (length " << len << " tag " << l.rx_h.tag << ", expected length "
-           << s.len << " tag " << c.plan->tag << "): ranks called different collectives";
-        throw LinkFailure{&l, os.str(), true};
+        throw LinkFailure{&l,
+                          str_cat("frame does not match the operation (length ", len, " tag ", l.rx_h.tag,
+                                  ", expected length ", s.len, " tag ", c.plan->tag,
+                                  "): ranks called different collectives"),
+                          true};
       }
       l.rx_bound = true;
     }
@@ -721,23 +722,18 @@ void Communicator::record_failure(int peer, int reporter, bool protocol, std::st
 // The failure recorded for an abort notice about `lost` (-1: an operation timed out somewhere)
 // received from rank `from`.
 std::string Communicator::notice_msg(int lost, int from) const {
-  std::ostringstream os;
   if (lost < 0)
-    os << "an operation timed out on another rank (reported by rank " << from << " to rank " << rank_ << ", epoch "
-       << epoch_.load() << ")";
-  else
-    os << "rank " << lost << " lost (reported by rank " << from << " to rank " << rank_ << ", epoch "
-       << epoch_.load() << ")";
-  return os.str();
+    return str_cat("an operation timed out on another rank (reported by rank ", from, " to rank ", rank_,
+                   ", epoch ", epoch_.load(), ")");
+  return str_cat("rank ", lost, " lost (reported by rank ", from, " to rank ", rank_, ", epoch ", epoch_.load(),
+                 ")");
 }
 
 void Communicator::fail_op(Link* failed_link, const std::string& reason, bool protocol, int lost, Link* abort_from) {
   std::string msg;
   if (failed_link) {
-    std::ostringstream os;
-    os << (protocol ? "protocol error on the link to rank " : "rank ") << lost << (protocol ? ": " : " lost: ")
-       << reason << " (detected by rank " << rank_ << ", epoch " << epoch_.load() << ")";
-    msg = os.str();
+    msg = str_cat(protocol ? "protocol error on the link to rank " : "rank ", lost, protocol ? ": " : " lost: ",
+                  reason, " (detected by rank ", rank_, ", epoch ", epoch_.load(), ")");
     close_link(*failed_link, reason);
   } else {
     msg = notice_msg(lost, abort_from ? abort_from->peer : -1);

@@ -1,11 +1,11 @@
 // NCCL transport: non-blocking communicator with deadlines and member replacement.
 #include "tmrun/nccl_comm.h"
+#include "tmrun/str_cat.h"
 
 #if TMRUN_HAVE_NCCL
 
 #include <algorithm>
 #include <cstring>
-#include <sstream>
 #include <thread>
 
 namespace tmrun {
@@ -205,12 +205,10 @@ ncclResult_t Communicator::poll(ncclComm_t c, Clock::time_point dl, bool* timed_
 }
 
 std::string Communicator::where() const {
-  std::ostringstream os;
-  os << "(logical rank " << logical_ << ", NCCL rank " << nccl_rank_ << " of " << map_.size()
-     << ", device " << device_;
-  if (!opts_.name.empty()) os << ", comm '" << opts_.name << "'";
-  os << ")";
-  return os.str();
+  std::string text = str_cat("(logical rank ", logical_, ", NCCL rank ", nccl_rank_, " of ", map_.size(),
+                             ", device ", device_);
+  if (!opts_.name.empty()) text += str_cat(", comm '", opts_.name, "'");
+  return text + ")";
 }
 
 std::string Communicator::last_error(ncclComm_t c) const {
@@ -259,18 +257,14 @@ std::string Communicator::teardown_after_error() {
 }
 
 void Communicator::fail(const std::string& what, ncclResult_t code, bool timed_out, const std::string& detail) {
-  std::ostringstream os;
   std::string last = comm_ ? last_error(comm_) : "";
-  if (timed_out) {
-    os << "NCCL " << what << " did not complete within the deadline " << where();
-  } else {
-    os << "NCCL " << what << " failed " << where() << ": " << lib_->error_string(code);
-  }
-  if (!detail.empty()) os << "; " << detail;
-  os << last;
-  os << "; " << teardown_after_error();
-  if (timed_out) throw TimeoutError(os.str());
-  throw Error(os.str(), code);
+  std::string msg = timed_out ? str_cat("NCCL ", what, " did not complete within the deadline ", where())
+                              : str_cat("NCCL ", what, " failed ", where(), ": ", lib_->error_string(code));
+  if (!detail.empty()) msg += str_cat("; ", detail);
+  msg += last;
+  msg += str_cat("; ", teardown_after_error());
+  if (timed_out) throw TimeoutError(msg);
+  throw Error(msg, code);
 }
 
 template <typename F>

@@ -1,11 +1,11 @@
 // NCCL transport: dlopen()-based loading of libcuda.so.1 and libnccl.so.2.
 #include "tmrun/nccl_loader.h"
+#include "tmrun/str_cat.h"
 
 #include <dlfcn.h>
 
 #include <cstdlib>
 #include <mutex>
-#include <sstream>
 
 namespace tmrun {
 namespace nccl {
@@ -35,10 +35,9 @@ std::string CudaDriver::describe(cu::Result r) const {
   const char* text = nullptr;
   if (GetErrorName) GetErrorName(r, &name);
   if (GetErrorString) GetErrorString(r, &text);
-  std::ostringstream os;
-  os << (name ? name : "CUresult") << " (" << r << ")";
-  if (text) os << ": " << text;
-  return os.str();
+  std::string msg = str_cat(name ? name : "CUresult", " (", r, ")");
+  if (text) msg += str_cat(": ", text);
+  return msg;
 }
 
 namespace {

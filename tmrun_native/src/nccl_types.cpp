@@ -1,10 +1,10 @@
 // NCCL transport: tables, errors and rank-map arithmetic (no NCCL/CUDA header needed).
 #include "tmrun/nccl_types.h"
+#include "tmrun/str_cat.h"
 
 #include <algorithm>
 #include <cctype>
 #include <set>
-#include <sstream>
 
 namespace tmrun {
 namespace nccl {
@@ -48,10 +48,9 @@ const DtypeInfo& dtype_by_name(const std::string& name) {
   for (const auto& d : dtypes()) {
     if (n == d.name) return d;
   }
-  std::ostringstream os;
-  os << "unsupported NCCL dtype '" << name << "'; supported:";
-  for (const auto& d : dtypes()) os << ' ' << d.name;
-  throw std::invalid_argument(os.str());
+  std::string msg = str_cat("unsupported NCCL dtype '", name, "'; supported:");
+  for (const auto& d : dtypes()) msg += str_cat(' ', d.name);
+  throw std::invalid_argument(msg);
 }
 
 const OpInfo& op_by_name(const std::string& name) {
@@ -67,10 +66,9 @@ const OpInfo& op_by_name(const std::string& name) {
   for (const auto& o : ops()) {
     if (n == o.name) return o;
   }
-  std::ostringstream os;
-  os << "unsupported NCCL reduction op '" << name << "'; supported:";
-  for (const auto& o : ops()) os << ' ' << o.name;
-  throw std::invalid_argument(os.str());
+  std::string msg = str_cat("unsupported NCCL reduction op '", name, "'; supported:");
+  for (const auto& o : ops()) msg += str_cat(' ', o.name);
+  throw std::invalid_argument(msg);
 }
 
 const char* result_name(int code) {
