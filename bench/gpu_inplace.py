@@ -11,8 +11,10 @@ the first GPU, the "tmrun" backend: TCP over loopback, CUDA tensors staged throu
    joiner reading the leaver's host copies (same host);
 4. migration with ``--handover socket``.
 
-Each run must exit 0 with final parameters and optimizer state bitwise equal to the reference;
-the example's own report (downtime, steps recomputed) and the handover's log lines are shown.
+Each run must exit 0 with final parameters and optimizer state bitwise equal to the reference
+run's, on both ranks (a joiner that received wrong state would also stay apart from the
+survivor: DDP only averages gradients). The example's own report (downtime, steps recomputed)
+and the handover's log lines are shown.
 Exit status: 0 passed, 1 failed, 77 skipped (no CUDA device).
 """
 
@@ -38,7 +40,7 @@ def run_job(work: Path, name: str, args: argparse.Namespace, tmrun_args: list[st
     out.mkdir()
     cmd = [sys.executable, "-m", "tmrun.cli.main", "--standalone", "--nproc-per-node", "2", "--standby", "1",
            *tmrun_args, str(SCRIPT), "--device", "cuda", "--steps", str(args.steps), "--width", str(args.width),
-           "--depth", str(args.depth), "--final", str(out / "final"), "--step-log", str(out / "steps-{rank}.log"),
+           "--depth", str(args.depth), "--final", str(out / "final-{rank}"), "--step-log", str(out / "steps-{rank}.log"),
            *script_args]
     started = time.monotonic()
     env = {**os.environ, "TMRUN_STATE_DIR": str(out / "state")}
@@ -46,12 +48,12 @@ def run_job(work: Path, name: str, args: argparse.Namespace, tmrun_args: list[st
         code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=args.timeout,
                               start_new_session=True, check=False).returncode
     text = (out / "agent.log").read_text(errors="replace")
-    final = (out / "final").read_text().strip() if (out / "final").exists() else ""
+    finals = [(out / f"final-{r}").read_text().strip() if (out / f"final-{r}").exists() else "" for r in (0, 1)]
     report = re.search(r"\[rank 0\].*", text)
     lines = [m.group(0) for m in re.finditer(
         r"[^\n]*(?:replacement, generation|planned migration|recovered into|received the model|handed \d+|"
         r"optimizer state complete|healing from|Traceback|Error)[^\n]*", text)]
-    return {"name": name, "exit": code, "final": final, "seconds": round(time.monotonic() - started, 1),
+    return {"name": name, "exit": code, "final": finals[0], "replicas_equal": bool(finals[0]) and finals[0] == finals[1], "seconds": round(time.monotonic() - started, 1),
             "report": report.group(0) if report else "", "log": lines[-14:], "log_path": str(out / "agent.log")}
 
 
@@ -80,11 +82,13 @@ def main() -> int:
         runs.append(run_job(work, "migration", args, [], ["--migrate-at", kill]))
         runs.append(run_job(work, "migration-socket", args, ["--handover", "socket"], ["--migrate-at", kill]))
     reference = runs[0]["final"]
-    ok = bool(reference) and all(r["exit"] == 0 and r["final"] == reference for r in runs)
+    ok = bool(reference) and all(r["exit"] == 0 and r["replicas_equal"] and r["final"] == reference for r in runs)
     for r in runs:
         same = ("missing" if not r["final"] else
                 "bitwise equal to the reference" if r["final"] == reference else "DIFFERS from the reference")
-        print(f"\n== {r['name']}: exit {r['exit']} in {r['seconds']} s; final state {same}\n   {r['report']}")
+        replicas = "ranks 0 and 1 hold the same bits" if r["replicas_equal"] else "RANKS 0 AND 1 DIFFER"
+        print(f"\n== {r['name']}: exit {r['exit']} in {r['seconds']} s; {replicas}; final state {same}\n"
+              f"   {r['report']}")
         for line in r["log"]:
             print(f"   {line[:220]}")
     print("\nPASS" if ok else "\nFAIL")

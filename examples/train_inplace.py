@@ -8,7 +8,8 @@ Under plain torchrun the same script trains normally (no replacement).
 
 --step-log PATH writes one line per completed step (``step time pid``); ``{rank}`` in PATH is
 replaced by the rank. --final PATH writes the SHA-256 of the final parameters and optimizer
-state (rank 0), so runs with and without failures can be compared bit for bit.
+state (rank 0; every rank when PATH contains ``{rank}``), so runs with and without failures can
+be compared bit for bit, and replicas with each other.
 """
 
 from __future__ import annotations
@@ -37,20 +38,21 @@ def batch_for(step: int, rank: int, world_size: int, width: int, batch: int) -> 
     return x, x.sum(dim=1, keepdim=True).sin()
 
 
-def _raw(tensor: torch.Tensor) -> memoryview:
+def _update(sha: "hashlib._Hash", tensor: torch.Tensor) -> None:
     from tmrun.comm.native import as_buffer
 
-    return as_buffer(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8))[0]
+    host = tensor.detach().cpu().contiguous()  # a copy for CUDA tensors: it must outlive the buffer
+    sha.update(as_buffer(host.view(-1).view(torch.uint8))[0])
 
 
 def digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
     sha = hashlib.sha256()
     for tensor in model.state_dict().values():
-        sha.update(_raw(tensor))
+        _update(sha, tensor)
     for state in optimizer.state.values():
         for key in sorted(state):
             if isinstance(state[key], torch.Tensor):
-                sha.update(_raw(state[key]))
+                _update(sha, state[key])
     return sha.hexdigest()
 
 
@@ -116,8 +118,8 @@ def main() -> None:
                 log.write(f"{step} {time.time():.6f} {os.getpid()}\n")
     if tm.rank == 0 and len(done) > 2:
         report(done, tm.recoveries)
-    if args.final and tm.rank == 0:
-        with open(args.final, "w") as out:
+    if args.final and (tm.rank == 0 or "{rank}" in args.final):  # "{rank}" in PATH: every rank writes
+        with open(args.final.replace("{rank}", str(tm.rank)), "w") as out:
             out.write(digest(model.module, opt) + "\n")
 
 
