@@ -44,3 +44,16 @@ def test_short_scale_run() -> None:
     )  # fmt: skip
     assert out.returncode == 0, out.stdout
     assert "| 2 | 1 of 1 |" in out.stdout, out.stdout
+
+
+def test_gpu_bench_skips_cleanly_without_a_gpu() -> None:
+    import subprocess
+
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: run bench/gpu_inplace.py itself")
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_inplace.py")], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 77 and "SKIP" in result.stdout, result.stdout + result.stderr
