@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""GPU-ONLY check of the tmrun NCCL transport.  *** HAS NEVER RUN ON A GPU YET ***
+"""GPU-ONLY check of the tmrun NCCL transport.  *** HAS NEVER RUN ON A GPU YET *** (the one GPU
+machine lent so far had NCCL 2.28.9, older than the 2.32 APIs it needs: docs/status.md)
 
 Run on a machine with one (or more) NVIDIA GPU(s), after ``pip install nvidia-nccl-cu13``
 and ``pip install --no-build-isolation .``:

@@ -167,7 +167,8 @@ def _to_host(t: torch.Tensor, copy: bool = True) -> torch.Tensor:
 
     ``t`` itself when it already is one. This is the whole CUDA path (host staging, used because
     the backend has no GPU transport): wait for the work queued on the current stream (so ``t``
-    holds the values the caller produced), then copy into pinned host memory. Not run on a GPU."""
+    holds the values the caller produced), then copy into pinned host memory. Run on one H100
+    (bench/gpu_inplace.py: DDP training, a failure in place, migrations)."""
     if t.device.type == "cpu":
         if t.is_contiguous():
             return t
