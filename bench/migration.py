@@ -34,26 +34,21 @@ import tempfile
 import time
 from itertools import pairwise
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))  # for inplace_failover's log arithmetic
 SCRIPT = ROOT / "examples" / "train_inplace.py"
 
 
-def _rows(path: Path) -> list[tuple[int, float]]:
-    if not path.exists():
-        return []
-    return [(int(f[0]), float(f[1])) for f in (line.split() for line in path.read_text().splitlines()) if len(f) >= 2]
+def one_run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    from inplace_failover import log_time, read_steps  # log and step-log reading
 
-
-def one_run(args: argparse.Namespace, work: Path) -> dict[str, float]:
-    from inplace_failover import log_time  # the agent log's stamps as unix time
     env = {**os.environ, "TMRUN_STATE_DIR": str(work / "state")}
     log0 = work / "steps-0.log"
     cmd = [sys.executable, "-m", "tmrun.cli.main", "--standalone", "--nproc-per-node", "2", "--standby", "1",
-           str(SCRIPT), "--steps", str(args.steps), "--width", str(args.width), "--depth", str(args.depth),
+           "--handover", args.handover, str(SCRIPT), "--steps", str(args.steps), "--width", str(args.width), "--depth", str(args.depth),
            "--step-log", str(work / "steps-{rank}.log")]
-    cmd[3:3] = ["--handover", args.handover]
     if args.via == "api":
         cmd += ["--migrate-at", str(args.at)]  # rank 1 calls tm.migrate() after step --at
     with open(work / "agent.log", "wb") as out:
@@ -62,8 +57,8 @@ def one_run(args: argparse.Namespace, work: Path) -> dict[str, float]:
     try:
         deadline = time.monotonic() + args.timeout
         while time.monotonic() < deadline and job.poll() is None:
-            ready = "standby 0 warm" in (work / "agent.log").read_text(errors="replace")
-            if args.via == "ctl" and ready and len(_rows(log0)) >= args.at and not requested_at:
+            if (args.via == "ctl" and not requested_at and len(read_steps(log0)) >= args.at
+                    and "standby 0 warm" in (work / "agent.log").read_text(errors="replace")):
                 requested_at = time.time()
                 subprocess.run([sys.executable, "-m", "tmrun.cli.ctl", "migrate", "1", "--reason", "bench"],
                                env=env, capture_output=True, timeout=60, check=True)
@@ -74,7 +69,7 @@ def one_run(args: argparse.Namespace, work: Path) -> dict[str, float]:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
             job.wait()
-    rows = _rows(log0)
+    rows = [(step, at) for step, at, _ in read_steps(log0)]
     text = (work / "agent.log").read_text(errors="replace")
     if args.via == "api" and len(rows) > args.at:
         requested_at = rows[args.at][1]  # rank 1 asked right after this step; rank 0 finished it about then

@@ -37,6 +37,7 @@ from tmrun_native import (  # noqa: F401  (re-exported API)
     ProtocolError,
     ReduceOp,
     Work,
+    crc32c,
 )
 
 DEFAULT_PREFIX = "tmrun/native"
@@ -155,6 +156,14 @@ def torch_dtype_to_native(dtype: Any) -> DType:
         return table[dtype]
     except KeyError:
         raise TypeError(f"tmrun_native does not support {dtype}") from None
+
+
+def crc32c_of(tensors: Iterable[Any]) -> int:
+    """CRC-32C over the bytes of contiguous CPU tensors, in order (the GIL is released)."""
+    crc = 0
+    for tensor in tensors:
+        crc = crc32c(as_buffer(tensor)[0], crc)
+    return crc
 
 
 def as_buffer(tensor: Any) -> tuple[memoryview, DType]:

@@ -12,9 +12,8 @@ process that started as that rank fires (a joiner that takes the rank over does 
 Points (``at=``): ``step`` (start of the step, default), ``forward`` (the tracked module's
 forward), ``backward`` (while gradients are being reduced), ``optimizer`` (inside
 ``optimizer.step``), ``transfer`` (while donating state to a joiner; ``step=`` may be left out),
-``promotion`` (a joiner,
-after it joined and before it received the state), ``handover`` (a migration's leaver, once
-its joiner is connected and before it sends anything). ``time=SECONDS`` fires that many seconds
+``promotion`` (a joiner, after it joined and before it received the state), ``handover`` (a
+migration's leaver, once its joiner is connected and before it sends anything). ``time=SECONDS`` fires that many seconds
 after the worker's runtime started instead of at a step.
 """
 

@@ -37,15 +37,6 @@ class HostBytes:
             self.views.append(host)
             self._staged.append((flat, host))
 
-    @property
-    def nbytes(self) -> int:
-        return sum(view.numel() for view in self.views)
-
-    @property
-    def staged(self) -> int:
-        """Bytes that go through a host copy (tensors on another device)."""
-        return sum(host.numel() for _, host in self._staged)
-
     def store(self) -> None:
         """Copy the received bytes of device tensors back to the device (in place)."""
         for device_bytes, host in self._staged:

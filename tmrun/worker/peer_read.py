@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 import tmrun_native
-from tmrun.comm.native import as_buffer
+from tmrun.comm.native import as_buffer, crc32c_of
 
 PROBE_BYTES = 64
 
@@ -56,13 +56,6 @@ def readable(pid: int, remote: list[int], views: list[torch.Tensor]) -> bool:
     return True
 
 
-def checksum(views: list[torch.Tensor]) -> int:
-    crc = 0
-    for buffer in _buffers(views):
-        crc = tmrun_native.crc32c(buffer, crc)
-    return crc
-
-
 def read_part(pid: int, remote: list[int], views: list[torch.Tensor], what: str) -> int:
     """Copy the leaver's tensors at ``remote`` into ``views`` (in place). Returns the bytes."""
     if len(remote) != len(views):
@@ -76,8 +69,6 @@ def read_part(pid: int, remote: list[int], views: list[torch.Tensor], what: str)
 class BackgroundRead:
     """A part read in a thread (the native call releases the GIL) while the joiner computes;
     :meth:`finish` waits for it, checks its CRC-32C against the leaver's, and returns."""
-
-    path = "memory"
 
     def __init__(self, pid: int, remote: list[int], views: list[torch.Tensor], expected_crc: int, what: str,
                  timeout: float) -> None:
@@ -102,5 +93,5 @@ class BackgroundRead:
             raise PeerReadError(f"reading {self._what} from the leaver took over {self._timeout:.0f}s")
         if self._error is not None:
             raise self._error
-        if checksum(self._views) != self._expected:
+        if crc32c_of(self._views) != self._expected:
             raise PeerReadError(f"checksum mismatch in {self._what} read from the leaver")

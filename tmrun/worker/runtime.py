@@ -359,15 +359,13 @@ class Runtime:
         try:
             handoff = self._handoff_comm(plan_gen, 1)
             meta, pending, received = take_over(handoff, self._state, same_host_reads=self._env.same_host_reads)
-        except (native.CommError, TransferError) as exc:
+        except BaseException as exc:
             if handoff is not None:
                 handoff.close()
+            if not isinstance(exc, (native.CommError, TransferError)):
+                raise
             _log(f"rank {self._rank}: the leaver's handover failed ({exc}); healing from the other ranks instead")
             return
-        except BaseException:
-            if handoff is not None:
-                handoff.close()
-            raise
         self._handover = (handoff, pending, started)
         self._committed_step = int(meta["committed_step"])  # type: ignore[call-overload]
         rng.restore(meta["rng"])  # type: ignore[arg-type]

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 
 import tmrun_native
-from tmrun.comm.native import as_buffer
+from tmrun.comm.native import as_buffer, crc32c_of
 from tmrun.worker import peer_read
 from tmrun.worker.host_bytes import HostBytes
 from tmrun.worker.tracked import TensorSpec, TrackedState
@@ -26,6 +26,8 @@ from tmrun.worker.tracked import TensorSpec, TrackedState
 TAG_META = 0x7E01
 TAG_STRIPE = 0x7E02
 TAG_CRC = 0x7E03
+PATH_SOCKET = "socket"  # how a handover's part reaches the joiner
+PATH_MEMORY = "memory"
 READ_TIMEOUT = 120.0  # seconds for copying a part out of the leaver's memory (GB/s: never near)
 
 
@@ -87,6 +89,16 @@ def _recv_blob(comm: tmrun_native.Communicator, src: int) -> bytes:
     return bytes(blob)
 
 
+def _send_crc(comm: tmrun_native.Communicator, crc: int, dst: int) -> None:
+    comm.send(struct.pack("<I", crc), dst, TAG_CRC)
+
+
+def _recv_crc(comm: tmrun_native.Communicator, src: int) -> int:
+    raw = bytearray(4)
+    comm.recv(raw, src, TAG_CRC)
+    return int(struct.unpack("<I", raw)[0])
+
+
 def heal(
     comm: tmrun_native.Communicator,
     state: TrackedState,
@@ -99,19 +111,25 @@ def heal(
     me = comm.rank
     moved = 0
     received_meta: dict[str, object] = step_meta
+    donated: HostBytes | None = None  # a donor's bytes, loaded once for every member it heals
     for needy in plan.needy:
         if me in plan.donors:
             if on_donate is not None:
                 on_donate()
-            moved += _donate(comm, state, plan, needy, step_meta)
+            if donated is None:
+                donated = HostBytes([t for _, t in state.tensors()], load=True)
+            moved += _donate(comm, state, donated, plan, needy, step_meta)
         elif me == needy:
             moved, received_meta = _receive(comm, state, plan)
     return moved, received_meta
 
 
-def _send_header(comm: tmrun_native.Communicator, state: TrackedState, step_meta: dict[str, object], dst: int) -> None:
-    """What the receiver needs before the tensors: their specs, the non-tensor state, the step."""
-    _send_blob(comm, pickle.dumps({"specs": state.specs(), "rest": state.rest(), "meta": step_meta}), dst)
+def _send_header(comm: tmrun_native.Communicator, state: TrackedState, step_meta: dict[str, object], dst: int,
+                 peer: dict[str, Any] | None = None) -> None:
+    """What the receiver needs before the tensors: their specs, the non-tensor state, the step
+    (and, in a handover on one host, where to read the leaver's tensors)."""
+    header = {"specs": state.specs(), "rest": state.rest(), "meta": step_meta, "peer": peer}
+    _send_blob(comm, pickle.dumps(header), dst)
 
 
 def _receive_header(comm: tmrun_native.Communicator, state: TrackedState, src: int) -> dict[str, Any]:
@@ -128,14 +146,11 @@ def _receive_header(comm: tmrun_native.Communicator, state: TrackedState, src: i
 
 def _send_part(comm: tmrun_native.Communicator, views: list[torch.Tensor], dst: int) -> int:
     """Send ``views`` straight from memory, then their CRC-32C. Returns the bytes sent."""
-    buffers = [as_buffer(view)[0] for view in views]
-    works = [comm.send_async(buffer, dst, TAG_STRIPE) for buffer in buffers]  # sending starts
-    crc = 0
-    for buffer in buffers:  # the checksum is computed while the bytes go out (GIL released)
-        crc = tmrun_native.crc32c(buffer, crc)
+    works = [comm.send_async(as_buffer(view)[0], dst, TAG_STRIPE) for view in views]  # sending starts
+    crc = crc32c_of(views)  # computed while the bytes go out (GIL released)
     for work in works:
         work.wait()
-    comm.send(struct.pack("<I", crc), dst, TAG_CRC)
+    _send_crc(comm, crc, dst)
     return sum(v.numel() for v in views)
 
 
@@ -143,7 +158,7 @@ class PendingTransfer:
     """A part sent by :func:`_send_part`, arriving in place into ``views`` (the receives are
     posted at once): :meth:`finish` waits for it and checks its CRC-32C."""
 
-    path = "socket"
+    path = PATH_SOCKET
 
     def __init__(self, comm: tmrun_native.Communicator, views: list[torch.Tensor], src: int, what: str) -> None:
         self._buffers = [as_buffer(view)[0] for view in views]
@@ -159,17 +174,15 @@ class PendingTransfer:
         for work, buffer in zip(self._works, self._buffers):
             work.wait()
             crc = tmrun_native.crc32c(buffer, crc)
-        expected = bytearray(4)
-        self._comm.recv(expected, self._src, TAG_CRC)
-        if struct.unpack("<I", expected)[0] != crc:
+        if _recv_crc(self._comm, self._src) != crc:
             raise TransferError(f"checksum mismatch in {self._what} from rank {self._src}")
 
 
-def _donate(comm: tmrun_native.Communicator, state: TrackedState, plan: HealPlan, needy: int, step_meta: dict[str, object]) -> int:
+def _donate(comm: tmrun_native.Communicator, state: TrackedState, host: HostBytes, plan: HealPlan, needy: int,
+            step_meta: dict[str, object]) -> int:
     index = plan.donors.index(comm.rank)
     if index == 0:
         _send_header(comm, state, step_meta, needy)
-    host = HostBytes([t for _, t in state.tensors()], load=True)
     return _send_part(comm, _stripe(host.views, index, len(plan.donors)), needy)
 
 
@@ -208,10 +221,6 @@ class PendingPart(Protocol):
     def finish(self) -> None: ...
 
 
-PATH_MEMORY = "memory"
-PATH_SOCKET = "socket"
-
-
 def _split(state: TrackedState, load: bool) -> tuple[HostBytes, HostBytes]:
     deferred_objects = state.deferrable()
     now: list[torch.Tensor] = []
@@ -235,10 +244,10 @@ def _recv_json(comm: tmrun_native.Communicator, src: int, what: str) -> dict[str
     return value
 
 
-def _recv_crc(comm: tmrun_native.Communicator, src: int) -> int:
-    raw = bytearray(4)
-    comm.recv(raw, src, TAG_CRC)
-    return int(struct.unpack("<I", raw)[0])
+def _give_up(comm: tmrun_native.Communicator, leaver: int, error: str) -> TransferError:
+    """Tell the leaver that this joiner cannot take the state (so it does not wait); the error to raise."""
+    _send_json(comm, {"ok": False, "error": error}, leaver)
+    return TransferError(error)
 
 
 def hand_over(comm: tmrun_native.Communicator, state: TrackedState, step_meta: dict[str, object],
@@ -251,13 +260,12 @@ def hand_over(comm: tmrun_native.Communicator, state: TrackedState, step_meta: d
     if same_host_reads and hello.get("host") and hello.get("host") == peer_read.host_identity():
         tmrun_native.allow_peer_reader(int(hello.get("pid", 0)))
         offer = {"pid": os.getpid(), "now": peer_read.addresses(now), "later": peer_read.addresses(later)}
-    header = {"specs": state.specs(), "rest": state.rest(), "meta": step_meta, "peer": offer}
-    _send_blob(comm, pickle.dumps(header), joiner)
+    _send_header(comm, state, step_meta, joiner, peer=offer)
     choice = _recv_json(comm, joiner, "choice").get("path")
     if choice != PATH_MEMORY or offer is None:
         return _send_part(comm, now, joiner) + _send_part(comm, later, joiner)
     for part in (now, later):  # the joiner reads meanwhile; the tensors stay as they are
-        comm.send(struct.pack("<I", peer_read.checksum(part)), joiner, TAG_CRC)
+        _send_crc(comm, crc32c_of(part), joiner)
     done = _recv_json(comm, joiner, "receipt")  # the joiner has copied everything (or gave up)
     if done.get("ok") is not True:
         raise TransferError(f"the joiner could not take the state: {done.get('error', '?')}")
@@ -268,7 +276,7 @@ class _MemoryPart:
     """The optimizer's state, read from the leaver's memory in the background; :meth:`finish`
     also tells the leaver it may go."""
 
-    path = "memory"
+    path = PATH_MEMORY
 
     def __init__(self, comm: tmrun_native.Communicator, read: peer_read.BackgroundRead, leaver: int) -> None:
         self._comm, self._read, self._leaver = comm, read, leaver
@@ -278,8 +286,7 @@ class _MemoryPart:
         try:
             self._read.finish()
         except peer_read.PeerReadError as exc:
-            _send_json(self._comm, {"ok": False, "error": str(exc)}, self._leaver)
-            raise TransferError(str(exc)) from None
+            raise _give_up(self._comm, self._leaver, str(exc)) from None
         _send_json(self._comm, {"ok": True}, self._leaver)
 
 
@@ -318,12 +325,10 @@ def take_over(comm: tmrun_native.Communicator, state: TrackedState, leaver: int 
     try:
         received = peer_read.read_part(pid, list(offer["now"]), now, "the model")
     except peer_read.PeerReadError as exc:
-        _send_json(comm, {"ok": False, "error": str(exc)}, leaver)
-        raise TransferError(str(exc)) from None
+        raise _give_up(comm, leaver, str(exc)) from None
     expected_model, expected_rest = _recv_crc(comm, leaver), _recv_crc(comm, leaver)
-    if peer_read.checksum(now) != expected_model:
-        _send_json(comm, {"ok": False, "error": "checksum mismatch in the model"}, leaver)
-        raise TransferError(f"checksum mismatch in the model read from rank {leaver}")
+    if crc32c_of(now) != expected_model:
+        raise _give_up(comm, leaver, f"checksum mismatch in the model read from rank {leaver}")
     now_host.store()
     state.apply_rest(header["rest"])
     read = peer_read.BackgroundRead(pid, list(offer["later"]), later, expected_rest, "the optimizer state",
