@@ -10,10 +10,10 @@ import time
 import pytest
 import torch.distributed as dist
 
-from tmrun.control import inplace_protocol as proto
+from tmrun.protocol import keys, messages as proto
 from tmrun.control import planner
 from tmrun.control.node_inplace import Decision, NodeInplaceCoordinator
-from tmrun.rendezvous.state import Membership
+from tmrun.protocol.membership import Membership
 
 RUN = "nodes"
 
@@ -24,7 +24,7 @@ def store() -> dist.Store:
 
 
 def _epoch(store: dist.Store, epoch: int = 1) -> dist.Store:
-    return dist.PrefixStore(proto.node_prefix(RUN, epoch), store)
+    return dist.PrefixStore(keys.node_prefix(RUN, epoch), store)
 
 
 def _job(store: dist.Store) -> dist.Store:
@@ -37,14 +37,14 @@ def _membership() -> Membership:
 
 def _api_job(store: dist.Store, standby_ready: bool = True) -> None:
     ip = _epoch(store)
-    ip.set(proto.API, "1")
-    ip.add(proto.MEMBERS, 4)
-    ip.set(proto.node_ranks(0), json.dumps({"node_id": 0, "ranks": [0, 1]}))
-    ip.set(proto.node_ranks(1), json.dumps({"node_id": 1, "ranks": [2, 3]}))
-    ip.set(proto.standby_node(2), json.dumps({"ids": [2000, 2001]}))
-    ip.set(proto.standby_ready(2000), "{}")
+    ip.set(keys.API, "1")
+    ip.add(keys.MEMBERS, 4)
+    ip.set(keys.node_ranks(0), json.dumps({"node_id": 0, "ranks": [0, 1]}))
+    ip.set(keys.node_ranks(1), json.dumps({"node_id": 1, "ranks": [2, 3]}))
+    ip.set(keys.standby_node(2), json.dumps({"ids": [2000, 2001]}))
+    ip.set(keys.standby_ready(2000), "{}")
     if standby_ready:
-        ip.set(proto.standby_ready(2001), "{}")
+        ip.set(keys.standby_ready(2001), "{}")
 
 
 def test_a_dead_node_is_replaced_in_place(store: dist.Store) -> None:
@@ -54,14 +54,14 @@ def test_a_dead_node_is_replaced_in_place(store: dist.Store) -> None:
     assert decision is Decision.IN_PLACE and swapped is not None
     assert (swapped.active, swapped.dead, swapped.epoch) == ([0, 2], [1], 1)
     ip = _epoch(store)
-    plan = proto.ReplacementPlan.decode("p", ip.get(proto.plan(1)))
+    plan = proto.ReplacementPlan.decode("p", ip.get(keys.plan(1)))
     assert (plan.gen, plan.world_size, plan.replaced, plan.planned) == (1, 4, {2: 2000, 3: 2001}, False)
-    assert proto.Assignment.decode("a", ip.get(proto.standby_assign(2001))) == proto.Assignment(3, 1)
-    assert ip.get(proto.GEN) == b"1"
-    assert json.loads(ip.get(proto.node_ranks(1)))["node_id"] == 2
+    assert proto.Assignment.decode("a", ip.get(keys.standby_assign(2001))) == proto.Assignment(3, 1)
+    assert ip.get(keys.GEN) == b"1"
+    assert json.loads(ip.get(keys.node_ranks(1)))["node_id"] == 2
     assert "ranks 2->standby 2000, 3->standby 2001" in why
     assert coordinator.recovered() == []
-    ip.add(proto.recovered(1), 4)
+    ip.add(keys.recovered(1), 4)
     assert [line.startswith("generation 1: all 4 ranks back in") for line in coordinator.recovered()] == [True]
 
 
@@ -73,7 +73,7 @@ def test_waits_for_a_warm_standby_node_then_falls_back(store: dist.Store) -> Non
     decision, swapped, why = coordinator.decide(_membership(), [1], {1}, now - 31)
     assert (decision, swapped) == (Decision.FALLBACK, None)
     assert "no warm standby node within 30s" in why
-    notice = proto.AbortNotice.decode("abort", _epoch(store).get(proto.ABORT))
+    notice = proto.AbortNotice.decode("abort", _epoch(store).get(keys.ABORT))
     assert "no warm standby node" in notice.reason
     # once abandoned, later failures of this epoch fall back at once
     assert coordinator.decide(_membership(), [0], set(), now)[0] is Decision.FALLBACK
@@ -83,13 +83,13 @@ def test_a_plain_script_restarts_the_group(store: dist.Store) -> None:
     coordinator = NodeInplaceCoordinator(store, _job(store), RUN, standby_wait=30)
     decision, swapped, why = coordinator.decide(_membership(), [1], {1}, time.monotonic())
     assert (decision, swapped) == (Decision.PLAIN, None) and "does not use the tmrun worker API" in why
-    _epoch(store).set(proto.API, "1")  # the API, but a rank has not started it yet
+    _epoch(store).set(keys.API, "1")  # the API, but a rank has not started it yet
     assert coordinator.decide(_membership(), [1], {1}, time.monotonic())[0] is Decision.PLAIN
 
 
 def test_standby_node_of_another_size_is_not_used(store: dist.Store) -> None:
     _api_job(store)
-    _epoch(store).set(proto.standby_node(2), json.dumps({"ids": [2000]}))
+    _epoch(store).set(keys.standby_node(2), json.dumps({"ids": [2000]}))
     coordinator = NodeInplaceCoordinator(store, _job(store), RUN, standby_wait=30)
     assert coordinator.decide(_membership(), [1], {1}, time.monotonic())[0] is Decision.WAIT
 
@@ -97,8 +97,8 @@ def test_standby_node_of_another_size_is_not_used(store: dist.Store) -> None:
 def test_a_node_failing_after_every_other_rank_finished_ends_the_job(store: dist.Store) -> None:
     _api_job(store)
     for rank in (0, 1):  # node 0's ranks are done; node 1 fails afterwards (e.g. while exiting)
-        _epoch(store).set(proto.done(rank), "13")
+        _epoch(store).set(keys.done(rank), "13")
     coordinator = NodeInplaceCoordinator(store, _job(store), RUN, standby_wait=30)
     decision, swapped, why = coordinator.decide(_membership(), [1], {1}, time.monotonic())
     assert (decision, swapped) == (Decision.FINAL, None) and "after every other rank" in why
-    assert not _epoch(store).check([proto.plan(1)])  # nothing published
+    assert not _epoch(store).check([keys.plan(1)])  # nothing published

@@ -6,7 +6,7 @@ import pytest
 
 from tmrun.control import planner
 from tmrun.control.planner import HOLE, FailureReport, GroupLimits
-from tmrun.rendezvous.state import Membership, Phase
+from tmrun.protocol.membership import Membership, Phase
 
 FIXED = GroupLimits(min_nodes=2, max_nodes=2, standby=1)
 ELASTIC = GroupLimits(min_nodes=1, max_nodes=3, standby=0)

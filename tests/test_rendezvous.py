@@ -10,9 +10,10 @@ from torch.distributed.elastic.rendezvous import RendezvousClosedError, Rendezvo
 
 from tests.helpers import free_port, wait_until
 from tmrun.control.events import read_events
-from tmrun.rendezvous import register_tmrun_backend
-from tmrun.rendezvous.handler import TmrunRendezvousHandler, create_handler
-from tmrun.rendezvous.state import Phase
+from tmrun.control.rendezvous_backend import register_tmrun_backend
+from tmrun.control.rendezvous_backend import create_handler
+from tmrun.rendezvous.handler import TmrunRendezvousHandler
+from tmrun.protocol.membership import Phase
 
 
 def _params(port: int, nnodes: int, standby: int, **conf: object) -> RendezvousParameters:
@@ -159,16 +160,16 @@ def _in_place_job(node: Node, epoch: int, spare_id: int) -> object:
 
     from torch.distributed import PrefixStore
 
-    from tmrun.control import inplace_protocol as proto
+    from tmrun.protocol import keys, messages as proto
 
-    store = PrefixStore(proto.node_prefix("unit", epoch), node.handler._tcp_store)
-    store.set(proto.API, "1")
-    store.add(proto.MEMBERS, 2)
+    store = PrefixStore(keys.node_prefix("unit", epoch), node.handler.raw_store)
+    store.set(keys.API, "1")
+    store.add(keys.MEMBERS, 2)
     members = node.handler._read_membership().active
     for group_rank, node_id in enumerate(members):
-        store.set(proto.node_ranks(group_rank), json.dumps({"node_id": node_id, "ranks": [group_rank]}))
-    store.set(proto.standby_node(spare_id), json.dumps({"ids": [7]}))
-    store.set(proto.standby_ready(7), "{}")
+        store.set(keys.node_ranks(group_rank), json.dumps({"node_id": node_id, "ranks": [group_rank]}))
+    store.set(keys.standby_node(spare_id), json.dumps({"ids": [7]}))
+    store.set(keys.standby_ready(7), "{}")
     return store
 
 
@@ -189,12 +190,12 @@ def test_in_place_node_replacement_keeps_the_epoch(three_nodes: list[Node]) -> N
 
 
 def test_a_node_failing_after_the_others_finished_closes_the_job(three_nodes: list[Node]) -> None:
-    from tmrun.control import inplace_protocol as proto
+    from tmrun.protocol import keys, messages as proto
 
     a, b, spare = three_nodes
     _form_with_standby(a, b, spare)
     store = _in_place_job(a, 1, spare.handler.node_id)  # type: ignore[arg-type]
-    store.set(proto.done(a.result.rank), "9")  # type: ignore[attr-defined, union-attr]
+    store.set(keys.done(a.result.rank), "9")  # type: ignore[attr-defined, union-attr]
     b.handler.report_failure(by_signal=True, detail="rank 1 exit code 1")
     assert wait_until(lambda: a.handler.closed_reason() is not None, 5)
     phase, reason = a.handler.closed_reason()  # type: ignore[misc]

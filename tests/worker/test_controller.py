@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from tmrun.control import inplace_protocol as proto
+from tmrun.protocol import keys, messages as proto
 from tmrun.launcher.inplace import InplaceController
 
 
@@ -55,13 +55,13 @@ def test_a_dead_rank_is_replaced_by_a_ready_standby(tmp_path: Path, procs) -> No
     pool = FakePool([FakeMember(4, standby)])
     store, controller = make(tmp_path, pool)
     controller.adopt({0: survivor, 1: victim})
-    store.set(proto.standby_ready(4), "{}")
+    store.set(keys.standby_ready(4), "{}")
     wait_exit(victim)
     outcome = controller.step()
     assert not outcome.failed and not outcome.finished
-    plan = proto.ReplacementPlan.decode("p", store.get(proto.plan(1)))
+    plan = proto.ReplacementPlan.decode("p", store.get(keys.plan(1)))
     assert plan.replaced == {1: 4} and not plan.planned
-    assert proto.Assignment.decode("a", store.get(proto.standby_assign(4))) == proto.Assignment(1, 1)
+    assert proto.Assignment.decode("a", store.get(keys.standby_assign(4))) == proto.Assignment(1, 1)
     assert (tmp_path / "gen").read_text() == "1"  # the workers' per-step view of the generation
     assert controller.slots[1].process is standby and pool.members == []
 
@@ -74,13 +74,13 @@ def test_the_pool_is_refilled_only_after_recovery_plus_the_refill_delay(tmp_path
     pool = FakePool([FakeMember(4, standby)])
     store, controller = make(tmp_path, pool, refill_delay=0.5)
     controller.adopt({0: survivor, 1: victim})
-    store.set(proto.standby_ready(4), "{}")
+    store.set(keys.standby_ready(4), "{}")
     wait_exit(victim)
     controller.step()  # promotes the standby
     fills = pool.fills
     controller.step()
     assert pool.fills == fills  # recovery under way: no new standby competes with it
-    store.add(proto.recovered(1), 2)
+    store.add(keys.recovered(1), 2)
     controller.step()  # recovered: the refill delay starts now
     controller.step()
     assert pool.fills == fills
@@ -97,7 +97,7 @@ def test_without_a_standby_it_falls_back_and_tells_the_workers(tmp_path: Path, p
     wait_exit(victim)
     outcome = controller.step()
     assert outcome.failed == {1: 3} and not outcome.final
-    assert "no standby ready" in proto.AbortNotice.decode("a", store.get(proto.ABORT)).reason
+    assert "no standby ready" in proto.AbortNotice.decode("a", store.get(keys.ABORT)).reason
 
 
 def test_a_rank_failing_after_the_others_finished_ends_the_job(tmp_path: Path, procs) -> None:  # type: ignore[no-untyped-def]
@@ -105,7 +105,7 @@ def test_a_rank_failing_after_the_others_finished_ends_the_job(tmp_path: Path, p
     procs += [done, victim]
     store, controller = make(tmp_path, FakePool())
     controller.adopt({0: done, 1: victim})
-    store.set(proto.done(0), "11")
+    store.set(keys.done(0), "11")
     wait_exit(victim)
     wait_exit(done)
     outcome = controller.step()
@@ -117,13 +117,13 @@ def test_a_reported_rank_that_still_runs_is_fenced(tmp_path: Path, procs) -> Non
     procs += [survivor, hung]
     store, controller = make(tmp_path, FakePool(), wait=0.0)
     controller.adopt({0: survivor, 1: hung})
-    seq = store.add(proto.REPORT_SEQ, 1) - 1
-    store.set(proto.report(seq), proto.WorkerReport(reporter=0, lost=1, gen=0).encode())
-    stale = store.add(proto.REPORT_SEQ, 1) - 1
-    store.set(proto.report(stale), proto.WorkerReport(reporter=1, lost=0, gen=7).encode())  # another generation
-    store.set(proto.report(store.add(proto.REPORT_SEQ, 1) - 1), "not json")  # ignored, no crash
-    unknown = store.add(proto.REPORT_SEQ, 1) - 1  # a timed-out collective: nobody to blame, nobody fenced
-    store.set(proto.report(unknown), proto.WorkerReport(reporter=1, lost=-1, gen=0).encode())
+    seq = store.add(keys.REPORT_SEQ, 1) - 1
+    store.set(keys.report(seq), proto.WorkerReport(reporter=0, lost=1, gen=0).encode())
+    stale = store.add(keys.REPORT_SEQ, 1) - 1
+    store.set(keys.report(stale), proto.WorkerReport(reporter=1, lost=0, gen=7).encode())  # another generation
+    store.set(keys.report(store.add(keys.REPORT_SEQ, 1) - 1), "not json")  # ignored, no crash
+    unknown = store.add(keys.REPORT_SEQ, 1) - 1  # a timed-out collective: nobody to blame, nobody fenced
+    store.set(keys.report(unknown), proto.WorkerReport(reporter=1, lost=-1, gen=0).encode())
     controller.step()
     assert hung.wait(timeout=10) == -9  # SIGKILLed
     assert survivor.poll() is None  # the stale report about rank 0 was not acted on
@@ -137,14 +137,14 @@ def test_migration_requests(tmp_path: Path, procs) -> None:  # type: ignore[no-u
     job = dist.HashStore()
     controller = InplaceController(store, pool, 2, 0.0, 3, job, str(tmp_path / "gen"))  # type: ignore[arg-type]
     controller.adopt({0: a, 1: b})
-    store.set(proto.API, "1")
-    store.add(proto.MEMBERS, 2)
+    store.set(keys.API, "1")
+    store.add(keys.MEMBERS, 2)
     proto.request_migration(job, 5)  # no such rank: refused, nothing published
     controller.step()
-    assert not store.check([proto.plan(1)])
-    store.set(proto.standby_ready(2), "{}")
+    assert not store.check([keys.plan(1)])
+    store.set(keys.standby_ready(2), "{}")
     proto.request_migration(job, 1, "drain")
     controller.step()
-    plan = proto.ReplacementPlan.decode("p", store.get(proto.plan(1)))
+    plan = proto.ReplacementPlan.decode("p", store.get(keys.plan(1)))
     assert plan.planned and plan.replaced == {1: 2} and plan.reason == "drain"
     assert controller.slots[1].process is standby

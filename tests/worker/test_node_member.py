@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from tmrun.control import inplace_protocol as proto
+from tmrun.protocol import keys, messages as proto
 from tmrun.launcher.node_member import NodeMember
 
 SLEEP = "import time; time.sleep(60)"
@@ -46,9 +46,9 @@ def test_a_survivors_report_fences_the_node(tmp_path: Path, procs) -> None:  # t
     member.adopt({2: hung, 3: mate}, promoted=False)
     for report in (proto.WorkerReport(reporter=0, lost=-1, gen=0),  # nobody named: nobody fenced
                    proto.WorkerReport(reporter=0, lost=2, gen=5)):  # another generation: stale
-        store.set(proto.report(store.add(proto.REPORT_SEQ, 1) - 1), report.encode())
+        store.set(keys.report(store.add(keys.REPORT_SEQ, 1) - 1), report.encode())
     assert not member.step().failed and hung.poll() is None
-    store.set(proto.report(store.add(proto.REPORT_SEQ, 1) - 1), proto.WorkerReport(reporter=0, lost=2, gen=0).encode())
+    store.set(keys.report(store.add(keys.REPORT_SEQ, 1) - 1), proto.WorkerReport(reporter=0, lost=2, gen=0).encode())
     assert member.step().failed
     assert (hung.wait(timeout=10), mate.wait(timeout=10)) == (-9, -9)
     assert reports and "rank 2" in reports[0][1] and "lost by rank 0" in reports[0][1]
@@ -59,12 +59,12 @@ def test_generation_file_and_finish(tmp_path: Path, procs) -> None:  # type: ign
     assert (tmp_path / "gen").read_text() == "0"
     a, b = _start(procs, "pass"), _start(procs, "pass")
     member.adopt({0: a, 1: b}, promoted=False)
-    store.set(proto.GEN, "3")
+    store.set(keys.GEN, "3")
     a.wait(timeout=30)
     b.wait(timeout=30)
     assert member.step().finished
     assert (tmp_path / "gen").read_text() == "3"
     assert not member.enabled()
-    store.set(proto.API, "1")
-    store.add(proto.MEMBERS, 4)
+    store.set(keys.API, "1")
+    store.add(keys.MEMBERS, 4)
     assert member.enabled()

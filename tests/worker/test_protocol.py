@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tmrun.control import inplace_protocol as proto
+from tmrun.protocol import keys, messages as proto
 from tmrun.worker.drills import Drill, DrillRunner, DrillSpecError, InjectedFailure, parse_all
 
 

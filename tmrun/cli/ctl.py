@@ -88,7 +88,7 @@ def migrate(
     endpoint: str | None = EndpointOption,
 ) -> None:
     """Move a rank (or a node) to a warm standby at the next step boundary (planned: nothing is recomputed)."""
-    from tmrun.control.inplace_protocol import request_migration
+    from tmrun.protocol.messages import request_migration
     from tmrun.control.status import connect
     from tmrun.rendezvous.endpoint import EndpointError, parse_endpoint
 

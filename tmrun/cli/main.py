@@ -233,12 +233,12 @@ def run(argv: Sequence[str]) -> int:
     except (ValueError, RuntimeError, AssertionError) as exc:
         raise UsageError(str(exc)) from None
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
-    os.environ["TMRUN_SHADOW_STEPS"] = str(args.shadow_steps)
-    os.environ["TMRUN_HANDOVER"] = args.handover
-    if args.inject_failure:
-        from tmrun.worker.drills import ENV
+    from tmrun.protocol import environment
 
-        os.environ[ENV] = ";".join(drill.encode() for drill in args.inject_failure)
+    os.environ[environment.ENV_SHADOW_STEPS] = str(args.shadow_steps)
+    os.environ[environment.ENV_HANDOVER] = args.handover
+    if args.inject_failure:
+        os.environ[environment.ENV_INJECT_FAILURE] = ";".join(drill.encode() for drill in args.inject_failure)
     return launch(config, entrypoint, entry_args, TmrunOptions(standby=args.standby, standby_wait=args.standby_wait,
                                                              refill_delay=args.standby_refill_delay))
 

@@ -53,6 +53,8 @@ from torch._C._distributed_c10d import (
     ScatterOptions,
 )
 
+from tmrun.protocol import keys
+
 try:  # ``import tmrun`` must work without a build of the native module (the CLI, a source tree)
     import tmrun_native as tn
     from tmrun.comm.native import as_buffer, connect_via_store, make_options
@@ -69,7 +71,7 @@ ENV_LOCAL = "TMRUN_COMM_LOCAL"
 ENV_TIMEOUT = "TMRUN_COMM_TIMEOUT"
 ENV_BIND = "TMRUN_COMM_BIND"
 ENV_ADVERTISE = "TMRUN_COMM_ADVERTISE"
-STORE_PREFIX = "tmrun/pg"
+STORE_PREFIX = keys.BACKEND_PREFIX
 
 __all__ = [
     "BACKEND_NAME",
@@ -1061,7 +1063,7 @@ def _annotate(error: BaseException, what: str) -> BaseException:
 
 
 # ---------------------------------------------------------------------------------------- creation
-_GENERATION_KEY = "tmrun/generation"
+_GENERATION_KEY = keys.BACKEND_GROUP_COUNT
 
 
 def create_process_group(store: Any, rank: int, world_size: int, timeout: Optional[datetime.timedelta] = None,

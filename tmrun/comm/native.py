@@ -26,6 +26,8 @@ from __future__ import annotations
 import ctypes
 from typing import Any, Iterable, Optional
 
+from tmrun.protocol import keys
+
 from tmrun_native import (  # noqa: F401  (re-exported API)
     CommError,
     CommTimeoutError,
@@ -40,7 +42,7 @@ from tmrun_native import (  # noqa: F401  (re-exported API)
     crc32c,
 )
 
-DEFAULT_PREFIX = "tmrun/native"
+DEFAULT_PREFIX = keys.NATIVE_PREFIX
 
 __all__ = [
     "CommError",
@@ -71,7 +73,7 @@ def make_options(options: Optional[Options] = None, **kwargs: Any) -> Options:
 
 
 def address_key(job_id: str, epoch: int, rank: int, prefix: str = DEFAULT_PREFIX) -> str:
-    return f"{prefix}/{job_id}/epoch{epoch}/addr/{rank}"
+    return keys.native_address(prefix, job_id, epoch, rank)
 
 
 def _get(store: Any, key: str) -> str:

@@ -22,6 +22,8 @@ import os
 from datetime import timedelta
 from typing import Any, Iterable, Optional, Protocol, Sequence
 
+from tmrun.protocol import keys
+
 __all__ = [
     "NcclComm",
     "NcclError",
@@ -159,9 +161,7 @@ def get_unique_id(library: Optional[str] = None) -> bytes:
 
 def store_key(epoch: int, group: str, purpose: str) -> str:
     """Epoch-prefixed store key, e.g. ``epoch/3/nccl/default/init``."""
-    if int(epoch) < 0:
-        raise ValueError("epoch must be >= 0")
-    return f"epoch/{int(epoch)}/nccl/{group}/{purpose}"
+    return keys.nccl_key(epoch, group, purpose)
 
 
 def _store_get(store: Store, key: str, timeout: Optional[float]) -> bytes:

@@ -7,7 +7,6 @@ which a standby takes the failed node's group rank.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -18,11 +17,11 @@ from torch.distributed import Store
 from tmrun.console import say
 from tmrun.control import planner
 from tmrun.control.events import record_event
-from tmrun.control.liveness import LivenessMonitor
+from tmrun.rendezvous.liveness import LivenessMonitor
 from tmrun.control.node_inplace import Decision, NodeInplaceCoordinator
-from tmrun.control.planner import FailureReport, GroupLimits
-from tmrun.rendezvous import keys
-from tmrun.rendezvous.state import Membership, Phase
+from tmrun.protocol import keys
+from tmrun.protocol.membership import GroupLimits, Membership, Phase
+from tmrun.protocol.messages import ClosedNotice, FailureReport, NodeInfo, ProtocolMessageError
 
 log = logging.getLogger(__name__)
 
@@ -131,16 +130,15 @@ class Leader:
             node_id = self._known_nodes
             if not self._store.check([keys.node_info(node_id)]):
                 return  # registered its id but not its info yet; next round
-            info = json.loads(self._store.get(keys.node_info(node_id)))
+            info = NodeInfo.decode(keys.node_info(node_id), self._store.get(keys.node_info(node_id)))
             self._known_nodes += 1
-            hint = info.get("node_rank_hint")
-            if isinstance(hint, int) and hint >= 0:
-                self._hints[node_id] = hint
+            if info.node_rank_hint >= 0:
+                self._hints[node_id] = info.node_rank_hint
             if node_id in self._lost:
                 continue
             if self._membership.phase is Phase.FORMING:
                 self._joined.append(node_id)
-                self._event("join", f"node {node_id} ({info.get('host')}) joined")
+                self._event("join", f"node {node_id} ({info.host}) joined")
             else:
                 admitted = planner.admit_node(self._membership, node_id, self._config.limits)
                 self._publish(admitted)
@@ -172,14 +170,12 @@ class Leader:
             key = keys.failure(self._failures_seen)
             if not self._store.check([key]):
                 return
-            data = json.loads(self._store.get(key))
             self._failures_seen += 1
-            report = FailureReport(
-                node_id=int(data["node_id"]),
-                epoch=int(data["epoch"]),
-                by_signal=bool(data["by_signal"]),
-                detail=str(data.get("detail", "")),
-            )
+            try:
+                report = FailureReport.decode(key, self._store.get(key))
+            except ProtocolMessageError as exc:
+                self._event("stale", f"ignored a malformed failure report: {exc}")
+                continue
             if report.epoch != self._membership.epoch:
                 self._event("stale", f"refused a failure report of node {report.node_id} from epoch {report.epoch}")
                 continue
@@ -264,12 +260,11 @@ class Leader:
     # -- closing --------------------------------------------------------------------------
 
     def _fail(self, reason: str) -> None:
-        payload = json.dumps({"phase": Phase.FAILED.value, "reason": reason})
-        self._store.compare_set(keys.CLOSED, "", payload)
+        self._store.compare_set(keys.CLOSED, "", ClosedNotice(Phase.FAILED.value, reason).encode())
         self._close_from_store()
 
     def _close_from_store(self) -> None:
-        data = json.loads(self._store.get(keys.CLOSED))
-        closed = planner.close(self._membership, Phase(data["phase"]), str(data["reason"]))
+        notice = ClosedNotice.decode(keys.CLOSED, self._store.get(keys.CLOSED))
+        closed = planner.close(self._membership, Phase(notice.phase), notice.reason)
         self._publish(closed)
         self._event("closed", f"{closed.phase.value}: {closed.reason}")

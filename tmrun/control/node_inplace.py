@@ -22,9 +22,9 @@ from enum import Enum
 
 from torch.distributed import PrefixStore, Store
 
-from tmrun.control import inplace_protocol as proto
+from tmrun.protocol import keys, messages as proto
 from tmrun.control import planner
-from tmrun.rendezvous.state import Membership
+from tmrun.protocol.membership import Membership
 
 
 class Decision(Enum):
@@ -56,11 +56,11 @@ class NodeInplaceCoordinator:
 
     def _node_ranks(self, store: Store, membership: Membership) -> list[list[int]] | None:
         """Ranks of every active group rank, or None while an agent has not published them."""
-        keys = [proto.node_ranks(g) for g in range(len(membership.active))]
-        if not keys or not store.check(keys):
+        wanted = [keys.node_ranks(g) for g in range(len(membership.active))]
+        if not wanted or not store.check(wanted):
             return None
         ranks = []
-        for key in keys:
+        for key in wanted:
             data = json.loads(store.get(key))
             ranks.append([int(r) for r in data["ranks"]])
         return ranks
@@ -68,7 +68,7 @@ class NodeInplaceCoordinator:
     def _api_ranks(self, store: Store, membership: Membership) -> list[list[int]] | None:
         """Every active node's ranks once all of them run the tmrun worker API, else None."""
         ranks = self._node_ranks(store, membership)
-        if ranks is None or not store.check([proto.API]) or store.add(proto.MEMBERS, 0) < sum(map(len, ranks)):
+        if ranks is None or not store.check([keys.API]) or store.add(keys.MEMBERS, 0) < sum(map(len, ranks)):
             return None
         return ranks
 
@@ -77,11 +77,11 @@ class NodeInplaceCoordinator:
         workers are all warm, in promotion order."""
         ready = []
         for node_id in membership.standby:
-            key = proto.standby_node(node_id)
+            key = keys.standby_node(node_id)
             if not store.check([key]):
                 continue
             ids = [int(i) for i in json.loads(store.get(key))["ids"]]
-            if len(ids) == size and store.check([proto.standby_ready(i) for i in ids]):
+            if len(ids) == size and store.check([keys.standby_ready(i) for i in ids]):
                 ready.append((node_id, ids))
         return ready
 
@@ -90,9 +90,9 @@ class NodeInplaceCoordinator:
         """What to do about ``culprits`` (active nodes that failed; ``dead`` ones are gone).
         Returns the decision, the new membership (in place) and a line for the event log."""
         store = self._epoch_store(membership.epoch)
-        if not store.check([proto.API]):
+        if not store.check([keys.API]):
             return Decision.PLAIN, None, "the script does not use the tmrun worker API"
-        if store.check([proto.ABORT]):
+        if store.check([keys.ABORT]):
             return Decision.FALLBACK, None, "in-place recovery was already abandoned in this epoch"
         ranks = self._api_ranks(store, membership)
         if ranks is None:
@@ -100,7 +100,7 @@ class NodeInplaceCoordinator:
         failed = [c for c in culprits if c in membership.active]
         failed_ranks = {r for c in failed for r in ranks[membership.active.index(c)]}
         others = [r for node_ranks in ranks for r in node_ranks if r not in failed_ranks]
-        if failed and others and store.check([proto.done(r) for r in others]):
+        if failed and others and store.check([keys.done(r) for r in others]):
             return Decision.FINAL, None, "a node failed after every other rank had finished its steps"
         size = len(ranks[membership.active.index(failed[0])]) if failed else 0
         if not failed or any(len(ranks[membership.active.index(c)]) != size for c in failed):
@@ -111,7 +111,7 @@ class NodeInplaceCoordinator:
             if waited < self._standby_wait:
                 return Decision.WAIT, None, ""
             why = f"no warm standby node within {self._standby_wait:g}s"
-            store.set(proto.ABORT, proto.AbortNotice(why, proto.read_gen(store)).encode())
+            store.set(keys.ABORT, proto.AbortNotice(why, proto.read_gen(store)).encode())
             return Decision.FALLBACK, None, why
         swapped, why = self._publish(store, membership, ranks, dict(zip(failed, (n for n, _ in standby))),
                                      dict(standby), dead, planned=False, started=first_seen)
@@ -128,14 +128,14 @@ class NodeInplaceCoordinator:
         for culprit, node_id in moves.items():
             group_rank = membership.active.index(culprit)
             replaced.update(zip(ranks[group_rank], standby_ids[node_id]))
-            store.set(proto.node_ranks(group_rank), json.dumps({"node_id": node_id, "ranks": ranks[group_rank]}))
+            store.set(keys.node_ranks(group_rank), json.dumps({"node_id": node_id, "ranks": ranks[group_rank]}))
         swapped = planner.replace_in_place(membership, moves, dead)
         plan = proto.ReplacementPlan(gen, world_size, replaced, reason=swapped.reason, planned=planned,
                                      created=time.time())
         for rank, standby_id in replaced.items():
-            store.set(proto.standby_assign(standby_id), proto.Assignment(rank, gen, planned=planned).encode())
-        store.set(proto.plan(gen), plan.encode())
-        store.set(proto.GEN, str(gen))
+            store.set(keys.standby_assign(standby_id), proto.Assignment(rank, gen, planned=planned).encode())
+        store.set(keys.plan(gen), plan.encode())
+        store.set(keys.GEN, str(gen))
         self._awaiting.append(_Recovery(membership.epoch, gen, world_size, started))
         ranks_moved = ", ".join(f"{rank}->standby {sid}" for rank, sid in sorted(replaced.items()))
         return swapped, f"generation {gen}: {swapped.reason} (ranks {ranks_moved})"
@@ -146,7 +146,7 @@ class NodeInplaceCoordinator:
         leave; nothing is recomputed). Returns the new membership (or None) and events (kind, detail).
         One change at a time: nothing happens while a recovery is under way."""
         events: list[tuple[str, str]] = []
-        for number, key in proto.numbered(self._job, proto.MIGRATE_SEQ, proto.migrate_request, self._migrations_seen):
+        for number, key in proto.numbered(self._job, keys.MIGRATE_SEQ, keys.migrate_request, self._migrations_seen):
             if self._awaiting:
                 break  # retried once the current change is over
             self._migrations_seen = number + 1
@@ -177,17 +177,17 @@ class NodeInplaceCoordinator:
         return None, events
 
     def _epoch_store(self, epoch: int) -> Store:
-        return PrefixStore(proto.node_prefix(self._run_id, epoch), self._raw)
+        return PrefixStore(keys.node_prefix(self._run_id, epoch), self._raw)
 
     def recovered(self) -> list[str]:
         """Lines for the event log: generations whose every rank finished recovering."""
         lines = []
         for recovery in list(self._awaiting):
             store = self._epoch_store(recovery.epoch)
-            if store.add(proto.recovered(recovery.gen), 0) >= recovery.world_size:
+            if store.add(keys.recovered(recovery.gen), 0) >= recovery.world_size:
                 self._awaiting.remove(recovery)
                 elapsed = time.monotonic() - recovery.started
                 lines.append(f"generation {recovery.gen}: all {recovery.world_size} ranks back in {elapsed:.3f}s")
-            elif proto.read_gen(store) > recovery.gen or store.check([proto.ABORT]):
+            elif proto.read_gen(store) > recovery.gen or store.check([keys.ABORT]):
                 self._awaiting.remove(recovery)  # superseded by a later failure, or abandoned
         return lines

@@ -7,35 +7,11 @@ so the rules are tested without processes or stores.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 
-from tmrun.rendezvous.state import Membership, Phase
+from tmrun.protocol.membership import GroupLimits, Membership, Phase
+from tmrun.protocol.messages import FailureReport
 
 HOLE = -1  # an active group rank whose node is gone and not yet replaced
-
-
-@dataclass(frozen=True)
-class GroupLimits:
-    """How many nodes the job wants: torchrun's --nnodes MIN:MAX plus --standby."""
-
-    min_nodes: int
-    max_nodes: int
-    standby: int
-
-    @property
-    def elastic(self) -> bool:
-        return self.min_nodes < self.max_nodes
-
-
-@dataclass(frozen=True)
-class FailureReport:
-    """What an agent saw when one of its workers failed (or what the leader saw of a node)."""
-
-    node_id: int
-    epoch: int
-    by_signal: bool  # a worker was killed by a signal (the likely root cause)
-    node_dead: bool = False  # the agent itself is gone (liveness channel closed)
-    detail: str = ""
 
 
 def _copy(membership: Membership) -> Membership:

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from datetime import timedelta
 
 from torch.distributed import PrefixStore, Store, TCPStore
 
-from tmrun.control.events import Event, read_events
-from tmrun.rendezvous import keys
+from tmrun.control.events import read_events
+from tmrun.protocol import keys
 from tmrun.rendezvous.endpoint import Endpoint, EndpointError
-from tmrun.rendezvous.state import Membership
+from tmrun.protocol.membership import Membership
+from tmrun.protocol.messages import Event, NodeInfo, ProtocolMessageError, WorkersInfo
 
 
 @dataclass(frozen=True)
@@ -51,19 +51,22 @@ def read_status(store: Store, run_id: str, endpoint: str) -> JobStatus:
     for node_id in range(store.add(keys.NODE_SEQ, 0)):
         if not store.check([keys.node_info(node_id)]):
             continue
-        info = json.loads(store.get(keys.node_info(node_id)))
-        workers: dict[str, object] = {}
-        if store.check([keys.node_workers(node_id)]):
-            workers = json.loads(store.get(keys.node_workers(node_id)))
+        try:
+            info = NodeInfo.decode(keys.node_info(node_id), store.get(keys.node_info(node_id)))
+            workers = WorkersInfo(epoch=0, group_rank=None, agent_pid=info.pid)
+            if store.check([keys.node_workers(node_id)]):
+                workers = WorkersInfo.decode(keys.node_workers(node_id), store.get(keys.node_workers(node_id)))
+        except ProtocolMessageError:
+            continue  # a damaged entry: show the rest
         nodes.append(
             NodeStatus(
                 node_id=node_id,
                 role=membership.role_of(node_id),
                 group_rank=membership.group_rank_of(node_id),
-                host=str(info.get("host", "?")),
-                agent_pid=int(info.get("pid", 0)),
-                workers=list(workers.get("workers", [])) if membership.role_of(node_id) == "active" else [],  # type: ignore[arg-type]
-                standby_workers=list(workers.get("standby_workers", [])),  # type: ignore[arg-type]
+                host=info.host,
+                agent_pid=info.pid,
+                workers=list(workers.workers) if membership.role_of(node_id) == "active" else [],
+                standby_workers=list(workers.standby_workers),
             )
         )
     return JobStatus(run_id, endpoint, membership, nodes, read_events(store))

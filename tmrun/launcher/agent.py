@@ -35,12 +35,12 @@ from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from tmrun.console import say
-from tmrun.control import inplace_protocol as proto
+from tmrun.protocol import keys, messages as proto
 from tmrun.launcher.inplace import InplaceController
 from tmrun.launcher.node_member import NodeMember
 from tmrun.launcher.standby_pool import StandbyPool
 from tmrun.rendezvous.handler import TmrunRendezvousHandler
-from tmrun.rendezvous.state import Membership, Phase
+from tmrun.protocol.membership import Membership, Phase
 
 
 class TmrunAgent(LocalElasticAgent):
@@ -237,7 +237,7 @@ class TmrunAgent(LocalElasticAgent):
         ranks = {w.global_rank for w in worker_group.workers}
         adopted: dict[int, Any] = {}
         for standby in self._node_pool.members:
-            key = proto.standby_assign(standby.index)
+            key = keys.standby_assign(standby.index)
             if store.check([key]):
                 assignment = proto.Assignment.decode(key, store.get(key))
                 if assignment.rank in ranks:
@@ -259,7 +259,7 @@ class TmrunAgent(LocalElasticAgent):
             self._node_pool = StandbyPool(spec.local_world_size, handler.get_run_id(),
                                           first_index=1000 * (handler.node_id or 0), by_local_rank=True)
             self._node_pool.worker_env = {
-                **self._inplace_env(handler, proto.node_prefix(handler.get_run_id(), membership.epoch),
+                **self._inplace_env(handler, keys.node_prefix(handler.get_run_id(), membership.epoch),
                                     os.path.join(self._node_dir, f"gen-{membership.epoch}")),
                 "WORLD_SIZE": str(len(membership.active) * spec.local_world_size),
                 "LOCAL_WORLD_SIZE": str(spec.local_world_size),
@@ -273,13 +273,13 @@ class TmrunAgent(LocalElasticAgent):
         pool.fill()
         ids = [m.index for m in sorted(pool.members, key=lambda m: m.local_rank)]
         if ids != self._standby_ids and len(ids) == spec.local_world_size:
-            self._node_store(handler, membership.epoch).set(proto.standby_node(handler.node_id or 0), json.dumps({"ids": ids}))
+            self._node_store(handler, membership.epoch).set(keys.standby_node(handler.node_id or 0), json.dumps({"ids": ids}))
             self._standby_ids = ids
 
     @staticmethod
     def _node_store(handler: TmrunRendezvousHandler, epoch: int) -> PrefixStore:
         """The in-place protocol's store of ``epoch`` (several nodes)."""
-        return PrefixStore(proto.node_prefix(handler.get_run_id(), epoch), handler._tcp_store)
+        return PrefixStore(keys.node_prefix(handler.get_run_id(), epoch), handler.raw_store)
 
     def _stop_node_pool(self) -> None:
         if self._node_pool is not None:
@@ -312,7 +312,7 @@ class TmrunAgent(LocalElasticAgent):
         spec = worker_group.spec
         prefix = f"tmrun/{handler.get_run_id()}/ip/{self._group_starts}/"
         self._group_starts += 1
-        store = PrefixStore(prefix, handler._tcp_store)
+        store = PrefixStore(prefix, handler.raw_store)
         events = handler.store
         world_size = worker_group.workers[0].world_size if worker_group.workers else spec.local_world_size
         gen_file = os.path.join(self._standby_pool.directory, f"gen-{self._group_starts - 1}")
@@ -339,8 +339,8 @@ class TmrunAgent(LocalElasticAgent):
         world_size = worker_group.workers[0].world_size if worker_group.workers else worker_group.spec.local_world_size
         self._member = NodeMember(store, world_size, gen_file, handler.report_failure)
         ranks = [w.global_rank for w in worker_group.workers]
-        store.set(proto.node_ranks(worker_group.group_rank or 0), json.dumps({"node_id": handler.node_id, "ranks": ranks}))
-        prefix = proto.node_prefix(handler.get_run_id(), handler.epoch)
+        store.set(keys.node_ranks(worker_group.group_rank or 0), json.dumps({"node_id": handler.node_id, "ranks": ranks}))
+        prefix = keys.node_prefix(handler.get_run_id(), handler.epoch)
         os.environ.update(self._inplace_env(handler, prefix, gen_file))  # the workers torch starts inherit these
 
     def _stop_promoted(self) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from torch.distributed import Store
 
 from tmrun.console import say
-from tmrun.control import inplace_protocol as proto
+from tmrun.protocol import keys, messages as proto
 from tmrun.control.events import record_event
 from tmrun.launcher.standby_pool import StandbyMember, StandbyPool, terminate
 from tmrun.launcher.worker_slots import Slot, WorkerSlots, write_gen_file
@@ -49,7 +49,7 @@ class InplaceController(WorkerSlots):
         self.replacements = 0
         self._awaiting: dict[int, float] = {}  # generation -> when its failure was seen
         self._leavers: list[Slot] = []  # migrated ranks' old processes, leaving on their own
-        self._migrations_seen = events_store.add(proto.MIGRATE_SEQ, 0)  # older requests were for older groups
+        self._migrations_seen = events_store.add(keys.MIGRATE_SEQ, 0)  # older requests were for older groups
         self._write_gen_file()
 
     def adopt(self, processes: dict[int, subprocess.Popen[bytes]]) -> None:
@@ -84,7 +84,7 @@ class InplaceController(WorkerSlots):
 
     def _check_recovered(self) -> None:
         for gen, seen in list(self._awaiting.items()):
-            if self._store.add(proto.recovered(gen), 0) >= self._world_size:
+            if self._store.add(keys.recovered(gen), 0) >= self._world_size:
                 del self._awaiting[gen]
                 self._refill_at = time.monotonic() + self._refill_delay
                 elapsed = time.monotonic() - seen
@@ -105,7 +105,7 @@ class InplaceController(WorkerSlots):
                 say(f"rank {slot.rank}'s previous process (pid {slot.pid}) left with exit code {code}")
 
     def _read_migrations(self) -> None:
-        for number, key in proto.numbered(self._events, proto.MIGRATE_SEQ, proto.migrate_request, self._migrations_seen):
+        for number, key in proto.numbered(self._events, keys.MIGRATE_SEQ, keys.migrate_request, self._migrations_seen):
             if self._awaiting or not self.enabled():
                 return  # one change at a time: retry once the current one is over
             self._migrations_seen = number + 1
@@ -155,13 +155,13 @@ class InplaceController(WorkerSlots):
 
     def _ready_standby(self) -> StandbyMember | None:
         for member in self._pool.members:
-            if member.process.poll() is None and self._store.check([proto.standby_ready(member.index)]):
+            if member.process.poll() is None and self._store.check([keys.standby_ready(member.index)]):
                 return member
         return None
 
     def _replace(self, rank: int, exitcode: int) -> Outcome | None:
         slot = self.slots[rank]
-        others_done = all(self._store.check([proto.done(r)]) for r in self.slots if r != rank)
+        others_done = all(self._store.check([keys.done(r)]) for r in self.slots if r != rank)
         if others_done:
             say(f"rank {rank} failed with exit code {exitcode} after every other rank finished its steps; "
                 "the job ends failed (a restart would redo the whole training)")
@@ -198,9 +198,9 @@ class InplaceController(WorkerSlots):
         self._awaiting[self.gen] = started
         plan = proto.ReplacementPlan(self.gen, self._world_size, {rank: member.index}, reason=reason,
                                      planned=planned, created=time.time())
-        self._store.set(proto.standby_assign(member.index), proto.Assignment(rank, self.gen, planned=planned).encode())
-        self._store.set(proto.plan(self.gen), plan.encode())
-        self._store.set(proto.GEN, str(self.gen))
+        self._store.set(keys.standby_assign(member.index), proto.Assignment(rank, self.gen, planned=planned).encode())
+        self._store.set(keys.plan(self.gen), plan.encode())
+        self._store.set(keys.GEN, str(self.gen))
         self._write_gen_file()  # after the plan is in the store: a reader that sees it finds the plan
         self._pool.take(member)
         self.slots[rank] = Slot(rank, member.process, promoted=True)
@@ -210,7 +210,7 @@ class InplaceController(WorkerSlots):
 
     def _abandon(self, rank: int, exitcode: int, why: str) -> Outcome:
         say(f"rank {rank} failed and {why}: falling back to restarting the worker group (as torchrun)")
-        self._store.set(proto.ABORT, proto.AbortNotice(why, self.gen).encode())
+        self._store.set(keys.ABORT, proto.AbortNotice(why, self.gen).encode())
         record_event(self._events, "fallback", self.gen, f"rank {rank}: {why}")
         return Outcome(failed={rank: exitcode}, reason=why)
 

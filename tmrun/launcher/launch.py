@@ -14,9 +14,9 @@ from torch.distributed.launcher.api import LaunchConfig
 from tmrun.console import say
 from tmrun.launcher.agent import TmrunAgent
 from tmrun.launcher.runfile import remove_runfile, write_runfile
-from tmrun.rendezvous import register_tmrun_backend
+from tmrun.control.rendezvous_backend import register_tmrun_backend
 from tmrun.rendezvous.handler import NodeRetiredError, TmrunRendezvousHandler
-from tmrun.rendezvous.state import Phase
+from tmrun.protocol.membership import Phase
 
 
 class LaunchError(RuntimeError):

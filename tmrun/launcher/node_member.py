@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from torch.distributed import Store
 
 from tmrun.console import say
-from tmrun.control import inplace_protocol as proto
+from tmrun.protocol import keys, messages as proto
 from tmrun.launcher.standby_pool import terminate
 from tmrun.launcher.worker_slots import Slot, WorkerSlots, write_gen_file
 

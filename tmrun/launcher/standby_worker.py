@@ -9,7 +9,6 @@ script it only stands ready. It leaves on SIGTERM (exit 0) or when its agent is 
 
 from __future__ import annotations
 
-import json
 import os
 import runpy
 import signal
@@ -17,7 +16,8 @@ import sys
 import time
 from datetime import timedelta
 
-from tmrun.control import inplace_protocol as proto
+from tmrun.protocol import keys
+from tmrun.protocol.environment import LaunchEnv, Mode
 
 
 def _python_target(argv: list[str]) -> tuple[str, str] | None:
@@ -44,26 +44,24 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, _on_term)
     signal.signal(signal.SIGINT, _on_term)
-    agent_pid = int(os.environ.get("TMRUN_AGENT_PID", "0"))
+    env = LaunchEnv.from_environ()
     import torch  # noqa: F401  - the warm-up: importing torch is most of a cold start
     import torch.distributed as dist
 
-    ready_file = os.environ.get("TMRUN_STANDBY_READY_FILE")
-    if ready_file:
-        with open(ready_file, "w") as ready:
+    if env.ready_file:
+        with open(env.ready_file, "w") as ready:
             ready.write(str(os.getpid()))
-    argv = json.loads(os.environ.get("TMRUN_ENTRYPOINT", "[]"))
+    argv = list(env.entrypoint)
     target = _python_target(argv)
     store = None
-    address = os.environ.get("TMRUN_IP_STORE", "")
-    if target is not None and address:
-        host, _, port = address.rpartition(":")
-        tcp = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60), wait_for_workers=False)
-        store = dist.PrefixStore(os.environ["TMRUN_IP_PREFIX"], tcp)
+    if target is not None and env.mode is not Mode.PLAIN:
+        tcp = dist.TCPStore(env.store_host, env.store_port, is_master=False, timeout=timedelta(seconds=60),
+                            wait_for_workers=False)
+        store = dist.PrefixStore(env.store_prefix, tcp)
     while not stop:
-        if agent_pid and os.getppid() != agent_pid:
+        if env.agent_pid and os.getppid() != env.agent_pid:
             return 0  # orphaned: the agent died without stopping us
-        if store is not None and target is not None and store.check([proto.API]):
+        if store is not None and target is not None and store.check([keys.API]):
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)
             kind, name = target

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from torch.distributed import Store
 
 from tmrun.console import say
-from tmrun.control import inplace_protocol as proto
+from tmrun.protocol import keys, messages as proto
 
 
 @dataclass
@@ -51,8 +51,8 @@ class WorkerSlots:
 
     def enabled(self) -> bool:
         """True once every rank of the job runs the tmrun worker API."""
-        if not self._enabled and self._store.check([proto.API]):
-            self._enabled = self._store.add(proto.MEMBERS, 0) >= self._world_size
+        if not self._enabled and self._store.check([keys.API]):
+            self._enabled = self._store.add(keys.MEMBERS, 0) >= self._world_size
         return self._enabled
 
     def pids(self) -> list[int]:
@@ -61,7 +61,7 @@ class WorkerSlots:
     def _new_reports(self) -> Iterator[proto.WorkerReport]:
         """Workers' reports written since the last call, in order (a malformed one is logged
         and skipped)."""
-        for number, key in proto.numbered(self._store, proto.REPORT_SEQ, proto.report, self._reports_seen):
+        for number, key in proto.numbered(self._store, keys.REPORT_SEQ, keys.report, self._reports_seen):
             self._reports_seen = number + 1
             try:
                 yield proto.WorkerReport.decode(key, self._store.get(key))

@@ -1,20 +1,23 @@
 """The "tmrun" rendezvous handler: epochs, active and standby nodes, one leader.
 
 Every agent registers as a node. The agent that hosts the store runs the leader, which decides
-membership; the others only read it. ``next_rendezvous`` returns when this node holds a group
+membership; the others only read it. The leader is not part of this package: it is given to the
+handler as ``start_leader`` (see :mod:`tmrun.control.rendezvous_backend`, which builds handlers
+for torch's registry), so that decisions live in ``control`` and this package only adapts the
+store and the membership to torch's ``RendezvousHandler``. ``next_rendezvous`` returns when this node holds a group
 rank in an epoch newer than the one it last ran; a standby node waits inside it until promoted.
 Each epoch gets its own key prefix, so no restart ever reads an address an earlier one wrote.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from torch.distributed import PrefixStore, Store
 from torch.distributed.elastic.rendezvous import (
@@ -27,12 +30,11 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from tmrun.console import say
-from tmrun.control.leader import Leader, LeaderConfig
-from tmrun.control.liveness import LivenessBeacon
-from tmrun.control.planner import GroupLimits
-from tmrun.rendezvous import keys
+from tmrun.protocol import keys
+from tmrun.protocol.membership import GroupLimits, Membership, Phase
+from tmrun.protocol.messages import ClosedNotice, FailureReport, LeaderInfo, NodeInfo, WorkersInfo
 from tmrun.rendezvous.endpoint import Endpoint, open_store, parse_endpoint
-from tmrun.rendezvous.state import Membership, Phase
+from tmrun.rendezvous.liveness import LivenessBeacon
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,18 @@ BACKEND_NAME = "tmrun"
 class NodeRetiredError(RendezvousClosedError):
     """This node's ranks were taken over in place by a standby node: its agent leaves (the job
     goes on without it)."""
+
+
+class LeaderHandle(Protocol):
+    """The leader thread, as the handler of its host sees it."""
+
+    error: BaseException | None  # set when the leader stopped on an error
+
+    def stop(self) -> None: ...
+
+
+# (raw store, config, the host to advertise) -> the started leader
+StartLeader = Callable[[Store, "TmrunRendezvousConfig", str], LeaderHandle]
 
 
 class RendezvousConfigError(ValueError):
@@ -102,7 +116,7 @@ class TmrunRendezvousConfig:
 
 
 class TmrunRendezvousHandler(RendezvousHandler):
-    def __init__(self, config: TmrunRendezvousConfig) -> None:
+    def __init__(self, config: TmrunRendezvousConfig, start_leader: StartLeader | None = None) -> None:
         self.config = config
         store, self.is_host, port = open_store(
             config.endpoint,
@@ -111,20 +125,23 @@ class TmrunRendezvousHandler(RendezvousHandler):
             may_host=config.may_host,
         )
         self.endpoint = Endpoint(config.endpoint.host, port)
-        self._tcp_store = store
+        self._raw_store = store
         self.store: Store = PrefixStore(keys.job_prefix(config.run_id), store)
         self.node_id: int | None = None
         self.epoch = 0
         self.membership = Membership()
         self._state_version = -1
-        self._leader: Leader | None = None
+        self._leader: LeaderHandle | None = None
+        self._start_leader_with = start_leader
         self._beacon: LivenessBeacon | None = None
         self._left = False
         # called while this node stands by, with the current membership (the agent keeps its
         # standby workers warm for the active group's epoch)
         self.on_standby: Callable[[Membership], None] | None = None
         if self.is_host:
-            self._start_leader()
+            if start_leader is None:
+                raise RendezvousConfigError("this agent hosts the store but was given no leader to run")
+            self._start_leader(start_leader)
 
     # -- RendezvousHandler ----------------------------------------------------------------
 
@@ -138,6 +155,11 @@ class TmrunRendezvousHandler(RendezvousHandler):
 
     def get_run_id(self) -> str:
         return self.config.run_id
+
+    @property
+    def raw_store(self) -> Store:
+        """The job's store without any prefix (the in-place protocol's keys are full paths)."""
+        return self._raw_store
 
     def next_rendezvous(self) -> RendezvousInfo:
         if self.node_id is None:
@@ -190,14 +212,13 @@ class TmrunRendezvousHandler(RendezvousHandler):
 
     def close(self, phase: Phase, reason: str) -> None:
         """Close the job for everyone (first closer wins)."""
-        payload = json.dumps({"phase": phase.value, "reason": reason})
-        self.store.compare_set(keys.CLOSED, "", payload)
+        self.store.compare_set(keys.CLOSED, "", ClosedNotice(phase.value, reason).encode())
 
     def closed_reason(self) -> tuple[Phase, str] | None:
         if not self.store.check([keys.CLOSED]):
             return None
-        data = json.loads(self.store.get(keys.CLOSED))
-        return Phase(data["phase"]), str(data["reason"])
+        notice = ClosedNotice.decode(keys.CLOSED, self.store.get(keys.CLOSED))
+        return Phase(notice.phase), notice.reason
 
     def check_retired(self) -> None:
         """Raise :class:`NodeRetiredError` once a standby node took this node's ranks in place."""
@@ -207,13 +228,14 @@ class TmrunRendezvousHandler(RendezvousHandler):
 
     def report_failure(self, by_signal: bool, detail: str) -> None:
         """Tell the leader that a worker of this node failed in the current epoch."""
+        assert self.node_id is not None
         seq = self.store.add(keys.FAIL_SEQ, 1) - 1
-        report = {"node_id": self.node_id, "epoch": self.epoch, "by_signal": by_signal, "detail": detail}
-        self.store.set(keys.failure(seq), json.dumps(report))
+        report = FailureReport(node_id=self.node_id, epoch=self.epoch, by_signal=by_signal, detail=detail)
+        self.store.set(keys.failure(seq), report.encode())
 
-    def publish_workers(self, info: dict[str, object]) -> None:
+    def publish_workers(self, info: WorkersInfo) -> None:
         if self.node_id is not None:
-            self.store.set(keys.node_workers(self.node_id), json.dumps(info))
+            self.store.set(keys.node_workers(self.node_id), info.encode())
 
     def leave(self) -> None:
         """Say goodbye; the host keeps the store up (bounded) until every live node has left."""
@@ -234,38 +256,19 @@ class TmrunRendezvousHandler(RendezvousHandler):
 
     # -- internals --------------------------------------------------------------------------
 
-    def _start_leader(self) -> None:
-        raw_store = self._tcp_store.clone()
-        leader_store = PrefixStore(keys.job_prefix(self.config.run_id), raw_store)
-        leader_config = LeaderConfig(
-            run_id=self.config.run_id,
-            limits=self.config.limits,
-            last_call_timeout=self.config.last_call_timeout,
-            join_timeout=self.config.join_timeout,
-            failure_settle=self.config.failure_settle,
-            heartbeat_timeout=self.config.heartbeat_timeout,
-            standby_wait=self.config.standby_wait,
-        )
-        self._leader = Leader(leader_store, leader_config, raw_store)
+    def _start_leader(self, start_leader: StartLeader) -> None:
         advertise = self.config.endpoint.host
         if advertise in ("localhost", "0.0.0.0", ""):
             advertise = "127.0.0.1"
-        self._leader.start(advertise)
-        self.store.set(
-            keys.LEADER_INFO,
-            json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "endpoint": str(self.endpoint)}),
-        )
+        self._leader = start_leader(self._raw_store.clone(), self.config, advertise)
+        info = LeaderInfo(host=socket.gethostname(), pid=os.getpid(), endpoint=str(self.endpoint))
+        self.store.set(keys.LEADER_INFO, info.encode())
 
     def _register(self) -> None:
         self.node_id = self.store.add(keys.NODE_SEQ, 1) - 1
-        info = {
-            "host": socket.gethostname(),
-            "addr": self.config.local_addr or socket.getfqdn(),
-            "pid": os.getpid(),
-            "node_rank_hint": self.config.node_rank_hint,
-            "time": time.time(),
-        }
-        self.store.set(keys.node_info(self.node_id), json.dumps(info))
+        info = NodeInfo(host=socket.gethostname(), addr=self.config.local_addr or socket.getfqdn(), pid=os.getpid(),
+                        node_rank_hint=self.config.node_rank_hint, time=time.time())
+        self.store.set(keys.node_info(self.node_id), info.encode())
         host, port = self.store.get(keys.LIVENESS_ADDR).decode().rsplit(":", 1)
         self._beacon = LivenessBeacon(host, int(port), self.config.run_id, self.node_id, self.config.heartbeat_interval)
 
@@ -294,7 +297,3 @@ class TmrunRendezvousHandler(RendezvousHandler):
             if self.store.add(keys.LEFT, 0) + gone >= registered:
                 return
             time.sleep(0.05)
-
-
-def create_handler(params: RendezvousParameters) -> TmrunRendezvousHandler:
-    return TmrunRendezvousHandler(TmrunRendezvousConfig.from_parameters(params))

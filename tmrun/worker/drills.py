@@ -25,7 +25,9 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
-ENV = "TMRUN_INJECT_FAILURE"
+from tmrun.protocol import environment
+
+ENV = environment.ENV_INJECT_FAILURE
 POINTS = ("step", "forward", "backward", "optimizer", "transfer", "promotion", "handover")
 ANY_STEP = ("promotion", "handover")  # points that happen once, whatever the step
 STEP_OPTIONAL = (*ANY_STEP, "transfer")  # without step=, a transfer drill fires at the first donation
@@ -103,7 +105,7 @@ def _signal_node(signum: int) -> None:
     """Signal this node's agent first (so that it cannot react), then its other children."""
     import psutil
 
-    agent_pid = int(os.environ.get("TMRUN_AGENT_PID", "0") or 0)
+    agent_pid = int(os.environ.get(environment.ENV_AGENT_PID, "0") or 0)
     if not agent_pid:
         return
     try:
@@ -150,8 +152,8 @@ class DrillRunner:
 
     @classmethod
     def from_environ(cls, rank: int, promoted: bool) -> DrillRunner:
-        group_rank = int(os.environ.get("GROUP_RANK", "-1") or -1)
-        local_rank = int(os.environ.get("LOCAL_RANK", "-1") or -1)
+        group_rank = int(os.environ.get(environment.ENV_GROUP_RANK, "-1") or -1)
+        local_rank = int(os.environ.get(environment.ENV_LOCAL_RANK, "-1") or -1)
         return cls(parse_all(os.environ.get(ENV, "")), rank, promoted, group_rank, local_rank)
 
     def rebind(self, rank: int, promoted: bool) -> None:

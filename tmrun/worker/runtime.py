@@ -27,15 +27,14 @@ import torch
 import torch.distributed as dist
 
 from tmrun.comm import native
-from tmrun.control import inplace_protocol as proto
+from tmrun.protocol import keys, messages as proto
 from tmrun.worker import group, rng
 from tmrun.worker.drills import DrillRunner
-from tmrun.worker.launch_env import LaunchEnv, Mode
+from tmrun.protocol.environment import LaunchEnv, Mode
 from tmrun.worker.leave import leave
 from tmrun.worker.tracked import TrackedState
 from tmrun.worker.transfer import PendingPart, TransferError, agree, hand_over, heal, take_over
 
-COMM_PREFIX = "comm"
 POLL = 0.02  # a standby waiting to be needed
 FAST_POLL = 0.002  # a survivor waiting for the plan (downtime)
 
@@ -189,7 +188,7 @@ class Runtime:
                 step = self._planned_boundary(plan, done_step=step - 1)
         if self.in_place and not self._standby:
             assert self._store is not None
-            self._store.set(proto.done(self._rank), str(self._committed_step))
+            self._store.set(keys.done(self._rank), str(self._committed_step))
 
     # -- setup ------------------------------------------------------------------------------
 
@@ -203,20 +202,20 @@ class Runtime:
             env.store_host, env.store_port, is_master=False, timeout=timedelta(seconds=60), wait_for_workers=False
         )
         self._store = dist.PrefixStore(env.store_prefix, tcp)
-        job_store = dist.PrefixStore(f"tmrun/{env.run_id}/", tcp)
+        job_store = dist.PrefixStore(keys.job_prefix(env.run_id), tcp)
         self._job_store = job_store
-        self._drills.claim = lambda index: job_store.add(f"drill/{index}", 1) == 1
+        self._drills.claim = lambda index: job_store.add(keys.drill(index), 1) == 1
         if env.mode is Mode.STANDBY:
             signal.signal(signal.SIGTERM, self._on_term)
             group.init_local(env.world_size)
             return
         self._gen = proto.read_gen(self._store)
-        group.init_active(dist.PrefixStore("pg/", self._store), env.rank, env.world_size, env.comm_timeout)
+        group.init_active(dist.PrefixStore(keys.PG_PREFIX, self._store), env.rank, env.world_size, env.comm_timeout)
         group.set_failure_handler(self._on_comm_failure)
         if env.rank == 0:
-            self._store.set(proto.JOB_ID, group.comm().job_id)
-        self._store.set(proto.API, "1")
-        self._store.add(proto.MEMBERS, 1)
+            self._store.set(keys.JOB_ID, group.comm().job_id)
+        self._store.set(keys.API, "1")
+        self._store.add(keys.MEMBERS, 1)
 
     def _on_term(self, signum: int, frame: object) -> None:
         self._stop_requested = True
@@ -256,7 +255,7 @@ class Runtime:
             assert self._store is not None
             states = rng.capture()
             if self._rng_published is None or not rng.same(states, self._rng_published):
-                self._store.set(proto.rng(self._rank), pickle.dumps((step, states)))
+                self._store.set(keys.rng(self._rank), pickle.dumps((step, states)))
                 self._rng_published = states
             self._rng_recorded_for = step
 
@@ -273,16 +272,16 @@ class Runtime:
 
     def _report(self, lost: int, detail: str) -> None:
         assert self._store is not None
-        seq = self._store.add(proto.REPORT_SEQ, 1) - 1
+        seq = self._store.add(keys.REPORT_SEQ, 1) - 1
         message = proto.WorkerReport(reporter=self._rank, lost=max(lost, -1), gen=self._gen, detail=detail[:300])
-        self._store.set(proto.report(seq), message.encode())
+        self._store.set(keys.report(seq), message.encode())
 
     def _pending_plan(self) -> proto.ReplacementPlan | None:
         """The next generation's plan, once the controller published it."""
         if not self.in_place or self._standby:
             return None
         assert self._store is not None
-        key = proto.plan(self._gen + 1)
+        key = keys.plan(self._gen + 1)
         if self._cached_plan is not None and self._cached_plan.gen == self._gen + 1:
             return self._cached_plan
         if self._env.gen_file and self._published_gen() <= self._gen:
@@ -307,9 +306,9 @@ class Runtime:
         more than one step apart (every step has a collective), so the first rank to see the
         plan fixes the switch at the end of the *next* step: nobody can be past it."""
         assert self._store is not None
-        switch_at = int(self._store.compare_set(proto.switch(plan.gen), "", str(done_step + 1)).decode())
+        switch_at = int(self._store.compare_set(keys.switch(plan.gen), "", str(done_step + 1)).decode())
         leaving = self._rank in plan.replaced
-        cstore = dist.PrefixStore(f"{COMM_PREFIX}/", self._store)
+        cstore = dist.PrefixStore(keys.COMM_PREFIX, self._store)
         if not leaving and self._prepared_gen != plan.gen:
             # phase 1 while training goes on: links to the joiner are built in the background
             native.prepare_replacement(cstore, group.comm(), plan.replaced.keys(), plan.gen)
@@ -328,10 +327,10 @@ class Runtime:
     def _handoff_comm(self, plan_gen: int, rank: int) -> Any:
         """A 2-member link between this rank's leaver (0) and joiner (1)."""
         assert self._store is not None
-        job_id = self._store.get(proto.JOB_ID).decode()
+        job_id = self._store.get(keys.JOB_ID).decode()
         return native.connect_via_store(
-            dist.PrefixStore(f"{COMM_PREFIX}/", self._store), rank, 2, f"{job_id}/handoff{plan_gen}/{self._rank}", 0,
-            prefix=proto.handoff_prefix(plan_gen, self._rank), timeout=self._env.comm_timeout,
+            dist.PrefixStore(keys.COMM_PREFIX, self._store), rank, 2, f"{job_id}/handoff{plan_gen}/{self._rank}", 0,
+            prefix=keys.handoff_prefix(plan_gen, self._rank), timeout=self._env.comm_timeout,
             connect_timeout=self._env.recovery_timeout, op_timeout=self._env.recovery_timeout,
         )
 
@@ -401,8 +400,8 @@ class Runtime:
             if polls % 10 and poll < POLL:
                 time.sleep(poll)
                 continue  # the other checks at POLL's pace
-            if self._store.check([proto.ABORT]):
-                notice = proto.AbortNotice.decode(proto.ABORT, self._store.get(proto.ABORT))
+            if self._store.check([keys.ABORT]):
+                notice = proto.AbortNotice.decode(keys.ABORT, self._store.get(keys.ABORT))
                 raise RecoveryError(f"in-place recovery abandoned by the controller: {notice.reason}")
             if self._stop_requested:
                 raise SystemExit(0)
@@ -421,12 +420,12 @@ class Runtime:
         started = time.monotonic()
         aborted_step = self._current_step
         while True:
-            key = proto.plan(self._gen + 1)
+            key = keys.plan(self._gen + 1)
             raw = self._await_key(key, started + self._env.recovery_timeout, poll=FAST_POLL)
             plan = proto.ReplacementPlan.decode(key, raw)
             try:
                 comm = group.comm()
-                cstore = dist.PrefixStore(f"{COMM_PREFIX}/", self._store)
+                cstore = dist.PrefixStore(keys.COMM_PREFIX, self._store)
                 native.prepare_replacement(cstore, comm, plan.replaced.keys(), plan.gen)
                 comm.commit()
                 self._gen = plan.gen
@@ -450,14 +449,14 @@ class Runtime:
         traffic = group.traffic()
         finite = all(bool(torch.isfinite(t).all()) for _, t in self._state.tensors() if t.is_floating_point())
         report = {"pid": os.getpid(), "shadow_steps": self._shadow_done, "finite": finite, **traffic}
-        self._store.set(proto.standby_ready(self._env.standby_id), json.dumps(report))
+        self._store.set(keys.standby_ready(self._env.standby_id), json.dumps(report))
         _log(
             f"standby {self._env.standby_id} warm after {self._shadow_done} shadow steps "
             f"({traffic['local_ops']} collectives served locally, "
             f"{traffic['bytes_sent'] + traffic['bytes_recv']} bytes on the network, "
             f"tracked values {'finite' if finite else 'NOT finite'}); waiting"
         )
-        key = proto.standby_assign(self._env.standby_id)
+        key = keys.standby_assign(self._env.standby_id)
         raw = self._await_key(key, float("inf"), poll=POLL / 2)
         self._assigned_at = time.monotonic()
         assignment = proto.Assignment.decode(key, raw)
@@ -471,8 +470,8 @@ class Runtime:
         """Take the assigned rank: connect for the new generation, then heal."""
         assert self._store is not None
         started = self._assigned_at
-        job_id = self._store.get(proto.JOB_ID).decode()
-        cstore = dist.PrefixStore(f"{COMM_PREFIX}/", self._store)
+        job_id = self._store.get(keys.JOB_ID).decode()
+        cstore = dist.PrefixStore(keys.COMM_PREFIX, self._store)
         comm = native.join_via_store(
             cstore, assignment.rank, self._world_size, job_id, assignment.gen, timeout=self._env.comm_timeout,
             connect_timeout=self._env.recovery_timeout,
@@ -509,7 +508,7 @@ class Runtime:
         comm.barrier()
         self._fresh = False
         self._committed_step = plan.target_step
-        self._store.add(proto.recovered(self._gen), 1)
+        self._store.add(keys.recovered(self._gen), 1)
         elapsed = time.monotonic() - started
         self.recoveries.append({"gen": self._gen, "seconds": elapsed, "resume": resume, "bytes": moved})
         _log(
@@ -520,7 +519,7 @@ class Runtime:
 
     def _adopt_rng_of(self, rank: int, step: int) -> None:
         assert self._store is not None
-        key = proto.rng(rank)
+        key = keys.rng(rank)
         if not self._store.check([key]):
             return
         recorded_step, states = pickle.loads(self._store.get(key))

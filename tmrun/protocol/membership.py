@@ -1,4 +1,4 @@
-"""Membership of a tmrun job: which node holds which group rank, who stands by.
+"""Membership of a tmrun job: which node holds which group rank, who stands by, how many nodes.
 
 The leader is the only writer of :class:`Membership`; every other process reads it.  Every
 change of the active group bumps ``epoch``; a message that names an older epoch is stale.
@@ -75,3 +75,16 @@ class Membership:
         if node_id in self.standby:
             return "standby"
         return "waiting"
+
+
+@dataclass(frozen=True)
+class GroupLimits:
+    """How many nodes the job wants: torchrun's --nnodes MIN:MAX plus --standby."""
+
+    min_nodes: int
+    max_nodes: int
+    standby: int
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_nodes < self.max_nodes

@@ -1,0 +1,8 @@
+"""The contract between tmrun's processes: store keys, messages, membership, launch environment.
+
+Owns every name that crosses a process boundary, and nothing else: :mod:`keys` (every store key
+and key prefix), :mod:`messages` (every JSON message as a validated dataclass, one-line
+``ProtocolMessageError`` on bad input), :mod:`membership` (the leader's published view of the
+job) and :mod:`environment` (what an agent tells the processes it starts, as one type). It
+imports nothing else from tmrun, so every other package may import it.
+"""

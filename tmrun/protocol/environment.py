@@ -1,0 +1,165 @@
+"""The launch environment: what an agent tells the workers and standbys it starts.
+
+:class:`LaunchEnv` is the one type for it: the agent and the standby pool write it with
+:meth:`LaunchEnv.to_environ`, the worker runtime and the standby entry point read it with
+:meth:`LaunchEnv.from_environ`. Only the ``TMRUN_*`` variables are tmrun's; ``RANK``,
+``WORLD_SIZE`` and ``LOCAL_RANK`` are torchrun's (read here, written by torch's agent, or by the
+standby pool for a process torch does not start). Variables of other layers are named here too,
+so that no module spells a variable's name as a literal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from enum import Enum
+from typing import Mapping
+
+ENV_ROLE = "TMRUN_ROLE"  # "standby" for a standby worker; unset for an active one
+ENV_STORE = "TMRUN_IP_STORE"  # host:port of the agent's store; set when in-place replacement is on
+ENV_RUN_ID = "TMRUN_RUN_ID"
+ENV_GEN_FILE = "TMRUN_IP_GEN_FILE"  # the controller's generation, in a file on this node
+ENV_PREFIX = "TMRUN_IP_PREFIX"  # key prefix of this worker group's in-place protocol
+ENV_STANDBY_ID = "TMRUN_STANDBY_ID"
+ENV_AGENT_PID = "TMRUN_AGENT_PID"
+ENV_SHADOW_STEPS = "TMRUN_SHADOW_STEPS"
+ENV_RECOVERY_TIMEOUT = "TMRUN_RECOVERY_TIMEOUT"
+ENV_COMM_TIMEOUT = "TMRUN_COMM_TIMEOUT"
+ENV_HANDOVER = "TMRUN_HANDOVER"  # "auto" (same-host reads where possible) or "socket"
+ENV_ENTRYPOINT = "TMRUN_ENTRYPOINT"  # JSON argv of the job's script (a standby runs the same)
+ENV_READY_FILE = "TMRUN_STANDBY_READY_FILE"  # a single-node standby writes its pid here once warm
+ENV_INJECT_FAILURE = "TMRUN_INJECT_FAILURE"  # failure drills (tmrun.worker.drills)
+ENV_BACKEND = "TMRUN_BACKEND"  # torch.distributed backend of a plain worker group (default "tmrun")
+ENV_STATE_DIR = "TMRUN_STATE_DIR"  # where agents write their run files (tmrun-ctl finds jobs there)
+# the "tmrun" torch.distributed backend
+ENV_COMM_LOCAL = "TMRUN_COMM_LOCAL"  # "1": serve collectives locally (a standby's sandbox)
+ENV_COMM_BIND = "TMRUN_COMM_BIND"
+ENV_COMM_ADVERTISE = "TMRUN_COMM_ADVERTISE"
+ENV_NCCL_LIBRARY = "TMRUN_NCCL_LIBRARY"
+# torchrun's own
+ENV_RANK = "RANK"
+ENV_WORLD_SIZE = "WORLD_SIZE"
+ENV_LOCAL_RANK = "LOCAL_RANK"
+ENV_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+ENV_GROUP_RANK = "GROUP_RANK"
+ENV_TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"
+
+
+class Mode(Enum):
+    PLAIN = "plain"  # no in-place replacement (torchrun, or tmrun without a standby worker)
+    ACTIVE = "active"  # an active rank of an in-place job
+    STANDBY = "standby"  # a standby worker: sandbox until promoted
+
+
+class LaunchEnvError(ValueError):
+    """The launch environment is inconsistent (one line for the user)."""
+
+
+def _integer(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name, "")
+    if raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise LaunchEnvError(f"{name}={raw!r} is not an integer") from None
+
+
+def _number(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise LaunchEnvError(f"{name}={raw!r} is not a number") from None
+    if value < 0:
+        raise LaunchEnvError(f"{name}={raw!r} must not be negative")
+    return value
+
+
+DEFAULT_PREFIX = "tmrun/ip/"
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    mode: Mode = Mode.PLAIN
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    store_host: str = ""  # the agent's store (in-place modes only)
+    store_port: int = 0
+    store_prefix: str = DEFAULT_PREFIX  # the in-place protocol's keys (protocol.keys.group_prefix/node_prefix)
+    gen_file: str = ""  # the controller's current generation, in a file on this node
+    run_id: str = "none"
+    standby_id: int = -1
+    agent_pid: int = 0
+    shadow_steps: int = 2
+    recovery_timeout: float = 120.0
+    comm_timeout: float = 5.0
+    same_host_reads: bool = True  # a migration's joiner may read the leaver's memory (TMRUN_HANDOVER)
+    entrypoint: tuple[str, ...] = ()  # argv of the job's script, for a standby to run the same
+    ready_file: str = ""  # a single-node standby's "I am warm" file
+
+    def to_environ(self) -> dict[str, str]:
+        """The ``TMRUN_*`` variables that :meth:`from_environ` reads back as this env (the
+        torchrun variables rank, world size and local rank are not written)."""
+        environ = {
+            ENV_RUN_ID: self.run_id,
+            ENV_AGENT_PID: str(self.agent_pid),
+            ENV_SHADOW_STEPS: str(self.shadow_steps),
+            ENV_RECOVERY_TIMEOUT: repr(self.recovery_timeout),
+            ENV_COMM_TIMEOUT: repr(self.comm_timeout),
+            ENV_HANDOVER: "auto" if self.same_host_reads else "socket",
+            ENV_PREFIX: self.store_prefix,
+            ENV_GEN_FILE: self.gen_file,
+            ENV_ENTRYPOINT: json.dumps(list(self.entrypoint)),
+            ENV_STANDBY_ID: str(self.standby_id),
+            ENV_READY_FILE: self.ready_file,
+            ENV_STORE: f"{self.store_host}:{self.store_port}" if self.mode is not Mode.PLAIN else "",
+            ENV_ROLE: "standby" if self.mode is Mode.STANDBY else "",
+        }
+        return environ
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> LaunchEnv:
+        env = os.environ if environ is None else environ
+        store = env.get(ENV_STORE, "")
+        role = env.get(ENV_ROLE, "")
+        mode = Mode.PLAIN
+        host, port = "", 0
+        if store:
+            mode = Mode.STANDBY if role == "standby" else Mode.ACTIVE
+            host, _, port_text = store.rpartition(":")
+            if not host or not port_text.isdigit():
+                raise LaunchEnvError(f"{ENV_STORE}={store!r} is not host:port")
+            port = int(port_text)
+        handover = env.get(ENV_HANDOVER, "") or "auto"
+        if handover not in ("auto", "socket"):
+            raise LaunchEnvError(f"{ENV_HANDOVER}={handover!r} must be auto or socket")
+        try:
+            entrypoint = json.loads(env.get(ENV_ENTRYPOINT, "") or "[]")
+        except ValueError:
+            raise LaunchEnvError(f"{ENV_ENTRYPOINT} is not a JSON list") from None
+        if not isinstance(entrypoint, list):
+            raise LaunchEnvError(f"{ENV_ENTRYPOINT} is not a JSON list")
+        return cls(
+            mode=mode,
+            rank=_integer(env, ENV_RANK, 0),
+            world_size=_integer(env, ENV_WORLD_SIZE, 1),
+            local_rank=_integer(env, ENV_LOCAL_RANK, 0),
+            store_host=host,
+            store_port=port,
+            store_prefix=env.get(ENV_PREFIX, "") or DEFAULT_PREFIX,
+            gen_file=env.get(ENV_GEN_FILE, ""),
+            run_id=env.get(ENV_RUN_ID, "") or env.get(ENV_TORCHELASTIC_RUN_ID, "none"),
+            standby_id=_integer(env, ENV_STANDBY_ID, -1),
+            agent_pid=_integer(env, ENV_AGENT_PID, 0),
+            shadow_steps=int(_number(env, ENV_SHADOW_STEPS, 2)),
+            recovery_timeout=_number(env, ENV_RECOVERY_TIMEOUT, 120.0),
+            comm_timeout=_number(env, ENV_COMM_TIMEOUT, 5.0),
+            same_host_reads=handover == "auto",
+            entrypoint=tuple(str(a) for a in entrypoint),
+            ready_file=env.get(ENV_READY_FILE, ""),
+        )

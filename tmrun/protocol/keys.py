@@ -1,0 +1,169 @@
+"""Every key a tmrun process reads or writes in the job's store: the one place keys are built.
+
+Three namespaces, each relative to a prefix built here too:
+
+* **job** (``job_prefix(run_id)``): membership, node registrations, failure reports, events,
+  migration requests, drills. Written by agents and the leader; read by ``tmrun-ctl``.
+* **in-place** (``group_prefix`` on one node, a fresh one per start of the worker group;
+  ``node_prefix`` across nodes, one per rendezvous epoch): generations, plans, standby
+  readiness and assignments, workers' reports, the healing meta-data.
+* **communicator** (``COMM_PREFIX`` / ``PG_PREFIX`` under the in-place prefix, and the
+  backend's ``BACKEND_PREFIX``): where communicators publish their addresses.
+
+Names of what they count: *epoch* is the rendezvous epoch (the active group changed, workers
+restarted); *generation* is an in-place change inside one epoch (a rank replaced, no restart);
+the native communicator calls its generation ``epoch`` internally (its wire format predates
+these names) and is only ever given generations.
+"""
+
+from __future__ import annotations
+
+# ---- job namespace (prefix tmrun/<run>/) ------------------------------------------------------
+
+
+def job_prefix(run_id: str) -> str:
+    return f"tmrun/{run_id}/"
+
+
+STATE = "state"  # Membership JSON, written by the leader only
+STATE_VERSION = "state_version"  # counter bumped after every write of STATE
+CLOSED = "closed"  # JSON ClosedNotice; set once, first writer wins
+NODE_SEQ = "node_seq"  # counter: node ids in join order
+FAIL_SEQ = "fail_seq"  # counter: failure reports
+EVENT_SEQ = "event_seq"  # counter: events
+LEFT = "left"  # counter: agents that have left after the job closed
+LIVENESS_ADDR = "leader/liveness"  # "host:port" of the leader's liveness listener
+LEADER_INFO = "leader/info"  # JSON LeaderInfo
+MIGRATE_SEQ = "migrate_seq"  # counter: migration requests (tmrun-ctl migrate, tm.migrate())
+
+
+def node_info(node_id: int) -> str:
+    """JSON NodeInfo, written by the node's agent when it registers."""
+    return f"node/{node_id}/info"
+
+
+def node_workers(node_id: int) -> str:
+    """JSON WorkersInfo: the node's worker and standby processes (for tmrun-ctl status)."""
+    return f"node/{node_id}/workers"
+
+
+def failure(seq: int) -> str:
+    """JSON FailureReport of an agent about its node."""
+    return f"fail/{seq}"
+
+
+def event(seq: int) -> str:
+    return f"event/{seq}"
+
+
+def migrate_request(seq: int) -> str:
+    """JSON MigrateRequest."""
+    return f"migrate/{seq}"
+
+
+def drill(index: int) -> str:
+    """Counter: the first process to add 1 fires failure drill ``index`` (once per job)."""
+    return f"drill/{index}"
+
+
+def epoch_prefix(epoch: int) -> str:
+    """Per-epoch namespace of the workers' torch store: no restart reads keys an earlier one wrote."""
+    return f"epoch/{epoch}/"
+
+
+# ---- in-place namespaces ------------------------------------------------------------------------
+
+
+def group_prefix(run_id: str, group_start: int) -> str:
+    """The in-place protocol's prefix of one start of a single-node job's worker group."""
+    return f"tmrun/{run_id}/ip/{group_start}/"
+
+
+def node_prefix(run_id: str, epoch: int) -> str:
+    """The in-place protocol's prefix of a multi-node job's ``epoch``."""
+    return f"tmrun/{run_id}/ip/e{epoch}/"
+
+
+API = "api"  # set by the first worker whose script called tmrun.init() (value: "1")
+MEMBERS = "members"  # counter: active ranks that initialised the runtime
+GEN = "gen"  # current generation (decimal), written by the controller
+REPORT_SEQ = "report_seq"  # counter of worker reports
+ABORT = "abort"  # JSON AbortNotice: in-place replacement is over for this prefix
+JOB_ID = "job_id"  # the communicator's job id (rank 0 writes it; joiners read it)
+
+
+def plan(gen: int) -> str:
+    """JSON ReplacementPlan of generation ``gen``."""
+    return f"plan/{gen}"
+
+
+def switch(gen: int) -> str:
+    """The step at whose end a planned generation takes over (first proposer wins)."""
+    return f"switch/{gen}"
+
+
+def handoff_prefix(gen: int, rank: int) -> str:
+    """Where the leaver and the joiner of ``rank`` meet in a planned generation (a node's
+    migration moves several ranks at once: one pair each)."""
+    return f"handoff/{gen}/{rank}"
+
+
+def standby_ready(standby_id: int) -> str:
+    """JSON StandbyReady: the standby finished its shadow steps and waits."""
+    return f"standby/{standby_id}/ready"
+
+
+def standby_assign(standby_id: int) -> str:
+    """JSON Assignment: the rank a standby takes (or stop)."""
+    return f"standby/{standby_id}/assign"
+
+
+def report(seq: int) -> str:
+    """JSON WorkerReport."""
+    return f"report/{seq}"
+
+
+def rng(rank: int) -> str:
+    """Pickled (step, random states) of ``rank``, for the joiner that takes it over."""
+    return f"rng/{rank}"
+
+
+def done(rank: int) -> str:
+    """Set by a rank whose ``steps()`` finished (value: its last committed step)."""
+    return f"done/{rank}"
+
+
+def recovered(gen: int) -> str:
+    """Counter: members that finished recovery into ``gen``."""
+    return f"recovered/{gen}"
+
+
+def node_ranks(group_rank: int) -> str:
+    """JSON NodeRanks of the node at ``group_rank`` (its agent writes it; several nodes)."""
+    return f"node/{group_rank}/ranks"
+
+
+def standby_node(node_id: int) -> str:
+    """JSON StandbyNode: the standby workers of standby node ``node_id``, by local rank."""
+    return f"standby_node/{node_id}"
+
+
+# ---- communicator namespaces ----------------------------------------------------------------------
+
+COMM_PREFIX = "comm/"  # under an in-place prefix: the worker runtime's native communicators
+PG_PREFIX = "pg/"  # under an in-place prefix: the default process group's rendezvous
+BACKEND_PREFIX = "tmrun/pg"  # the "tmrun" backend's groups under a torch store: g<count>/...
+BACKEND_GROUP_COUNT = "tmrun/generation"  # counter: groups the "tmrun" backend created
+NATIVE_PREFIX = "tmrun/native"  # default prefix of native.connect_via_store
+
+
+def native_address(prefix: str, job_id: str, comm_epoch: int, rank: int) -> str:
+    """Where a native communicator publishes its "host:port" for ``comm_epoch`` (a generation)."""
+    return f"{prefix}/{job_id}/epoch{comm_epoch}/addr/{rank}"
+
+
+def nccl_key(epoch: int, group: str, purpose: str) -> str:
+    """Epoch-prefixed key of the NCCL transport, e.g. ``epoch/3/nccl/default/init``."""
+    if int(epoch) < 0:
+        raise ValueError("epoch must be >= 0")
+    return f"epoch/{int(epoch)}/nccl/{group}/{purpose}"

@@ -1,0 +1,369 @@
+"""Every message between tmrun processes, as a validated dataclass (JSON in the store).
+
+A reader rejects a message it cannot parse with a one-line :class:`ProtocolMessageError` that
+names the key, instead of a traceback deep in training. Where a message lives: :mod:`keys`.
+
+* leader and agents: :class:`FailureReport`, :class:`NodeInfo`, :class:`LeaderInfo`,
+  :class:`WorkersInfo`, :class:`ClosedNotice`;
+* the in-place protocol (one controller per prefix writes generations and plans; workers
+  write only reports about themselves or a peer they lost): :class:`ReplacementPlan`,
+  :class:`Assignment`, :class:`WorkerReport`, :class:`AbortNotice`, :class:`StandbyReady`,
+  :class:`NodeRanks`, :class:`StandbyNode`;
+* operators: :class:`MigrateRequest`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator
+
+from tmrun.protocol import keys
+
+
+def read_gen(store: Any) -> int:
+    """The current generation of an in-place prefix (0 before the controller published any)."""
+    return int(store.get(keys.GEN).decode()) if store.check([keys.GEN]) else 0
+
+
+def numbered(store: Any, seq_key: str, key_of: Callable[[int], str], start: int) -> Iterator[tuple[int, str]]:
+    """(number, key) of the messages written since ``start``, in order; stops at the first one
+    whose writer took the number but has not written it yet."""
+    for number in range(start, store.add(seq_key, 0)):
+        key = key_of(number)
+        if not store.check([key]):
+            return
+        yield number, key
+
+
+class ProtocolMessageError(ValueError):
+    """A message in the store is not what the protocol allows (one line, names the key)."""
+
+
+def _load(key: str, raw: bytes | str) -> dict[str, Any]:
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProtocolMessageError(f"{key}: not JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ProtocolMessageError(f"{key}: expected a JSON object")
+    return data
+
+
+def _int(key: str, data: dict[str, Any], name: str, minimum: int = 0) -> int:
+    value = data.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ProtocolMessageError(f"{key}: field {name!r} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class ReplacementPlan:
+    """Generation ``gen`` replaces each rank in ``replaced`` with the standby it maps to."""
+
+    gen: int
+    world_size: int
+    replaced: dict[int, int]  # rank -> standby id
+    reason: str = ""
+    planned: bool = False  # a migration (the leaver donates, nothing is recomputed)
+    created: float = 0.0
+
+    def encode(self) -> str:
+        data = asdict(self)
+        data["replaced"] = {str(rank): sid for rank, sid in self.replaced.items()}
+        return json.dumps(data)
+
+    @classmethod
+    def decode(cls, key: str, raw: bytes | str) -> ReplacementPlan:
+        data = _load(key, raw)
+        gen = _int(key, data, "gen", 1)
+        world = _int(key, data, "world_size", 1)
+        replaced_raw = data.get("replaced")
+        if not isinstance(replaced_raw, dict) or not replaced_raw:
+            raise ProtocolMessageError(f"{key}: field 'replaced' must be a non-empty object")
+        replaced: dict[int, int] = {}
+        for rank_text, sid in replaced_raw.items():
+            try:
+                rank = int(rank_text)
+            except ValueError:
+                raise ProtocolMessageError(f"{key}: rank {rank_text!r} is not an integer") from None
+            if not 0 <= rank < world or not isinstance(sid, int) or sid < 0:
+                raise ProtocolMessageError(f"{key}: bad replacement {rank_text!r} -> {sid!r}")
+            replaced[rank] = sid
+        return cls(
+            gen=gen,
+            world_size=world,
+            replaced=replaced,
+            reason=str(data.get("reason", "")),
+            planned=bool(data.get("planned", False)),
+            created=float(data.get("created", 0.0)),
+        )
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """What a standby is told: take ``rank`` in generation ``gen`` (or stop)."""
+
+    rank: int = -1
+    gen: int = 0
+    stop: bool = False
+    planned: bool = False  # a migration: the state comes from the leaving process
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def decode(cls, key: str, raw: bytes | str) -> Assignment:
+        data = _load(key, raw)
+        if data.get("stop"):
+            return cls(stop=True)
+        return cls(rank=_int(key, data, "rank"), gen=_int(key, data, "gen", 1), planned=bool(data.get("planned")))
+
+
+@dataclass(frozen=True)
+class MigrateRequest:
+    """An operator's request: move ``rank`` (or, across nodes, the node at group rank ``node``)
+    to a standby at the next step boundary. Across nodes a member is a node: moving a rank
+    moves its whole node."""
+
+    rank: int = -1
+    reason: str = "operator request"
+    node: int = -1
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def decode(cls, key: str, raw: bytes | str) -> MigrateRequest:
+        data = _load(key, raw)
+        node = data.get("node", -1)
+        if node == -1:
+            return cls(rank=_int(key, data, "rank"), reason=str(data.get("reason", "operator request")))
+        return cls(node=_int(key, data, "node"), reason=str(data.get("reason", "operator request")))
+
+    def describe(self) -> str:
+        return f"node at group rank {self.node}" if self.node >= 0 else f"rank {self.rank}"
+
+
+def request_migration(job_store: Any, rank: int = -1, reason: str = "operator request", node: int = -1) -> int:
+    """Ask the controller of the job behind ``job_store`` (prefix ``tmrun/<run>/``) to migrate
+    ``rank`` (or the node at group rank ``node``) to a warm standby. Returns the request's number."""
+    seq = job_store.add(keys.MIGRATE_SEQ, 1) - 1
+    job_store.set(keys.migrate_request(seq), MigrateRequest(rank, reason, node).encode())
+    return seq
+
+
+@dataclass(frozen=True)
+class WorkerReport:
+    """A worker's word: ``lost`` is the rank it lost (its own rank for 'I am leaving'; -1 when the
+    communicator could not tell, e.g. a collective that timed out with every link alive)."""
+
+    reporter: int
+    lost: int
+    gen: int
+    detail: str = ""
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def decode(cls, key: str, raw: bytes | str) -> WorkerReport:
+        data = _load(key, raw)
+        return cls(
+            reporter=_int(key, data, "reporter"),
+            lost=_int(key, data, "lost", -1),
+            gen=_int(key, data, "gen"),
+            detail=str(data.get("detail", "")),
+        )
+
+
+@dataclass(frozen=True)
+class AbortNotice:
+    reason: str
+    gen: int = 0
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def decode(cls, key: str, raw: bytes | str) -> AbortNotice:
+        data = _load(key, raw)
+        return cls(reason=str(data.get("reason", "unknown")), gen=int(data.get("gen", 0) or 0))
+
+
+def _str(key: str, data: dict[str, Any], name: str, default: str | None = None) -> str:
+    value = data.get(name, default)
+    if not isinstance(value, str):
+        raise ProtocolMessageError(f"{key}: field {name!r} must be a string, got {value!r}")
+    return value
+
+
+def _int_list(key: str, data: dict[str, Any], name: str) -> list[int]:
+    value = data.get(name)
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                              for v in value):
+        raise ProtocolMessageError(f"{key}: field {name!r} must be a list of integers >= 0, got {value!r}")
+    return list(value)
+
+
+class _Json:
+    """Messages whose fields are plain JSON values: ``encode`` is their dict as JSON."""
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self))  # type: ignore[call-overload]
+
+
+# ---- agents and the leader ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FailureReport(_Json):
+    """An agent's word about its node in ``epoch`` (or what the leader saw of a node)."""
+
+    node_id: int
+    epoch: int
+    by_signal: bool  # a worker was killed by a signal (the likely root cause)
+    node_dead: bool = False  # the agent itself is gone (liveness channel closed)
+    detail: str = ""
+
+    @classmethod
+    def decode(cls, key: str, raw: bytes | str) -> FailureReport:
+        data = _load(key, raw)
+        return cls(node_id=_int(key, data, "node_id"), epoch=_int(key, data, "epoch"),
+                   by_signal=bool(data.get("by_signal")), node_dead=bool(data.get("node_dead")),
+                   detail=str(data.get("detail", "")))
+
+
+@dataclass(frozen=True)
+class NodeInfo(_Json):
+    """What an agent says about itself when it registers."""
+
+    host: str
+    addr: str
+    pid: int
+    node_rank_hint: int = -1  # preferred group rank (SLURM node rank), -1 for none
+    time: float = 0.0
+
+    @classmethod
+    def decode(cls, key: str, raw: bytes | str) -> NodeInfo:
+        data = _load(key, raw)
+        return cls(host=_str(key, data, "host"), addr=_str(key, data, "addr", ""), pid=_int(key, data, "pid"),
+                   node_rank_hint=_int(key, data, "node_rank_hint", -1), time=float(data.get("time", 0.0)))
+
+
+@dataclass(frozen=True)
+class LeaderInfo(_Json):
+    host: str
+    pid: int
+    endpoint: str
+
+    @classmethod
+    def decode(cls, key: str, raw: bytes | str) -> LeaderInfo:
+        data = _load(key, raw)
+        return cls(host=_str(key, data, "host"), pid=_int(key, data, "pid"), endpoint=_str(key, data, "endpoint"))
+
+
+@dataclass(frozen=True)
+class WorkersInfo(_Json):
+    """A node's processes, for ``tmrun-ctl status`` (lists of plain dicts, shown as they are)."""
+
+    epoch: int
+    group_rank: int | None
+    agent_pid: int
+    workers: list[dict[str, Any]] = field(default_factory=list)  # local_rank, rank, pid
+    standby_workers: list[dict[str, Any]] = field(default_factory=list)  # StandbyMember.describe()
+
+    @classmethod
+    def decode(cls, key: str, raw: bytes | str) -> WorkersInfo:
+        data = _load(key, raw)
+        workers, standby = data.get("workers", []), data.get("standby_workers", [])
+        if not isinstance(workers, list) or not isinstance(standby, list):
+            raise ProtocolMessageError(f"{key}: workers and standby_workers must be lists")
+        group_rank = data.get("group_rank")
+        return cls(epoch=_int(key, data, "epoch"), group_rank=group_rank if isinstance(group_rank, int) else None,
+                   agent_pid=_int(key, data, "agent_pid"), workers=workers, standby_workers=standby)
+
+
+@dataclass(frozen=True)
+class ClosedNotice(_Json):
+    """The job is over for everyone: ``phase`` is "succeeded" or "failed" (first writer wins)."""
+
+    phase: str
+    reason: str
+
+    @classmethod
+    def decode(cls, key: str, raw: bytes | str) -> ClosedNotice:
+        data = _load(key, raw)
+        return cls(phase=_str(key, data, "phase"), reason=_str(key, data, "reason", ""))
+
+
+# ---- the in-place protocol across nodes ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NodeRanks(_Json):
+    """The ranks the node at a group rank runs (its agent writes it; the leader rewrites it
+    when a standby node takes the group rank in place)."""
+
+    node_id: int
+    ranks: list[int]
+
+    @classmethod
+    def decode(cls, key: str, raw: bytes | str) -> NodeRanks:
+        data = _load(key, raw)
+        return cls(node_id=_int(key, data, "node_id"), ranks=_int_list(key, data, "ranks"))
+
+
+@dataclass(frozen=True)
+class StandbyNode(_Json):
+    """The standby workers a standby node keeps warm, by local rank."""
+
+    ids: list[int]
+
+    @classmethod
+    def decode(cls, key: str, raw: bytes | str) -> StandbyNode:
+        return cls(ids=_int_list(key, _load(key, raw), "ids"))
+
+
+@dataclass(frozen=True)
+class StandbyReady(_Json):
+    """A standby finished its shadow steps and waits: what its sandbox saw."""
+
+    pid: int
+    shadow_steps: int
+    finite: bool
+    local_ops: int = 0
+    network_ops: int = 0
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+
+    @classmethod
+    def decode(cls, key: str, raw: bytes | str) -> StandbyReady:
+        data = _load(key, raw)
+        return cls(pid=_int(key, data, "pid"), shadow_steps=_int(key, data, "shadow_steps"),
+                   finite=bool(data.get("finite")), local_ops=_int(key, data, "local_ops"),
+                   network_ops=_int(key, data, "network_ops"),
+                   bytes_sent=_int(key, data, "bytes_sent"), bytes_recv=_int(key, data, "bytes_recv"))
+
+
+# ---- events -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Event(_Json):
+    """One line of the job's event log (``seq`` is its key's number, not stored in the value)."""
+
+    time: float
+    kind: str
+    epoch: int
+    detail: str
+    seq: int = -1
+
+    def encode(self) -> str:
+        return json.dumps({"time": self.time, "kind": self.kind, "epoch": self.epoch, "detail": self.detail})
+
+    @classmethod
+    def decode(cls, key: str, raw: bytes | str, seq: int = -1) -> Event:
+        data = _load(key, raw)
+        return cls(time=float(data.get("time", 0.0)), kind=_str(key, data, "kind"), epoch=_int(key, data, "epoch"),
+                   detail=str(data.get("detail", "")), seq=seq)
