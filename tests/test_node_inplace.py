@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from tmrun.protocol import keys, messages as proto
 from tmrun.control import planner
-from tmrun.control.node_inplace import Decision, NodeInplaceCoordinator
+from tmrun.control.replacement.nodes import Decision, NodeReplacement
 from tmrun.protocol.membership import Membership
 
 RUN = "nodes"
@@ -49,7 +49,7 @@ def _api_job(store: dist.Store, standby_ready: bool = True) -> None:
 
 def test_a_dead_node_is_replaced_in_place(store: dist.Store) -> None:
     _api_job(store)
-    coordinator = NodeInplaceCoordinator(store, _job(store), RUN, standby_wait=30)
+    coordinator = NodeReplacement(store, _job(store), RUN, standby_wait=30)
     decision, swapped, why = coordinator.decide(_membership(), [1], {1}, time.monotonic())
     assert decision is Decision.IN_PLACE and swapped is not None
     assert (swapped.active, swapped.dead, swapped.epoch) == ([0, 2], [1], 1)
@@ -67,7 +67,7 @@ def test_a_dead_node_is_replaced_in_place(store: dist.Store) -> None:
 
 def test_waits_for_a_warm_standby_node_then_falls_back(store: dist.Store) -> None:
     _api_job(store, standby_ready=False)
-    coordinator = NodeInplaceCoordinator(store, _job(store), RUN, standby_wait=30)
+    coordinator = NodeReplacement(store, _job(store), RUN, standby_wait=30)
     now = time.monotonic()
     assert coordinator.decide(_membership(), [1], {1}, now)[0] is Decision.WAIT
     decision, swapped, why = coordinator.decide(_membership(), [1], {1}, now - 31)
@@ -80,7 +80,7 @@ def test_waits_for_a_warm_standby_node_then_falls_back(store: dist.Store) -> Non
 
 
 def test_a_plain_script_restarts_the_group(store: dist.Store) -> None:
-    coordinator = NodeInplaceCoordinator(store, _job(store), RUN, standby_wait=30)
+    coordinator = NodeReplacement(store, _job(store), RUN, standby_wait=30)
     decision, swapped, why = coordinator.decide(_membership(), [1], {1}, time.monotonic())
     assert (decision, swapped) == (Decision.PLAIN, None) and "does not use the tmrun worker API" in why
     _epoch(store).set(keys.API, "1")  # the API, but a rank has not started it yet
@@ -90,7 +90,7 @@ def test_a_plain_script_restarts_the_group(store: dist.Store) -> None:
 def test_standby_node_of_another_size_is_not_used(store: dist.Store) -> None:
     _api_job(store)
     _epoch(store).set(keys.standby_node(2), json.dumps({"ids": [2000]}))
-    coordinator = NodeInplaceCoordinator(store, _job(store), RUN, standby_wait=30)
+    coordinator = NodeReplacement(store, _job(store), RUN, standby_wait=30)
     assert coordinator.decide(_membership(), [1], {1}, time.monotonic())[0] is Decision.WAIT
 
 
@@ -98,7 +98,17 @@ def test_a_node_failing_after_every_other_rank_finished_ends_the_job(store: dist
     _api_job(store)
     for rank in (0, 1):  # node 0's ranks are done; node 1 fails afterwards (e.g. while exiting)
         _epoch(store).set(keys.done(rank), "13")
-    coordinator = NodeInplaceCoordinator(store, _job(store), RUN, standby_wait=30)
+    coordinator = NodeReplacement(store, _job(store), RUN, standby_wait=30)
     decision, swapped, why = coordinator.decide(_membership(), [1], {1}, time.monotonic())
     assert (decision, swapped) == (Decision.FINAL, None) and "after every other rank" in why
     assert not _epoch(store).check([keys.plan(1)])  # nothing published
+
+
+def test_a_node_migration_asked_while_the_training_finishes_is_refused(store: dist.Store) -> None:
+    _api_job(store)
+    _epoch(store).set(keys.done(0), "9")
+    coordinator = NodeReplacement(store, _job(store), RUN, standby_wait=30)
+    proto.request_migration(_job(store), node=1)
+    swapped, events = coordinator.migrate(_membership())
+    assert swapped is None and events == [("migrate-refused", "node at group rank 1: the training is finishing")]
+    assert not _epoch(store).check([keys.plan(1)])

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from tmrun.protocol import keys, messages as proto
-from tmrun.launcher.inplace import InplaceController
+from tmrun.control.replacement.processes import ProcessReplacement
 
 
 def child(code: str) -> subprocess.Popen[bytes]:
@@ -40,7 +40,7 @@ class FakePool:
 def make(tmp_path: Path, pool: FakePool, world: int = 2, replacements: int = 3, wait: float = 0.0,
          refill_delay: float = 0.0):
     store = dist.HashStore()
-    controller = InplaceController(store, pool, world, wait, replacements, dist.HashStore(), str(tmp_path / "gen"),  # type: ignore[arg-type]
+    controller = ProcessReplacement(store, pool, world, wait, replacements, dist.HashStore(), str(tmp_path / "gen"),  # type: ignore[arg-type]
                                    refill_delay)
     return store, controller
 
@@ -135,7 +135,7 @@ def test_migration_requests(tmp_path: Path, procs) -> None:  # type: ignore[no-u
     pool = FakePool([FakeMember(2, standby)])
     store = dist.HashStore()
     job = dist.HashStore()
-    controller = InplaceController(store, pool, 2, 0.0, 3, job, str(tmp_path / "gen"))  # type: ignore[arg-type]
+    controller = ProcessReplacement(store, pool, 2, 0.0, 3, job, str(tmp_path / "gen"))  # type: ignore[arg-type]
     controller.adopt({0: a, 1: b})
     store.set(keys.API, "1")
     store.add(keys.MEMBERS, 2)
@@ -148,3 +148,22 @@ def test_migration_requests(tmp_path: Path, procs) -> None:  # type: ignore[no-u
     plan = proto.ReplacementPlan.decode("p", store.get(keys.plan(1)))
     assert plan.planned and plan.replaced == {1: 2} and plan.reason == "drain"
     assert controller.slots[1].process is standby
+
+
+def test_a_migration_asked_while_the_training_finishes_is_refused(tmp_path: Path, procs) -> None:  # type: ignore[no-untyped-def]
+    """A rank that finished its steps never reaches a switch step: publishing the migration
+    would leave its joiner waiting for addresses nobody publishes."""
+    a, b, standby = (child("import time; time.sleep(60)") for _ in range(3))
+    procs += [a, b, standby]
+    pool = FakePool([FakeMember(2, standby)])
+    store, job = dist.HashStore(), dist.HashStore()
+    controller = ProcessReplacement(store, pool, 2, 0.0, 3, job, str(tmp_path / "gen"))  # type: ignore[arg-type]
+    controller.adopt({0: a, 1: b})
+    store.set(keys.API, "1")
+    store.add(keys.MEMBERS, 2)
+    store.set(keys.standby_ready(2), "{}")
+    store.set(keys.done(0), "9")
+    proto.request_migration(job, 1, "drain")
+    controller.step()
+    assert not store.check([keys.plan(1)]) and pool.members  # nothing published, the standby stays
+    assert "training is finishing" in job.get(keys.event(0)).decode()

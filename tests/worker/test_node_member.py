@@ -11,15 +11,15 @@ from pathlib import Path
 import torch.distributed as dist
 
 from tmrun.protocol import keys, messages as proto
-from tmrun.launcher.node_member import NodeMember
+from tmrun.control.replacement.nodes import NodeWatch
 
 SLEEP = "import time; time.sleep(60)"
 
 
-def _member(tmp_path: Path) -> tuple[dist.Store, NodeMember, list[tuple[bool, str]]]:
+def _member(tmp_path: Path) -> tuple[dist.Store, NodeWatch, list[tuple[bool, str]]]:
     store = dist.HashStore()
     reports: list[tuple[bool, str]] = []
-    member = NodeMember(store, 4, str(tmp_path / "gen"), lambda by_signal, detail: reports.append((by_signal, detail)))
+    member = NodeWatch(store, 4, str(tmp_path / "gen"), lambda by_signal, detail: reports.append((by_signal, detail)))
     return store, member, reports
 
 

@@ -18,7 +18,7 @@ from tmrun.console import say
 from tmrun.control import planner
 from tmrun.control.events import record_event
 from tmrun.rendezvous.liveness import LivenessMonitor
-from tmrun.control.node_inplace import Decision, NodeInplaceCoordinator
+from tmrun.control.replacement.nodes import Decision, NodeReplacement
 from tmrun.protocol import keys
 from tmrun.protocol.membership import GroupLimits, Membership, Phase
 from tmrun.protocol.messages import ClosedNotice, FailureReport, NodeInfo, ProtocolMessageError
@@ -62,7 +62,7 @@ class Leader:
         self._lost: dict[int, str] = {}
         self._stop = threading.Event()
         self._monitor = LivenessMonitor(config.run_id, config.heartbeat_timeout)
-        self._inplace = NodeInplaceCoordinator(raw_store if raw_store is not None else store, store, config.run_id,
+        self._inplace = NodeReplacement(raw_store if raw_store is not None else store, store, config.run_id,
                                                config.standby_wait)
         self._thread = threading.Thread(target=self._run, name="tmrun-leader", daemon=True)
         self.error: BaseException | None = None

@@ -12,7 +12,7 @@ from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.launcher.api import LaunchConfig
 
 from tmrun.console import say
-from tmrun.launcher.agent import TmrunAgent
+from tmrun.launcher.agent import AgentSettings, TmrunAgent
 from tmrun.launcher.runfile import remove_runfile, write_runfile
 from tmrun.control.rendezvous_backend import register_tmrun_backend
 from tmrun.rendezvous.handler import NodeRetiredError, TmrunRendezvousHandler
@@ -72,10 +72,12 @@ def launch(config: LaunchConfig, entrypoint: str, args: list[Any], options: Tmru
         config.logs_specs,  # type: ignore[arg-type]
         start_method=config.start_method,
         monitor_interval=config.monitor_interval,
-        standby_workers=options.standby if single_node else 0,
-        standby_wait=options.standby_wait,
-        refill_delay=options.refill_delay,
-        standby_nodes=0 if single_node else options.standby,
+        settings=AgentSettings(
+            standby_workers=options.standby if single_node else 0,
+            standby_nodes=0 if single_node else options.standby,
+            standby_wait=options.standby_wait,
+            refill_delay=options.refill_delay,
+        ),
         log_line_prefix_template=config.log_line_prefix_template,
         shutdown_timeout=int(getattr(config, "shutdown_timeout", 30)),  # torch >= 2.12 has it
     )

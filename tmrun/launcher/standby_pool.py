@@ -8,7 +8,6 @@ standby only stands ready. The pool starts them, reports them, and stops them cl
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -16,20 +15,8 @@ import time
 from dataclasses import dataclass
 
 from tmrun.console import say
-
-
-def terminate(processes: list[subprocess.Popen[bytes]], timeout: float) -> None:
-    """SIGTERM every process still running, then SIGKILL what is left after ``timeout``; reaps all."""
-    for process in processes:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for process in processes:
-        try:
-            process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=5)
+from tmrun.control.replacement.core import terminate
+from tmrun.protocol import environment
 
 
 @dataclass
@@ -123,16 +110,15 @@ class StandbyPool:
         env.update(self.worker_env)
         env.update(
             {
-                "TMRUN_ROLE": "standby",
-                "TMRUN_STANDBY_INDEX": str(index),
-                "TMRUN_STANDBY_ID": str(index),
-                "TMRUN_STANDBY_READY_FILE": ready_file,
-                "TMRUN_RUN_ID": self._run_id,
-                "TMRUN_AGENT_PID": str(os.getpid()),
+                environment.ENV_ROLE: "standby",
+                environment.ENV_STANDBY_ID: str(index),
+                environment.ENV_READY_FILE: ready_file,
+                environment.ENV_RUN_ID: self._run_id,
+                environment.ENV_AGENT_PID: str(os.getpid()),
             }
         )
         if self._by_local_rank:
-            env["LOCAL_RANK"] = str(local_rank)
+            env[environment.ENV_LOCAL_RANK] = str(local_rank)
         process = subprocess.Popen(
             [sys.executable, "-m", "tmrun.launcher.standby_worker"],
             env=env,

@@ -1,0 +1,316 @@
+"""The replacement core: what both topologies do the same way.
+
+Everything here works on one in-place prefix of the store (``keys.group_prefix`` on one node,
+``keys.node_prefix`` per epoch across nodes) and knows nothing of who decides:
+
+* :class:`Generations` publishes a generation (assignments first, then the plan, then the
+  generation number, then the node's generation file) and abandons in-place recovery;
+* :class:`Recoveries` tracks published generations until every rank reports itself recovered
+  (or a later generation or an abandonment supersedes them);
+* :class:`MigrationInbox` hands out operators' migration requests, one change at a time;
+* :class:`ReportInbox` reads workers' reports about peers they lost;
+* :class:`Slots` holds the processes that play this node's ranks: exits, fencing, stopping;
+* :func:`standbys_ready`, :func:`api_ready` and :func:`others_done` are the questions both
+  policies ask the store.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from torch.distributed import Store
+
+from tmrun.console import say
+from tmrun.protocol import keys
+from tmrun.protocol import messages as proto
+
+
+def write_gen_file(path: str, gen: int) -> None:
+    """Workers on this node read the generation here at every step boundary (a file read instead
+    of a store round trip). Written after the plan is in the store, replaced atomically."""
+    partial = f"{path}.{os.getpid()}"
+    with open(partial, "w") as flag:
+        flag.write(str(gen))
+    os.replace(partial, path)
+
+
+def terminate(processes: list[subprocess.Popen[bytes]], timeout: float) -> None:
+    """SIGTERM every process still running, then SIGKILL what is left after ``timeout``; reaps all."""
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=5)
+
+
+def how_it_ended(code: int) -> str:
+    """"signal SIGKILL" or "exit code 3"."""
+    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+
+# ---- questions to the store ----------------------------------------------------------------------
+
+
+def api_ready(store: Store, world_size: int) -> bool:
+    """True once every one of ``world_size`` ranks runs the tmrun worker API."""
+    return store.check([keys.API]) and store.add(keys.MEMBERS, 0) >= world_size
+
+
+def standbys_ready(store: Store, standby_ids: Iterable[int]) -> bool:
+    """True when every standby in ``standby_ids`` finished its shadow steps and waits."""
+    wanted = [keys.standby_ready(i) for i in standby_ids]
+    return bool(wanted) and store.check(wanted)
+
+
+def others_done(store: Store, ranks: Iterable[int]) -> bool:
+    """True when every rank in ``ranks`` finished its steps (a failure then cannot be healed:
+    nobody is left to heal a joiner from, and a restart would redo the whole training)."""
+    wanted = [keys.done(r) for r in ranks]
+    return bool(wanted) and store.check(wanted)
+
+
+def any_done(store: Store, ranks: Iterable[int]) -> bool:
+    """True when a rank in ``ranks`` already finished its steps (a planned switch can no longer
+    happen: that rank will never reach the switch step)."""
+    return any(store.check([keys.done(r)]) for r in ranks)
+
+
+# ---- generations --------------------------------------------------------------------------------------
+
+
+class Generations:
+    """The only writer of generations and plans of one in-place prefix."""
+
+    def __init__(self, store: Store, gen_file: str = "") -> None:
+        self._store = store
+        self._gen_file = gen_file
+        if gen_file:
+            write_gen_file(gen_file, self.current())
+
+    def current(self) -> int:
+        return proto.read_gen(self._store)
+
+    def publish(self, world_size: int, replaced: dict[int, int], reason: str, planned: bool) -> int:
+        """Generation current+1, in which each rank of ``replaced`` is played by the standby it
+        maps to. The assignments go first (the joiners connect while the survivors read the
+        plan), the generation file last (a worker that sees it finds the plan)."""
+        gen = self.current() + 1
+        plan = proto.ReplacementPlan(gen, world_size, dict(replaced), reason=reason, planned=planned,
+                                     created=time.time())
+        for rank, standby_id in replaced.items():
+            self._store.set(keys.standby_assign(standby_id), proto.Assignment(rank, gen, planned=planned).encode())
+        self._store.set(keys.plan(gen), plan.encode())
+        self._store.set(keys.GEN, str(gen))
+        if self._gen_file:
+            write_gen_file(self._gen_file, gen)
+        return gen
+
+    def abandon(self, why: str) -> None:
+        """In-place recovery is over for this prefix: every waiting worker gives up (the group
+        restarts, as torchrun)."""
+        self._store.set(keys.ABORT, proto.AbortNotice(why, self.current()).encode())
+
+    def abandoned(self) -> bool:
+        return self._store.check([keys.ABORT])
+
+
+@dataclass
+class _Recovery:
+    store: Store
+    gen: int
+    world_size: int
+    started: float
+
+
+@dataclass(frozen=True)
+class Recovered:
+    gen: int
+    world_size: int
+    seconds: float  # from the failure (or the migration request) to the last rank's recovery
+
+    def describe(self) -> str:
+        return f"generation {self.gen}: all {self.world_size} ranks back in {self.seconds:.3f}s"
+
+
+class Recoveries:
+    """Published generations whose ranks are still recovering."""
+
+    def __init__(self) -> None:
+        self._awaiting: list[_Recovery] = []
+
+    def begin(self, store: Store, gen: int, world_size: int, started: float) -> None:
+        self._awaiting.append(_Recovery(store, gen, world_size, started))
+
+    def __bool__(self) -> bool:
+        return bool(self._awaiting)
+
+    def poll(self) -> list[Recovered]:
+        """Generations whose every rank recovered since the last call; drops those superseded
+        by a later generation or abandoned."""
+        finished = []
+        for recovery in list(self._awaiting):
+            store = recovery.store
+            if store.add(keys.recovered(recovery.gen), 0) >= recovery.world_size:
+                self._awaiting.remove(recovery)
+                finished.append(Recovered(recovery.gen, recovery.world_size, time.monotonic() - recovery.started))
+            elif proto.read_gen(store) > recovery.gen or store.check([keys.ABORT]):
+                self._awaiting.remove(recovery)
+        return finished
+
+
+# ---- inboxes --------------------------------------------------------------------------------------------
+
+
+class MigrationInbox:
+    """Operators' migration requests (job level: ``tmrun-ctl migrate``, ``tm.migrate()``)."""
+
+    def __init__(self, job_store: Store, skip_older: bool = False) -> None:
+        self._job = job_store
+        # skip_older: requests written before this inbox existed were for an earlier worker group
+        self._seen = job_store.add(keys.MIGRATE_SEQ, 0) if skip_older else 0
+
+    def requests(self, busy: Callable[[], bool]) -> Iterator[proto.MigrateRequest | proto.ProtocolMessageError]:
+        """The requests in order; a malformed one is yielded as its error. Stops (leaving the
+        rest for later) while ``busy()``: one change at a time."""
+        for number, key in proto.numbered(self._job, keys.MIGRATE_SEQ, keys.migrate_request, self._seen):
+            if busy():
+                return
+            self._seen = number + 1
+            try:
+                yield proto.MigrateRequest.decode(key, self._job.get(key))
+            except proto.ProtocolMessageError as exc:
+                yield exc
+
+
+class ReportInbox:
+    """Workers' reports, in order (a malformed one is logged and skipped)."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._seen = 0
+
+    def restart(self) -> None:
+        self._seen = 0
+
+    def __iter__(self) -> Iterator[proto.WorkerReport]:
+        for number, key in proto.numbered(self._store, keys.REPORT_SEQ, keys.report, self._seen):
+            self._seen = number + 1
+            try:
+                yield proto.WorkerReport.decode(key, self._store.get(key))
+            except proto.ProtocolMessageError as exc:
+                say(f"ignored a malformed worker report: {exc}")
+
+
+# ---- this node's processes -----------------------------------------------------------------------
+
+
+@dataclass
+class Slot:
+    """One rank of this node and the process that currently plays it (a child of the agent:
+    the worker torch started, or a promoted standby)."""
+
+    rank: int
+    process: subprocess.Popen[bytes]
+    promoted: bool = False
+    fenced: bool = False
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+    def fence(self) -> None:
+        """SIGKILL the process: nothing it does later can reach the new generation."""
+        self.fenced = True
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+class Slots:
+    """The ranks this node plays and the processes that play them."""
+
+    def __init__(self) -> None:
+        self.by_rank: dict[int, Slot] = {}
+        self.leavers: list[Slot] = []  # migrated ranks' old processes, leaving on their own
+
+    def adopt(self, processes: dict[int, subprocess.Popen[bytes]], promoted: bool = False) -> None:
+        self.by_rank = {rank: Slot(rank, process, promoted=promoted) for rank, process in processes.items()}
+
+    def __getitem__(self, rank: int) -> Slot:
+        return self.by_rank[rank]
+
+    def get(self, rank: int) -> Slot | None:
+        return self.by_rank.get(rank)
+
+    def ranks(self) -> list[int]:
+        return list(self.by_rank)
+
+    def pids(self) -> list[int]:
+        return [s.pid for s in self.by_rank.values() if s.poll() is None]
+
+    def codes(self) -> dict[int, int | None]:
+        return {s.rank: s.poll() for s in self.by_rank.values()}
+
+    def failed(self) -> dict[int, int]:
+        """rank -> exit code of every rank whose process failed."""
+        return {rank: int(code) for rank, code in sorted(self.codes().items()) if code not in (None, 0)}
+
+    def all_succeeded(self) -> bool:
+        return all(code == 0 for code in self.codes().values())
+
+    def live_peer_lost(self, report: proto.WorkerReport, gen: int) -> Slot | None:
+        """The slot a survivor's report says it lost in generation ``gen`` while its process
+        lives on (hung, cut off), or None."""
+        slot = self.by_rank.get(report.lost)
+        if report.gen != gen or slot is None or slot.poll() is not None or report.lost == report.reporter:
+            return None
+        return slot
+
+    def replace(self, rank: int, process: subprocess.Popen[bytes], leaving: bool) -> Slot:
+        """A promoted standby plays ``rank`` now; the old process leaves on its own (``leaving``,
+        a migration) or is already gone. Returns the old slot."""
+        old = self.by_rank[rank]
+        self.by_rank[rank] = Slot(rank, process, promoted=True)
+        if leaving:
+            self.leavers.append(old)
+        return old
+
+    def reap_leavers(self) -> None:
+        for slot in list(self.leavers):
+            code = slot.poll()
+            if code is None:
+                continue
+            self.leavers.remove(slot)
+            if code == 0:
+                say(f"rank {slot.rank}'s previous process (pid {slot.pid}) handed over and left cleanly")
+            else:
+                say(f"rank {slot.rank}'s previous process (pid {slot.pid}) left with exit code {code}")
+
+    def fence_all(self, wait: float = 10.0) -> None:
+        """SIGKILL every process of the node and wait for each (bounded)."""
+        for slot in self.by_rank.values():
+            slot.fence()
+        for slot in self.by_rank.values():
+            try:
+                slot.process.wait(timeout=wait)
+            except subprocess.TimeoutExpired:  # stuck in the kernel: it cannot compute either
+                say(f"rank {slot.rank} (pid {slot.pid}) did not exit {wait:g} s after SIGKILL")
+
+    def stop_promoted(self, timeout: float = 5.0) -> None:
+        """Stop every promoted standby still running (the group is being stopped)."""
+        terminate([s.process for s in [*self.by_rank.values(), *self.leavers] if s.promoted], timeout)

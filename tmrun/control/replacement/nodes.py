@@ -1,0 +1,243 @@
+"""Policy for several nodes: a member is a node, a standby is a standby node's warm workers.
+
+Two halves, on different processes:
+
+* :class:`NodeReplacement` runs in the leader. Before it changes the membership for a failed
+  node it asks :meth:`~NodeReplacement.decide`: when every rank of the current epoch runs the
+  tmrun worker API, a ready standby node's warm standby workers take the failed node's ranks *in
+  place* (a new generation of the epoch's in-place prefix and a membership change with no new
+  epoch, so no survivor's agent restarts its workers). Without a ready standby node within
+  ``standby_wait`` seconds the workers are told to give up in-place recovery and the leader
+  falls back to a new epoch (torchrun's restart of the group). A plain torchrun script always
+  gets that fallback. It also moves whole nodes for planned migrations.
+* :class:`NodeWatch` runs in every active node's agent: it copies the epoch's generation into
+  the node's generation file, and when one of its workers fails or a survivor reports one of its
+  live ranks lost, it stops every worker of the node (a member is a node) and reports the node
+  failed to the leader, once.
+
+Keys written by the agents: every active agent publishes its node's ranks (``node_ranks``),
+every standby agent its standby workers in local rank order (``standby_node``); the standby
+workers say when they are warm (``standby_ready``).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+from torch.distributed import PrefixStore, Store
+
+from tmrun.console import say
+from tmrun.control import planner
+from tmrun.control.replacement import core
+from tmrun.protocol import keys
+from tmrun.protocol import messages as proto
+from tmrun.protocol.membership import Membership
+
+
+class Decision(Enum):
+    IN_PLACE = "in-place"  # a standby node took over; publish the returned membership
+    WAIT = "wait"  # in-place is possible but no standby node is warm yet: ask again
+    FALLBACK = "fallback"  # in-place was possible but cannot happen: restart the group (logged)
+    PLAIN = "plain"  # not an in-place job (yet): restart the group, as torchrun would
+    FINAL = "final"  # every other rank already finished its steps: the job ends failed (a restart
+    # would redo the whole training, and there is no one left to heal a joiner from)
+
+
+class NodeReplacement:
+    def __init__(self, store: Store, job_store: Store, run_id: str, standby_wait: float) -> None:
+        self._raw = store  # unprefixed: the workers' prefix is a full key path
+        self._run_id = run_id
+        self._standby_wait = standby_wait
+        self._recoveries = core.Recoveries()
+        # planned migrations are requested at the job level (tmrun-ctl migrate, tm.migrate())
+        self._migrations = core.MigrationInbox(job_store)
+
+    def _epoch_store(self, epoch: int) -> Store:
+        return PrefixStore(keys.node_prefix(self._run_id, epoch), self._raw)
+
+    @staticmethod
+    def _api_ranks(store: Store, membership: Membership) -> list[list[int]] | None:
+        """Every active node's ranks once all of them run the tmrun worker API, else None."""
+        wanted = [keys.node_ranks(g) for g in range(len(membership.active))]
+        if not wanted or not store.check(wanted):
+            return None
+        ranks = [proto.NodeRanks.decode(key, store.get(key)).ranks for key in wanted]
+        return ranks if core.api_ready(store, sum(map(len, ranks))) else None
+
+    @staticmethod
+    def _ready_standby_nodes(store: Store, membership: Membership, size: int) -> list[tuple[int, list[int]]]:
+        """(node id, standby ids by local rank) of the standby nodes whose ``size`` standby
+        workers are all warm, in promotion order."""
+        ready = []
+        for node_id in membership.standby:
+            key = keys.standby_node(node_id)
+            if not store.check([key]):
+                continue
+            ids = proto.StandbyNode.decode(key, store.get(key)).ids
+            if len(ids) == size and core.standbys_ready(store, ids):
+                ready.append((node_id, ids))
+        return ready
+
+    def decide(self, membership: Membership, culprits: list[int], dead: set[int],
+               first_seen: float) -> tuple[Decision, Membership | None, str]:
+        """What to do about ``culprits`` (active nodes that failed; ``dead`` ones are gone).
+        Returns the decision, the new membership (in place) and a line for the event log."""
+        store = self._epoch_store(membership.epoch)
+        generations = core.Generations(store)
+        if not store.check([keys.API]):
+            return Decision.PLAIN, None, "the script does not use the tmrun worker API"
+        if generations.abandoned():
+            return Decision.FALLBACK, None, "in-place recovery was already abandoned in this epoch"
+        ranks = self._api_ranks(store, membership)
+        if ranks is None:
+            return Decision.PLAIN, None, "not every rank had started the tmrun worker API"
+        failed = [c for c in culprits if c in membership.active]
+        failed_ranks = {r for c in failed for r in ranks[membership.active.index(c)]}
+        others = [r for node_ranks in ranks for r in node_ranks if r not in failed_ranks]
+        if failed and core.others_done(store, others):
+            return Decision.FINAL, None, "a node failed after every other rank had finished its steps"
+        size = len(ranks[membership.active.index(failed[0])]) if failed else 0
+        if not failed or any(len(ranks[membership.active.index(c)]) != size for c in failed):
+            return Decision.FALLBACK, None, "failed nodes of different sizes"
+        standby = self._ready_standby_nodes(store, membership, size)
+        if len(standby) < len(failed):
+            if time.monotonic() - first_seen < self._standby_wait:
+                return Decision.WAIT, None, ""
+            why = f"no warm standby node within {self._standby_wait:g}s"
+            generations.abandon(why)
+            return Decision.FALLBACK, None, why
+        swapped, why = self._publish(store, membership, ranks, dict(zip(failed, (n for n, _ in standby))),
+                                     dict(standby), dead, planned=False, started=first_seen)
+        return Decision.IN_PLACE, swapped, why
+
+    def _publish(self, store: Store, membership: Membership, ranks: list[list[int]], moves: dict[int, int],
+                 standby_ids: dict[int, list[int]], dead: set[int], planned: bool,
+                 started: float) -> tuple[Membership, str]:
+        """Generation gen+1 of the epoch: each node in ``moves`` is replaced by its standby node."""
+        world_size = sum(len(r) for r in ranks)
+        replaced: dict[int, int] = {}
+        for culprit, node_id in moves.items():
+            group_rank = membership.active.index(culprit)
+            replaced.update(zip(ranks[group_rank], standby_ids[node_id]))
+            store.set(keys.node_ranks(group_rank), proto.NodeRanks(node_id, ranks[group_rank]).encode())
+        swapped = planner.replace_in_place(membership, moves, dead)
+        gen = core.Generations(store).publish(world_size, replaced, swapped.reason, planned)
+        self._recoveries.begin(store, gen, world_size, started)
+        ranks_moved = ", ".join(f"{rank}->standby {sid}" for rank, sid in sorted(replaced.items()))
+        return swapped, f"generation {gen}: {swapped.reason} (ranks {ranks_moved})"
+
+    def migrate(self, membership: Membership) -> tuple[Membership | None, list[tuple[str, str]]]:
+        """Planned migrations requested since the last call: the whole node that holds the rank
+        moves to a warm standby node at a step boundary (its workers hand their state over and
+        leave; nothing is recomputed). Returns the new membership (or None) and events (kind, detail).
+        One change at a time: nothing happens while a recovery is under way."""
+        events: list[tuple[str, str]] = []
+        for request in self._migrations.requests(lambda: bool(self._recoveries)):
+            if isinstance(request, proto.ProtocolMessageError):
+                events.append(("migrate-refused", f"malformed request ({request})"))
+                continue
+            store = self._epoch_store(membership.epoch)
+            ranks = self._api_ranks(store, membership)
+            if ranks is None:
+                events.append(("migrate-refused", f"{request.describe()}: the job does not run the tmrun worker API"))
+                continue
+            group_rank = request.node if request.node >= 0 else next(
+                (g for g, node_ranks in enumerate(ranks) if request.rank in node_ranks), -1)
+            if not 0 <= group_rank < len(ranks):
+                events.append(("migrate-refused", f"{request.describe()}: no such rank or node in this job"))
+                continue
+            if core.any_done(store, [r for node_ranks in ranks for r in node_ranks]):
+                events.append(("migrate-refused", f"{request.describe()}: the training is finishing"))
+                continue
+            standby = self._ready_standby_nodes(store, membership, len(ranks[group_rank]))
+            if not standby:
+                events.append(("migrate-refused", f"{request.describe()}: no warm standby node"))
+                continue
+            node_id, ids = standby[0]
+            swapped, why = self._publish(store, membership, ranks, {membership.active[group_rank]: node_id},
+                                         {node_id: ids}, set(), planned=True, started=time.monotonic())
+            events.append(("migrate", f"{why}: {request.reason}"))
+            return swapped, events
+        return None, events
+
+    def recovered(self) -> list[str]:
+        """Lines for the event log: generations whose every rank finished recovering."""
+        return [recovered.describe() for recovered in self._recoveries.poll()]
+
+
+@dataclass
+class NodeOutcome:
+    finished: bool = False  # every rank of this node exited 0
+    failed: bool = False  # this node's workers failed and were stopped; the leader decides
+
+
+class NodeWatch:
+    """One active node of an in-place job over several nodes, seen from its agent."""
+
+    def __init__(self, store: Store, world_size: int, gen_file: str,
+                 report_failure: Callable[[bool, str], None]) -> None:
+        self._store = store
+        self._world_size = world_size
+        self._gen_file = gen_file
+        self._report_failure = report_failure
+        self._reports = core.ReportInbox(store)
+        self._enabled = False
+        self._gen = -1
+        self.slots = core.Slots()
+        self.failed = False
+        self._mirror_gen()
+
+    def adopt(self, processes: dict[int, subprocess.Popen[bytes]], promoted: bool) -> None:
+        self.slots.adopt(processes, promoted=promoted)
+        self.failed = False
+
+    def enabled(self) -> bool:
+        """True once every rank of the job runs the tmrun worker API."""
+        self._enabled = self._enabled or core.api_ready(self._store, self._world_size)
+        return self._enabled
+
+    def pids(self) -> list[int]:
+        return self.slots.pids()
+
+    def step(self) -> NodeOutcome:
+        self._mirror_gen()
+        if self.failed:
+            return NodeOutcome(failed=True)
+        lost = self._live_rank_lost()
+        if lost:
+            self._fail(lost)
+            return NodeOutcome(failed=True)
+        bad = self.slots.failed()
+        if bad:
+            self._fail(", ".join(f"rank {rank} {core.how_it_ended(code)}" for rank, code in bad.items()),
+                       by_signal=any(code < 0 for code in bad.values()))
+            return NodeOutcome(failed=True)
+        return NodeOutcome(finished=self.slots.all_succeeded())
+
+    def _mirror_gen(self) -> None:
+        gen = proto.read_gen(self._store)
+        if gen != self._gen:
+            core.write_gen_file(self._gen_file, gen)
+            self._gen = gen
+
+    def _live_rank_lost(self) -> str:
+        """A survivor's report that it lost one of this node's live ranks (this generation)."""
+        for report in self._reports:
+            slot = self.slots.live_peer_lost(report, self._gen)
+            if slot is not None:
+                return f"rank {report.lost} (pid {slot.pid}) lost by rank {report.reporter}, its process still running"
+        return ""
+
+    def _fail(self, detail: str, by_signal: bool = True) -> None:
+        """Stop every worker of this node and tell the leader (a member is a node)."""
+        say(f"this node failed ({detail}); stopping its workers for the standby node to take over")
+        self.slots.fence_all()
+        self.failed = True
+        self._report_failure(by_signal, detail)
+
+    def stop_promoted(self, timeout: float = 5.0) -> None:
+        self.slots.stop_promoted(timeout)

@@ -1,0 +1,201 @@
+"""Policy for one node: a member is a worker process, a standby is a warm standby process.
+
+The agent's controller watches the worker processes, learns of failures from process exits
+and from workers' reports, promotes a warm standby process to the failed rank and publishes the
+plan (a new generation). With no standby ready within ``standby_wait`` seconds it abandons
+in-place replacement for this worker group (the workers are told to stop) and the agent falls
+back to torchrun's restart. It also moves ranks for planned migrations.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from torch.distributed import Store
+
+from tmrun.console import say
+from tmrun.control.events import record_event
+from tmrun.control.replacement import core
+from tmrun.protocol import messages as proto
+
+
+class StandbyProcess(Protocol):
+    index: int
+    process: subprocess.Popen[bytes]
+
+
+class StandbyProcesses(Protocol):
+    """The agent's pool of warm standby processes, as the policy uses it."""
+
+    @property
+    def members(self) -> list[StandbyProcess]: ...
+
+    @property
+    def failing(self) -> str: ...  # non-empty when standbys keep dying on their own
+
+    def fill(self) -> None: ...
+
+    def take(self, member: StandbyProcess) -> None: ...
+
+
+@dataclass
+class Outcome:
+    """What the agent does next: keep going, finished, or fall back (``failed`` ranks)."""
+
+    finished: bool = False
+    failed: dict[int, int] = field(default_factory=dict)  # rank -> exit code
+    reason: str = ""
+    final: bool = False  # do not restart the group: the training is over (restarting would redo it)
+
+
+class ProcessReplacement:
+    def __init__(self, store: Store, pool: StandbyProcesses, world_size: int, standby_wait: float,
+                 max_replacements: int, events_store: Store, gen_file: str, refill_delay: float = 0.0) -> None:
+        self._store = store
+        self._pool = pool
+        self._world_size = world_size
+        self._standby_wait = standby_wait
+        self._replacements_left = max_replacements
+        self._events = events_store
+        self._refill_delay = refill_delay
+        self._refill_at = 0.0  # monotonic time before which the pool is not refilled (after a recovery)
+        self._enabled = False
+        self._generations = core.Generations(store, gen_file)
+        self._recoveries = core.Recoveries()
+        self._reports = core.ReportInbox(store)
+        self._migrations = core.MigrationInbox(events_store, skip_older=True)
+        self.slots = core.Slots()
+        self.gen = 0
+        self.replacements = 0
+
+    def adopt(self, processes: dict[int, subprocess.Popen[bytes]]) -> None:
+        """The worker group just started: ``processes`` rank -> its process."""
+        self.slots.adopt(processes)
+
+    def enabled(self) -> bool:
+        """True once every rank of the job runs the tmrun worker API."""
+        self._enabled = self._enabled or core.api_ready(self._store, self._world_size)
+        return self._enabled
+
+    def pids(self) -> list[int]:
+        return self.slots.pids()
+
+    def step(self) -> Outcome:
+        """One look at the workers and the reports; replaces what failed."""
+        if not self._recoveries and time.monotonic() >= self._refill_at:
+            # A standby that died while waiting is replaced before it is needed; after a
+            # promotion the new one starts only once the job recovered, plus the refill delay
+            # (its warm-up competes for the node's CPUs with the recovery and the joiner's first
+            # steps). A failure that finds no standby starts one at once (_replace).
+            self._pool.fill()
+        self._fence_reported()
+        for recovered in self._recoveries.poll():
+            self._refill_at = time.monotonic() + self._refill_delay
+            say(f"generation {recovered.gen}: all {recovered.world_size} ranks recovered, "
+                f"{recovered.seconds:.3f}s after the change began")
+            record_event(self._events, "recovered", recovered.gen,
+                         f"{recovered.world_size} ranks back in {recovered.seconds:.3f}s")
+        self.slots.reap_leavers()
+        for request in self._migrations.requests(lambda: bool(self._recoveries) or not self.enabled()):
+            if isinstance(request, proto.ProtocolMessageError):
+                say(f"ignored a malformed migration request: {request}")
+            else:
+                self._migrate(request)
+        for rank, code in self.slots.failed().items():
+            outcome = self._replace(rank, code)
+            if outcome is not None:
+                return outcome
+        return Outcome(finished=self.slots.all_succeeded())
+
+    def _refuse(self, what: str, why: str) -> None:
+        say(f"migration of {what} refused: {why}")
+        record_event(self._events, "migrate-refused", self.gen, f"{what}: {why}")
+
+    def _migrate(self, request: proto.MigrateRequest) -> None:
+        if request.node >= 0:
+            self._refuse(f"the {request.describe()}", "this job runs on one node (migrate a rank)")
+            return
+        slot = self.slots.get(request.rank)
+        if slot is None or slot.poll() is not None:
+            self._refuse(f"rank {request.rank}", "no such running rank on this node")
+            return
+        if core.any_done(self._store, self.slots.ranks()):
+            self._refuse(f"rank {request.rank}", "the training is finishing (a rank finished its steps)")
+            return
+        member = self._ready_standby()
+        if member is None:
+            self._refuse(f"rank {request.rank}", "no warm standby")
+            return
+        detail = f"rank {request.rank} (pid {slot.pid}) -> standby {member.index} (pid {member.process.pid}): {request.reason}"
+        self._promote(request.rank, member, time.monotonic(), request.reason, planned=True)
+        say(f"planned migration, generation {self.gen}: {detail}")
+        record_event(self._events, "migrate", self.gen, detail)
+
+    def _fence_reported(self) -> None:
+        for report in self._reports:
+            if report.gen != self.gen:
+                record_event(self._events, "stale", self.gen, f"report about generation {report.gen}")
+                continue
+            slot = self.slots.live_peer_lost(report, self.gen)
+            if slot is not None and not slot.fenced:
+                # A survivor lost this rank but its process lives on (hung, or cut off): fence it
+                # so that nothing it does later can reach the new generation.
+                say(f"rank {report.lost} (pid {slot.pid}) lost by rank {report.reporter}; stopping it")
+                slot.fence()
+
+    def _ready_standby(self) -> StandbyProcess | None:
+        for member in self._pool.members:
+            if member.process.poll() is None and core.standbys_ready(self._store, [member.index]):
+                return member
+        return None
+
+    def _replace(self, rank: int, exitcode: int) -> Outcome | None:
+        slot = self.slots[rank]
+        if core.others_done(self._store, [r for r in self.slots.ranks() if r != rank]):
+            say(f"rank {rank} failed with exit code {exitcode} after every other rank finished its steps; "
+                "the job ends failed (a restart would redo the whole training)")
+            return Outcome(failed={rank: exitcode}, reason=f"rank {rank} failed after every other rank finished",
+                           final=True)
+        if self._replacements_left <= 0:
+            return self._abandon(rank, exitcode, "no in-place replacements left (--max-restarts)")
+        started = time.monotonic()
+        member = self._ready_standby()
+        if member is None:
+            say(f"rank {rank} failed; waiting up to {self._standby_wait:.0f}s for a warm standby")
+            self._pool.fill()
+        while member is None and time.monotonic() - started < self._standby_wait:
+            if self._pool.failing:
+                return self._abandon(rank, exitcode, self._pool.failing)
+            time.sleep(0.05)
+            self._pool.fill()
+            member = self._ready_standby()
+        if member is None:
+            return self._abandon(rank, exitcode, f"no standby ready within {self._standby_wait:.0f}s")
+        self._replacements_left -= 1
+        self.replacements += 1
+        detail = (f"rank {rank} (pid {slot.pid}, {core.how_it_ended(exitcode)}) -> standby {member.index} "
+                  f"(pid {member.process.pid})")
+        self._promote(rank, member, started, f"exit code {exitcode}", planned=False)
+        say(f"in-place replacement, generation {self.gen}: {detail}")
+        record_event(self._events, "replace", self.gen, detail)
+        return None
+
+    def _promote(self, rank: int, member: StandbyProcess, started: float, reason: str, planned: bool) -> None:
+        """Publish a generation in which ``member`` plays ``rank``, and take it from the pool."""
+        self.gen = self._generations.publish(self._world_size, {rank: member.index}, reason, planned)
+        self._recoveries.begin(self._store, self.gen, self._world_size, started)
+        self._pool.take(member)
+        self.slots.replace(rank, member.process, leaving=planned)
+
+    def _abandon(self, rank: int, exitcode: int, why: str) -> Outcome:
+        say(f"rank {rank} failed and {why}: falling back to restarting the worker group (as torchrun)")
+        self._generations.abandon(why)
+        record_event(self._events, "fallback", self.gen, f"rank {rank}: {why}")
+        return Outcome(failed={rank: exitcode}, reason=why)
+
+    def stop_promoted(self, timeout: float = 5.0) -> None:
+        """Stop every promoted standby still running (the group is being stopped)."""
+        self.slots.stop_promoted(timeout)

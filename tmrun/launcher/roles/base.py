@@ -1,0 +1,70 @@
+"""The hooks an agent's role answers (see :mod:`tmrun.launcher.roles`)."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+
+from tmrun.protocol.environment import LaunchEnv, Mode
+
+if TYPE_CHECKING:
+    from tmrun.launcher.agent import TmrunAgent
+    from tmrun.rendezvous.handler import TmrunRendezvousHandler
+
+
+class AgentRole:
+    """Default answers: torch's behaviour, with the agent's instant failure detection."""
+
+    def __init__(self, agent: TmrunAgent) -> None:
+        self.agent = agent
+
+    def start(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        """Start (or adopt) the group's workers; returns local rank -> pid."""
+        pids = self.agent.start_group(worker_group)
+        self.agent.publish(worker_group, pids, self.standby_members())
+        return pids
+
+    def monitor(self, worker_group: WorkerGroup) -> RunResult:
+        """One look at the workers (blocks until one exits, or a short interval passes)."""
+        self.agent.wait_for_exit(self.agent.wait_interval)
+        return self.agent.elastic_check(worker_group)
+
+    def stop_promoted(self) -> None:
+        """Stop the promoted standbys still running (the group is being stopped)."""
+
+    def close(self) -> None:
+        """The agent's run is over: stop everything this role started."""
+
+    def standby_members(self) -> list[dict[str, object]]:
+        return []
+
+
+def in_place_env(agent: TmrunAgent, handler: TmrunRendezvousHandler, prefix: str, gen_file: str) -> LaunchEnv:
+    """Where workers and standby workers find the in-place protocol (job settings such as the
+    shadow steps come from the agent's own environment, set by the CLI)."""
+    spec = agent.spec
+    entry = [spec.entrypoint, *map(str, spec.args)] if isinstance(spec.entrypoint, str) else []
+    base = LaunchEnv.from_environ()
+    return LaunchEnv(
+        mode=Mode.ACTIVE,
+        store_host=handler.endpoint.host,
+        store_port=handler.endpoint.port,
+        store_prefix=prefix,
+        gen_file=gen_file,
+        run_id=handler.get_run_id(),
+        agent_pid=os.getpid(),
+        shadow_steps=base.shadow_steps,
+        recovery_timeout=base.recovery_timeout,
+        comm_timeout=base.comm_timeout,
+        same_host_reads=base.same_host_reads,
+        entrypoint=tuple(entry),
+    )
+
+
+def succeeded(worker_group: WorkerGroup) -> RunResult:
+    return RunResult(state=WorkerState.SUCCEEDED, return_values={w.global_rank: None for w in worker_group.workers})
+
+
+HEALTHY = RunResult(state=WorkerState.HEALTHY)

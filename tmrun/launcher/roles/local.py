@@ -1,0 +1,115 @@
+"""One node with standby worker processes (``--standby N`` on one node).
+
+The role keeps the pool of warm standby processes, gives every start of the worker group a
+fresh in-place prefix, and drives :class:`~tmrun.control.replacement.processes.ProcessReplacement`
+once every rank runs the worker API (before that, or for a plain torchrun script, failures
+restart the group as torchrun's would, and the standbys only stand ready).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from torch.distributed import PrefixStore
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+from tmrun.control.replacement.processes import ProcessReplacement
+from tmrun.launcher.roles.base import HEALTHY, AgentRole, in_place_env, succeeded
+from tmrun.launcher.standby_pool import StandbyPool
+from tmrun.protocol import environment, keys
+
+if TYPE_CHECKING:
+    from tmrun.launcher.agent import AgentSettings, TmrunAgent
+    from tmrun.rendezvous.handler import TmrunRendezvousHandler
+
+
+class LocalStandbyRole(AgentRole):
+    def __init__(self, agent: TmrunAgent, settings: AgentSettings, handler: TmrunRendezvousHandler) -> None:
+        super().__init__(agent)
+        self._settings = settings
+        self._handler = handler
+        self._pool = StandbyPool(settings.standby_workers, handler.get_run_id())
+        self._controller: ProcessReplacement | None = None
+        self._group_starts = 0
+
+    def start(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        controller = self._prepare(worker_group)
+        pids = self.agent.start_group(worker_group)
+        self._pool.fill()
+        controller.adopt(self.agent.group_processes(worker_group))
+        self.agent.publish(worker_group, pids, self.standby_members())
+        return pids
+
+    def _prepare(self, worker_group: WorkerGroup) -> ProcessReplacement:
+        """A fresh in-place prefix for every start of the worker group; the standbys of the
+        previous group start again."""
+        handler, spec = self._handler, worker_group.spec
+        prefix = keys.group_prefix(handler.get_run_id(), self._group_starts)
+        gen_file = os.path.join(self._pool.directory, f"gen-{self._group_starts}")
+        self._group_starts += 1
+        world_size = worker_group.workers[0].world_size if worker_group.workers else spec.local_world_size
+        self._controller = ProcessReplacement(
+            PrefixStore(prefix, handler.raw_store), self._pool, world_size, self._settings.standby_wait,
+            max(spec.max_restarts, 0), handler.store, gen_file, self._settings.refill_delay)
+        env = in_place_env(self.agent, handler, prefix, gen_file)
+        os.environ.update(env.to_environ())  # the workers torch starts inherit these
+        previous = self._pool.worker_env.get(environment.ENV_PREFIX)
+        self._pool.worker_env = {
+            **env.to_environ(),
+            environment.ENV_WORLD_SIZE: str(world_size),
+            environment.ENV_LOCAL_WORLD_SIZE: str(spec.local_world_size),
+            environment.ENV_RANK: "0",
+            environment.ENV_LOCAL_RANK: "0",
+            environment.ENV_GROUP_RANK: "0",
+            environment.ENV_TORCHELASTIC_RUN_ID: handler.get_run_id(),
+        }
+        if previous is not None and previous != prefix:
+            self._pool.stop(final=False)
+        return self._controller
+
+    def monitor(self, worker_group: WorkerGroup) -> RunResult:
+        controller = self._controller
+        if controller is None or not controller.enabled():
+            self.agent.wait_for_exit(min(self.agent.wait_interval, 0.1))
+            if self._pool.changed():
+                self.agent.publish(worker_group, self.agent.group_pids(), self.standby_members())
+            return self.agent.elastic_check(worker_group)
+        return self._monitor_in_place(worker_group, controller)
+
+    def _monitor_in_place(self, worker_group: WorkerGroup, controller: ProcessReplacement) -> RunResult:
+        """Workers that use the tmrun API: a failed rank is replaced in place by a standby;
+        the group is done when every rank's current process exited 0."""
+        self.agent.wait_for_exit(0.05, controller.pids())
+        before = controller.replacements
+        outcome = controller.step()
+        if controller.replacements != before:
+            pids = {slot.rank: slot.pid for slot in controller.slots.by_rank.values()}
+            self.agent.publish(worker_group, pids, self.standby_members())
+        if outcome.finished:
+            return succeeded(worker_group)
+        if not outcome.failed:
+            return HEALTHY
+        failures = {}
+        for rank, code in outcome.failed.items():
+            slot = controller.slots[rank]
+            local_rank = rank - worker_group.workers[0].global_rank
+            error_file = "" if slot.promoted else self.agent.error_file(local_rank)
+            failures[rank] = ProcessFailure(local_rank=local_rank, pid=slot.pid, exitcode=code, error_file=error_file)
+        result = RunResult(state=WorkerState.FAILED, failures=failures)
+        if outcome.final:
+            self.agent.no_more_restarts()
+        self.agent.report_failure(result)
+        return result
+
+    def stop_promoted(self) -> None:
+        if self._controller is not None:
+            self._controller.stop_promoted()
+
+    def close(self) -> None:
+        self._pool.stop()
+        self.stop_promoted()
+
+    def standby_members(self) -> list[dict[str, object]]:
+        return [m.describe() for m in self._pool.members]
