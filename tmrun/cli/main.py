@@ -185,7 +185,7 @@ def _validate(args: argparse.Namespace) -> None:
     if args.shadow_steps < 0:
         raise UsageError(f"--shadow-steps must be 0 or more, got {args.shadow_steps}")
     if args.inject_failure:
-        from tmrun.worker.drills import Drill, DrillSpecError
+        from tmrun.protocol.drills import Drill, DrillSpecError
 
         try:
             args.inject_failure = [Drill.parse(spec) for spec in args.inject_failure]

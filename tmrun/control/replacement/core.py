@@ -66,6 +66,20 @@ def api_ready(store: Store, world_size: int) -> bool:
     return store.check([keys.API]) and store.add(keys.MEMBERS, 0) >= world_size
 
 
+class ApiGate:
+    """Latched :func:`api_ready`: once every rank ran the worker API, in-place replacement is on
+    for this prefix (call it: ``gate()``)."""
+
+    def __init__(self, store: Store, world_size: int) -> None:
+        self._store = store
+        self._world_size = world_size
+        self._open = False
+
+    def __call__(self) -> bool:
+        self._open = self._open or api_ready(self._store, self._world_size)
+        return self._open
+
+
 def standbys_ready(store: Store, standby_ids: Iterable[int]) -> bool:
     """True when every standby in ``standby_ids`` finished its shadow steps and waits."""
     wanted = [keys.standby_ready(i) for i in standby_ids]

@@ -181,11 +181,10 @@ class NodeWatch:
     def __init__(self, store: Store, world_size: int, gen_file: str,
                  report_failure: Callable[[bool, str], None]) -> None:
         self._store = store
-        self._world_size = world_size
         self._gen_file = gen_file
         self._report_failure = report_failure
         self._reports = core.ReportInbox(store)
-        self._enabled = False
+        self.enabled = core.ApiGate(store, world_size)  # enabled(): every rank runs the worker API
         self._gen = -1
         self.slots = core.Slots()
         self.failed = False
@@ -194,14 +193,6 @@ class NodeWatch:
     def adopt(self, processes: dict[int, subprocess.Popen[bytes]], promoted: bool) -> None:
         self.slots.adopt(processes, promoted=promoted)
         self.failed = False
-
-    def enabled(self) -> bool:
-        """True once every rank of the job runs the tmrun worker API."""
-        self._enabled = self._enabled or core.api_ready(self._store, self._world_size)
-        return self._enabled
-
-    def pids(self) -> list[int]:
-        return self.slots.pids()
 
     def step(self) -> NodeOutcome:
         self._mirror_gen()

@@ -62,7 +62,7 @@ class ProcessReplacement:
         self._events = events_store
         self._refill_delay = refill_delay
         self._refill_at = 0.0  # monotonic time before which the pool is not refilled (after a recovery)
-        self._enabled = False
+        self.enabled = core.ApiGate(store, world_size)  # enabled(): every rank runs the worker API
         self._generations = core.Generations(store, gen_file)
         self._recoveries = core.Recoveries()
         self._reports = core.ReportInbox(store)
@@ -74,14 +74,6 @@ class ProcessReplacement:
     def adopt(self, processes: dict[int, subprocess.Popen[bytes]]) -> None:
         """The worker group just started: ``processes`` rank -> its process."""
         self.slots.adopt(processes)
-
-    def enabled(self) -> bool:
-        """True once every rank of the job runs the tmrun worker API."""
-        self._enabled = self._enabled or core.api_ready(self._store, self._world_size)
-        return self._enabled
-
-    def pids(self) -> list[int]:
-        return self.slots.pids()
 
     def step(self) -> Outcome:
         """One look at the workers and the reports; replaces what failed."""

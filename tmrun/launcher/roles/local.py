@@ -81,7 +81,7 @@ class LocalStandbyRole(AgentRole):
     def _monitor_in_place(self, worker_group: WorkerGroup, controller: ProcessReplacement) -> RunResult:
         """Workers that use the tmrun API: a failed rank is replaced in place by a standby;
         the group is done when every rank's current process exited 0."""
-        self.agent.wait_for_exit(0.05, controller.pids())
+        self.agent.wait_for_exit(0.05, controller.slots.pids())
         before = controller.replacements
         outcome = controller.step()
         if controller.replacements != before:

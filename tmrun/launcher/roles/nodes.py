@@ -99,7 +99,7 @@ class NodeRole(AgentRole):
         if watch is None or not watch.enabled():
             self.agent.wait_for_exit(min(self.agent.wait_interval, 0.1))
             return self.agent.elastic_check(worker_group)
-        self.agent.wait_for_exit(0.05, watch.pids())
+        self.agent.wait_for_exit(0.05, watch.slots.pids())
         outcome = watch.step()
         if outcome.finished or outcome.failed:
             # raises once a standby node took this node's ranks (a failure, or a migration whose

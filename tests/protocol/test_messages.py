@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tmrun.protocol import keys, messages as proto
-from tmrun.worker.drills import Drill, DrillRunner, DrillSpecError, InjectedFailure, parse_all
+from tmrun.protocol.drills import Drill, DrillSpecError, parse_all
+from tmrun.worker.drills import DrillRunner, InjectedFailure
 
 
 def test_plan_round_trip() -> None:

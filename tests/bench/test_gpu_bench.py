@@ -6,6 +6,8 @@ from __future__ import annotations
 import datetime as dt
 import sys
 
+import pytest
+
 from tests.helpers import ROOT, load_script, run
 
 BENCH = ROOT / "bench" / "inplace_failover.py"
@@ -36,6 +38,7 @@ def test_downtime_and_time_lost() -> None:
     assert round(bench.largest_gap(bench.committed_times(rows)) - steady, 6) == 1.5  # committed: 2.0 -> 4.5
 
 
+@pytest.mark.e2e
 def test_short_scale_run() -> None:
     out = run(
         [sys.executable, str(BENCH), "--runs", "1", "--parts", "scale", "--scale", "2", "--scale-steps", "20",

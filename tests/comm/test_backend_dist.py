@@ -18,9 +18,9 @@ import pytest
 
 pytest.importorskip("tmrun_native")
 
-from tests.helpers import free_port, kill_tree, leftovers, start  # noqa: E402
+from tests.helpers import SCRIPTS, free_port, kill_tree, leftovers, start  # noqa: E402
 
-WORKER = Path(__file__).resolve().parent / "scripts" / "backend_worker.py"
+WORKER = SCRIPTS / "backend_worker.py"
 ENV = {"OMP_NUM_THREADS": "1", "TMRUN_RUN_ID": "backend-test", "TORCHELASTIC_RUN_ID": ""}
 
 

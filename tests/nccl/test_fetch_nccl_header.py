@@ -17,9 +17,9 @@ import zipfile
 
 import pytest
 
-from tests.helpers import load_script
+from tests.helpers import ROOT as _ROOT, load_script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(_ROOT)
 SCRIPT = os.path.join(ROOT, "tmrun_native", "cmake", "fetch_nccl_header.py")
 
 

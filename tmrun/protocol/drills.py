@@ -1,0 +1,91 @@
+"""Failure drills as the launcher passes them to workers: ``rank=1,step=8[,at=backward]``.
+
+The spec (:class:`Drill`: parsing with one-line errors, encoding) is part of the contract
+between the CLI and the workers (``TMRUN_INJECT_FAILURE``, drills joined by ``;``); firing them
+is the worker's (:mod:`tmrun.worker.drills`, which documents the points and options).
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+
+from tmrun.protocol import environment
+
+ENV = environment.ENV_INJECT_FAILURE
+POINTS = ("step", "forward", "backward", "optimizer", "transfer", "promotion", "handover")
+ANY_STEP = ("promotion", "handover")  # points that happen once, whatever the step
+STEP_OPTIONAL = (*ANY_STEP, "transfer")  # without step=, a transfer drill fires at the first donation
+
+
+class DrillSpecError(ValueError):
+    """The --inject-failure spec is malformed (one line for the user)."""
+
+
+@dataclass(frozen=True)
+class Drill:
+    rank: int  # -1 for a node drill
+    step: int = -1
+    at: str = "step"
+    seconds: float = -1.0
+    signal_name: str = "KILL"
+    who: str = "original"
+    node: int = -1  # group rank of a node to kill whole (agent and workers)
+
+    @classmethod
+    def parse(cls, text: str) -> Drill:
+        fields: dict[str, str] = {}
+        for part in text.split(","):
+            key, sep, value = part.strip().partition("=")
+            if not sep or not key or not value:
+                raise DrillSpecError(f"--inject-failure: {part.strip()!r} is not key=value (e.g. rank=1,step=8)")
+            if key in fields:
+                raise DrillSpecError(f"--inject-failure: {key} given twice")
+            fields[key] = value.strip()
+        unknown = set(fields) - {"rank", "node", "step", "at", "time", "signal", "who"}
+        if unknown:
+            raise DrillSpecError(f"--inject-failure: unknown key {sorted(unknown)[0]!r} "
+                                 "(keys: rank, node, step, at, time, signal, who)")
+        if ("rank" in fields) == ("node" in fields):
+            raise DrillSpecError("--inject-failure needs rank=N or node=G (one of them)")
+        try:
+            node = int(fields.get("node", "-1"))
+            rank = int(fields.get("rank", "-1" if "node" in fields else "0"))
+            step = int(fields.get("step", "-1"))
+            seconds = float(fields.get("time", "-1"))
+        except ValueError:
+            raise DrillSpecError("--inject-failure: rank, node and step must be integers, time a number") from None
+        at = fields.get("at", "promotion" if fields.get("who") == "joiner" else "step")
+        if at not in POINTS:
+            raise DrillSpecError(f"--inject-failure: at={at!r} is not one of {', '.join(POINTS)}")
+        who = fields.get("who", "original")
+        if who not in ("original", "joiner"):
+            raise DrillSpecError("--inject-failure: who must be original or joiner")
+        name = fields.get("signal", "KILL").upper().removeprefix("SIG")
+        if name != "RAISE" and not hasattr(signal, f"SIG{name}"):
+            raise DrillSpecError(f"--inject-failure: unknown signal {fields.get('signal')!r}")
+        if "node" in fields and node < 0:
+            raise DrillSpecError("--inject-failure: node must be >= 0")
+        if "node" in fields and (who == "joiner" or name == "RAISE"):
+            raise DrillSpecError("--inject-failure: node=G kills a node's processes (no who=joiner, no signal=RAISE)")
+        if "rank" in fields and rank < 0:
+            raise DrillSpecError("--inject-failure: rank must be >= 0")
+        if name == "RAISE" and seconds >= 0:
+            raise DrillSpecError("--inject-failure: signal=RAISE needs step=N (an exception cannot be raised from a timer)")
+        if who == "original" and step < 0 and seconds < 0 and at not in STEP_OPTIONAL:
+            raise DrillSpecError("--inject-failure needs step=N or time=SECONDS")
+        return cls(rank=rank, step=step, at=at, seconds=seconds, signal_name=name, who=who, node=node)
+
+    def encode(self) -> str:
+        target = f"node={self.node}" if self.node >= 0 else f"rank={self.rank}"
+        parts = [target, f"at={self.at}", f"signal={self.signal_name}", f"who={self.who}"]
+        if self.step >= 0:
+            parts.append(f"step={self.step}")
+        if self.seconds >= 0:
+            parts.append(f"time={self.seconds}")
+        return ",".join(parts)
+
+
+def parse_all(text: str) -> list[Drill]:
+    """Drills joined by ';' (how the launcher passes several to the workers)."""
+    return [Drill.parse(part) for part in text.split(";") if part.strip()]
