@@ -107,3 +107,37 @@ def test_node_drill_fires_on_local_rank_0_of_that_node_only() -> None:
     assert not DrillRunner([drill], rank=3, promoted=False, group_rank=1, local_rank=1)._matches(drill, "step", 3)
     assert not DrillRunner([drill], rank=0, promoted=False, group_rank=0, local_rank=0)._matches(drill, "step", 3)
     assert not DrillRunner([drill], rank=2, promoted=True, group_rank=1, local_rank=0)._matches(drill, "step", 3)
+
+
+@pytest.mark.parametrize("message", [
+    proto.FailureReport(node_id=2, epoch=5, by_signal=True, node_dead=False, detail="rank 3 signal SIGKILL"),
+    proto.NodeInfo(host="n1", addr="10.0.0.2", pid=99, node_rank_hint=1, time=12.5),
+    proto.LeaderInfo(host="n0", pid=7, endpoint="n0:29400"),
+    proto.WorkersInfo(epoch=1, group_rank=0, agent_pid=7, workers=[{"local_rank": 0, "rank": 0, "pid": 8}],
+                      standby_workers=[{"index": 1, "pid": 9, "state": "ready", "local_rank": 0}]),
+    proto.ClosedNotice(phase="failed", reason="why"),
+    proto.NodeRanks(node_id=2, ranks=[2, 3]),
+    proto.StandbyNode(ids=[2000, 2001]),
+    proto.StandbyReady(pid=5, shadow_steps=2, finite=True, local_ops=7, network_ops=0, bytes_sent=0, bytes_recv=0),
+])
+def test_every_message_round_trips(message: object) -> None:
+    assert type(message).decode("k", message.encode()) == message  # type: ignore[attr-defined]
+
+
+def test_event_round_trip_keeps_its_number_outside_the_value() -> None:
+    event = proto.Event(time=1.5, kind="replace", epoch=2, detail="x")
+    assert proto.Event.decode("event/4", event.encode(), seq=4) == proto.Event(1.5, "replace", 2, "x", seq=4)
+
+
+@pytest.mark.parametrize("cls,raw,match", [
+    (proto.FailureReport, b'{"node_id": -1, "epoch": 0}', "node_id"),
+    (proto.NodeInfo, b'{"host": 3, "pid": 1}', "host"),
+    (proto.NodeRanks, b'{"node_id": 0, "ranks": [1, "x"]}', "ranks"),
+    (proto.StandbyNode, b'[1, 2]', "expected a JSON object"),
+    (proto.WorkersInfo, b'{"epoch": 1, "agent_pid": 2, "workers": {}}', "must be lists"),
+    (proto.ClosedNotice, b"\xff", "not JSON"),
+])
+def test_bad_messages_of_agents_are_one_line_errors(cls: type, raw: bytes, match: str) -> None:
+    with pytest.raises(proto.ProtocolMessageError, match=match) as caught:
+        cls.decode("some/key", raw)  # type: ignore[attr-defined]
+    assert str(caught.value).startswith("some/key: ") and "\n" not in str(caught.value)
