@@ -1,4 +1,4 @@
-// ThreadSanitizer harness for Communicator::failure() and Communicator::links() (built and run by
+// ThreadSanitizer harness for tcp::Communicator::failure() and links() (built and run by
 // test_failure_race.py). Rank 1 closes; rank 0's service thread notices the loss in its idle tick,
 // closes the link (broken, error, fd) and records the sticky failure while the main thread keeps
 // polling failure() and links(), as a Python monitor thread would.
@@ -11,14 +11,14 @@
 #include <thread>
 #include <vector>
 
-#include "tmrun/comm.h"
+#include "tmrun/tcp_comm.h"
 
 int main() {
   using namespace std::chrono_literals;
-  tmrun::CommOptions o;
+  tmrun::tcp::Options o;
   o.timeout = 2.0;
   o.heartbeat_interval = 0.02;
-  tmrun::Communicator a(0, 2, "tsan", 0, o), b(1, 2, "tsan", 0, o);
+  tmrun::tcp::Communicator a(0, 2, "tsan", 0, o), b(1, 2, "tsan", 0, o);
   std::vector<std::string> addrs{a.address(), b.address()};
   std::thread tb([&] { b.connect(addrs); });
   a.connect(addrs);

@@ -6,7 +6,7 @@
 #include <optional>
 
 #include "tmrun/checksum.h"
-#include "tmrun/comm.h"
+#include "tmrun/tcp_comm.h"
 #include "tmrun/frame.h"
 
 namespace py = pybind11;
@@ -122,7 +122,7 @@ Buf get_buf(const py::buffer& b, std::optional<DType> dt, bool writable, const c
 // A pending operation. Holds the buffers (and the communicator) until the operation is over;
 // dropping an unfinished Work waits for it (with the GIL released).
 struct Work {
-  std::shared_ptr<tmrun::OpState> st;
+  std::shared_ptr<tmrun::tcp::OpState> st;
   std::vector<std::unique_ptr<py::buffer_info>> bufs;
   py::object keep;
   Work() = default;
@@ -145,13 +145,17 @@ struct Work {
   }
 };
 
-using Comm = tmrun::Communicator;
+using Comm = tmrun::tcp::Communicator;
+using Options = tmrun::tcp::Options;
 
-std::unique_ptr<Work> launch(py::object self, std::function<void()> fn, std::vector<Buf*> bufs) {
+// Queues an operation: `start` calls one of the communicator's *_async methods. The Work holds the
+// buffers (and the communicator) before the operation can start.
+template <typename Start>
+std::unique_ptr<Work> launch(py::object self, Start&& start, std::vector<Buf*> bufs) {
   auto w = std::make_unique<Work>();
   for (Buf* b : bufs) w->bufs.push_back(std::move(b->info));
   w->keep = self;
-  w->st = self.cast<Comm&>().submit(std::move(fn));
+  w->st = start(self.cast<Comm&>());
   return w;
 }
 
@@ -161,56 +165,47 @@ void finish(std::unique_ptr<Work> w) { w->wait(std::nullopt); }
 // binding is the same call followed by a wait (see sync()).
 std::unique_ptr<Work> allreduce_async(py::object self, py::buffer buf, ReduceOp op, std::optional<DType> dtype) {
   Buf b = get_buf(buf, dtype, true, "allreduce");
-  Comm* c = &self.cast<Comm&>();
-  auto ptr = b.ptr; auto n = b.count; auto dt = b.dt;
-  return launch(self, [c, ptr, n, dt, op] { c->do_allreduce(ptr, n, dt, op); }, {&b});
+  return launch(self, [&](Comm& c) { return c.allreduce_async(b.ptr, b.count, b.dt, op); }, {&b});
 }
 
 std::unique_ptr<Work> broadcast_async(py::object self, py::buffer buf, int root, std::optional<DType> dtype) {
   Buf b = get_buf(buf, dtype, true, "broadcast");
-  Comm* c = &self.cast<Comm&>();
-  auto ptr = b.ptr; auto n = b.count; auto dt = b.dt;
-  return launch(self, [c, ptr, n, dt, root] { c->do_broadcast(ptr, n, dt, root); }, {&b});
+  return launch(self, [&](Comm& c) { return c.broadcast_async(b.ptr, b.count, b.dt, root); }, {&b});
 }
 
 std::unique_ptr<Work> allgather_async(py::object self, py::buffer output, py::buffer input, std::optional<DType> dtype) {
   Buf o = get_buf(output, dtype, true, "allgather output");
   Buf i = get_buf(input, dtype ? dtype : std::optional<DType>(o.dt), false, "allgather input");
-  Comm* c = &self.cast<Comm&>();
-  if (o.bytes != i.bytes * size_t(c->world_size()))
+  if (o.bytes != i.bytes * size_t(self.cast<Comm&>().world_size()))
     throw py::value_error("allgather: output must hold world_size * input elements");
-  auto op = o.ptr; auto ip = i.ptr; auto n = i.count; auto dt = o.dt;
-  return launch(self, [c, op, ip, n, dt] { c->do_allgather(op, ip, n, dt); }, {&o, &i});
+  return launch(self, [&](Comm& c) { return c.allgather_async(o.ptr, i.ptr, i.count, o.dt); }, {&o, &i});
 }
 
 std::unique_ptr<Work> reduce_scatter_async(py::object self, py::buffer output, py::buffer input, ReduceOp rop,
                                            std::optional<DType> dtype) {
   Buf o = get_buf(output, dtype, true, "reduce_scatter output");
   Buf i = get_buf(input, dtype ? dtype : std::optional<DType>(o.dt), false, "reduce_scatter input");
-  Comm* c = &self.cast<Comm&>();
-  if (i.bytes != o.bytes * size_t(c->world_size()))
+  if (i.bytes != o.bytes * size_t(self.cast<Comm&>().world_size()))
     throw py::value_error("reduce_scatter: input must hold world_size * output elements");
-  auto op = o.ptr; auto ip = i.ptr; auto n = o.count; auto dt = o.dt;
-  return launch(self, [c, op, ip, n, dt, rop] { c->do_reduce_scatter(op, ip, n, dt, rop); }, {&o, &i});
+  return launch(self, [&](Comm& c) { return c.reduce_scatter_async(o.ptr, i.ptr, o.count, o.dt, rop); }, {&o, &i});
 }
 
 std::unique_ptr<Work> barrier_async(py::object self) {
-  Comm* c = &self.cast<Comm&>();
-  return launch(self, [c] { c->do_barrier(); }, {});
+  return launch(self, [](Comm& c) { return c.barrier_async(); }, {});
 }
 
 std::unique_ptr<Work> send_async(py::object self, py::buffer buf, int dst, uint32_t tag) {
   Buf b = get_buf(buf, std::nullopt, false, "send", true);
-  Comm* c = &self.cast<Comm&>();
-  auto ptr = b.ptr; auto n = b.bytes;
-  return launch(self, [c, ptr, n, dst, tag] { c->do_send(ptr, n, dst, tag); }, {&b});
+  return launch(self, [&](Comm& c) { return c.send_async(b.ptr, b.bytes, dst, tag); }, {&b});
 }
 
 std::unique_ptr<Work> recv_async(py::object self, py::buffer buf, int src, uint32_t tag) {
   Buf b = get_buf(buf, std::nullopt, true, "recv", true);
-  Comm* c = &self.cast<Comm&>();
-  auto ptr = b.ptr; auto n = b.bytes;
-  return launch(self, [c, ptr, n, src, tag] { c->do_recv(ptr, n, src, tag); }, {&b});
+  return launch(self, [&](Comm& c) { return c.recv_async(b.ptr, b.bytes, src, tag); }, {&b});
+}
+
+std::unique_ptr<Work> commit_async(py::object self) {
+  return launch(self, [](Comm& c) { return c.commit_async(); }, {});
 }
 
 // The blocking binding of an *_async operation: the same arguments, waits, returns None.
@@ -260,29 +255,29 @@ void bind_comm(py::module_& m) {
       .value("MAX", ReduceOp::kMax)
       .value("PRODUCT", ReduceOp::kProduct);
 
-  py::class_<tmrun::CommOptions>(m, "Options", "Communicator options (all keyword arguments).")
+  py::class_<Options>(m, "Options", "Communicator options (all keyword arguments).")
       .def(py::init([](py::kwargs kw) {
-             tmrun::CommOptions o;
+             Options o;
              py::object obj = py::cast(o);
              for (auto item : kw) {
                std::string k = py::str(item.first);
                if (!py::hasattr(obj, k.c_str())) throw py::type_error("unknown option '" + k + "'");
                obj.attr(k.c_str()) = item.second;
              }
-             return obj.cast<tmrun::CommOptions>();
+             return obj.cast<Options>();
            }))
-      .def_readwrite("bind_address", &tmrun::CommOptions::bind_address)
-      .def_readwrite("port", &tmrun::CommOptions::port)
-      .def_readwrite("advertise_host", &tmrun::CommOptions::advertise_host)
-      .def_readwrite("timeout", &tmrun::CommOptions::timeout)
-      .def_readwrite("connect_timeout", &tmrun::CommOptions::connect_timeout)
-      .def_readwrite("op_timeout", &tmrun::CommOptions::op_timeout)
-      .def_readwrite("segment_bytes", &tmrun::CommOptions::segment_bytes)
-      .def_readwrite("small_bytes", &tmrun::CommOptions::small_bytes)
-      .def_readwrite("payload_checksum", &tmrun::CommOptions::payload_checksum)
-      .def_readwrite("socket_buffer", &tmrun::CommOptions::socket_buffer)
-      .def_readwrite("heartbeat_interval", &tmrun::CommOptions::heartbeat_interval)
-      .def("__repr__", [](const tmrun::CommOptions& o) {
+      .def_readwrite("bind_address", &Options::bind_address)
+      .def_readwrite("port", &Options::port)
+      .def_readwrite("advertise_host", &Options::advertise_host)
+      .def_readwrite("timeout", &Options::timeout)
+      .def_readwrite("connect_timeout", &Options::connect_timeout)
+      .def_readwrite("op_timeout", &Options::op_timeout)
+      .def_readwrite("segment_bytes", &Options::segment_bytes)
+      .def_readwrite("small_bytes", &Options::small_bytes)
+      .def_readwrite("payload_checksum", &Options::payload_checksum)
+      .def_readwrite("socket_buffer", &Options::socket_buffer)
+      .def_readwrite("heartbeat_interval", &Options::heartbeat_interval)
+      .def("__repr__", [](const Options& o) {
         return "Options(bind_address='" + o.bind_address + "', port=" + std::to_string(o.port) +
                ", timeout=" + std::to_string(o.timeout) + ", segment_bytes=" + std::to_string(o.segment_bytes) + ")";
       });
@@ -304,8 +299,8 @@ torch CPU tensors through .numpy(), bytearray); dtype is inferred from the buffe
 explicitly (required for bfloat16). Every blocking call releases the GIL; *_async variants return
 a Work. Operations run in submission order on the communicator's worker thread.)doc")
       .def(py::init([](int rank, int world_size, const std::string& job_id, uint64_t epoch,
-                       std::optional<tmrun::CommOptions> options) {
-             return std::make_unique<Comm>(rank, world_size, job_id, epoch, options ? *options : tmrun::CommOptions{});
+                       std::optional<Options> options) {
+             return std::make_unique<Comm>(rank, world_size, job_id, epoch, options ? *options : Options{});
            }),
            py::arg("rank"), py::arg("world_size"), py::arg("job_id"), py::arg("epoch") = 0,
            py::arg("options") = py::none())
@@ -361,16 +356,8 @@ a Work. Operations run in submission order on the communicator's worker thread.)
            "Phase 1 of replacement (call on every surviving rank): links to the joiners of `replaced_ranks` "
            "(new_addresses: {rank: 'host:port'} or a full list) are built in the background.")
       .def("prepare_done", &Comm::prepare_done, "True once prepare's background connections finished.")
-      .def("commit_async",
-           [](py::object self) {
-             Comm* c = &self.cast<Comm&>();
-             return launch(self, [c] { c->do_commit(); }, {});
-           })
-      .def("commit",
-           [](py::object self) {
-             Comm* c = &self.cast<Comm&>();
-             finish(launch(self, [c] { c->do_commit(); }, {}));
-           },
+      .def("commit_async", &commit_async)
+      .def("commit", sync(&commit_async),
            "Phase 2 (every surviving rank): after the operations queued before it, close the links to "
            "replaced ranks, install the prepared ones, switch to the new epoch and resynchronise every link.")
       // ---- introspection

@@ -60,8 +60,8 @@ std::shared_ptr<const NcclLib> lib_for(const std::string& library) {
   return load_nccl();  // current, or search with the remembered dirs
 }
 
-CommOptions make_opts(double timeout, bool revoke_on_error, bool shrink_share, const std::string& name) {
-  CommOptions o;
+Options make_opts(double timeout, bool revoke_on_error, bool shrink_share, const std::string& name) {
+  Options o;
   o.timeout_s = timeout;
   o.revoke_on_error = revoke_on_error;
   o.shrink_share = shrink_share;

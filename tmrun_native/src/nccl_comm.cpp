@@ -50,7 +50,7 @@ double seconds_since(std::chrono::steady_clock::time_point t) {
 
 // ---- construction ---------------------------------------------------------------------
 
-Communicator::Communicator(std::shared_ptr<const NcclLib> lib, int device, const CommOptions& opts)
+Communicator::Communicator(std::shared_ptr<const NcclLib> lib, int device, const Options& opts)
     : lib_(std::move(lib)), device_(device), opts_(opts) {
   if (!lib_) throw UnavailableError("no NCCL library loaded");
   if (opts_.timeout_s <= 0) throw std::invalid_argument("timeout must be positive");
@@ -118,7 +118,7 @@ void Communicator::set_map(RankMap map, int my_logical) {
 }
 
 std::unique_ptr<Communicator> Communicator::init(const std::string& unique_id, int nranks, int logical_rank,
-                                                 int device, RankMap map, const CommOptions& opts, bool wait,
+                                                 int device, RankMap map, const Options& opts, bool wait,
                                                  std::shared_ptr<const NcclLib> lib) {
   ncclUniqueId id = id_from_bytes(unique_id);
   if (nranks <= 0) throw std::invalid_argument("world size must be positive");
@@ -149,7 +149,7 @@ std::unique_ptr<Communicator> Communicator::init(const std::string& unique_id, i
 
 std::unique_ptr<Communicator> Communicator::grow_join(const std::string& unique_id, int nranks,
                                                       int logical_rank, int device, RankMap map,
-                                                      const CommOptions& opts, bool wait,
+                                                      const Options& opts, bool wait,
                                                       std::shared_ptr<const NcclLib> lib) {
   ncclUniqueId id = id_from_bytes(unique_id);
   if (!lib) throw UnavailableError("no NCCL library loaded");

@@ -36,7 +36,7 @@
 namespace tmrun {
 namespace nccl {
 
-struct CommOptions {
+struct Options {
   double timeout_s = 300.0;     // default deadline of every operation
   bool revoke_on_error = true;  // on error/timeout: revoke (keeps shrink possible) else abort
   bool shrink_share = true;     // config.shrinkShare: shrinks of a healthy comm reuse its resources
@@ -50,14 +50,14 @@ class Communicator {
   // Full init: ncclCommInitRankConfig(nranks, id, nccl rank of `logical_rank`).
   // `map` empty means identity. With wait=false returns while NCCL is still connecting.
   static std::unique_ptr<Communicator> init(const std::string& unique_id, int nranks, int logical_rank,
-                                            int device, RankMap map, const CommOptions& opts, bool wait,
+                                            int device, RankMap map, const Options& opts, bool wait,
                                             std::shared_ptr<const NcclLib> lib);
   // Joiner side of ncclCommGrow(NULL, nranks, &id, nccl_rank, ...). `map` is the grown map
   // (as returned by grow_rank_map on the survivors); the joiner's NCCL rank is the index of
   // `logical_rank` in it and must be >= the pre-grow size.
   static std::unique_ptr<Communicator> grow_join(const std::string& unique_id, int nranks,
                                                  int logical_rank, int device, RankMap map,
-                                                 const CommOptions& opts, bool wait,
+                                                 const Options& opts, bool wait,
                                                  std::shared_ptr<const NcclLib> lib);
   ~Communicator();  // aborts whatever is still open (never blocks on peers)
   Communicator(const Communicator&) = delete;
@@ -121,7 +121,7 @@ class Communicator {
 
  private:
   using Clock = std::chrono::steady_clock;
-  Communicator(std::shared_ptr<const NcclLib> lib, int device, const CommOptions& opts);
+  Communicator(std::shared_ptr<const NcclLib> lib, int device, const Options& opts);
   void make_current() const;
   ncclConfig_t make_config() const;
   Clock::time_point deadline(double timeout_s) const;
@@ -146,7 +146,7 @@ class Communicator {
   int device_ = -1;
   cu::Context ctx_ = nullptr;
   cu::Event event_ = nullptr;
-  CommOptions opts_;
+  Options opts_;
 
   ncclComm_t comm_ = nullptr;
   State state_ = State::Initializing;
