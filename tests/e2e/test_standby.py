@@ -34,7 +34,7 @@ def test_standby_node_takes_the_failed_group_rank(tmp_path: Path) -> None:
             )  # fmt: skip
             agents.append(start(cmd, log=tmp_path / f"agent{node}.log"))
             # Join in order: agent 0 hosts the store, agents 0 and 1 are active, agent 2 stands by.
-            assert wait_until(lambda n=node: f"node {n}" in (tmp_path / f"agent0.log").read_text(), 60)
+            assert wait_until(lambda n=node: f"node {n}" in (tmp_path / "agent0.log").read_text(), 60)
         codes = [agent.wait(timeout=180) for agent in agents]
         logs = [(tmp_path / f"agent{n}.log").read_text() for n in range(3)]
         assert codes == [0, 0, 0], "\n\n".join(logs)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tmrun.protocol import keys, messages as proto
+from tmrun.protocol import messages as proto
 from tmrun.protocol.drills import Drill, DrillSpecError, parse_all
 from tmrun.worker.drills import DrillRunner, InjectedFailure
 

@@ -160,7 +160,7 @@ def _in_place_job(node: Node, epoch: int, spare_id: int) -> object:
 
     from torch.distributed import PrefixStore
 
-    from tmrun.protocol import keys, messages as proto
+    from tmrun.protocol import keys
 
     store = PrefixStore(keys.node_prefix("unit", epoch), node.handler.raw_store)
     store.set(keys.API, "1")
@@ -190,7 +190,7 @@ def test_in_place_node_replacement_keeps_the_epoch(three_nodes: list[Node]) -> N
 
 
 def test_a_node_failing_after_the_others_finished_closes_the_job(three_nodes: list[Node]) -> None:
-    from tmrun.protocol import keys, messages as proto
+    from tmrun.protocol import keys
 
     a, b, spare = three_nodes
     _form_with_standby(a, b, spare)

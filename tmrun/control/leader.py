@@ -7,7 +7,6 @@ which a standby takes the failed node's group rank.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,8 +21,6 @@ from tmrun.control.replacement.nodes import Decision, NodeReplacement
 from tmrun.protocol import keys
 from tmrun.protocol.membership import GroupLimits, Membership, Phase
 from tmrun.protocol.messages import ClosedNotice, FailureReport, NodeInfo, ProtocolMessageError
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -107,7 +104,7 @@ class Leader:
                         self._maybe_migrate()  # (on one node the agent's controller migrates ranks)
         except Exception as exc:  # the store went away or a bug: the job cannot continue
             if not self._stop.is_set():
-                log.error("tmrun leader stopped: %s", exc)
+                say(f"the tmrun leader stopped: {exc}")
                 self.error = exc
 
     def _publish(self, membership: Membership) -> None:
@@ -234,7 +231,7 @@ class Leader:
         if decision is Decision.FALLBACK:
             self._event("fallback", f"{why}: the group restarts (as torchrun)")
         else:
-            log.info("no in-place replacement: %s", why)
+            say(f"no in-place replacement: {why}")
         plan = planner.replace_failed(self._membership, culprits, dead, self._config.limits)
         causes = "; ".join(f"node {r.node_id}: {r.detail}" for r in pending.reports if r.node_id in culprits)
         self._publish(plan)

@@ -11,7 +11,6 @@ Each epoch gets its own key prefix, so no restart ever reads an address an earli
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import time
@@ -35,8 +34,6 @@ from tmrun.protocol.membership import GroupLimits, Membership, Phase
 from tmrun.protocol.messages import ClosedNotice, FailureReport, LeaderInfo, NodeInfo, WorkersInfo
 from tmrun.rendezvous.endpoint import Endpoint, open_store, parse_endpoint
 from tmrun.rendezvous.liveness import LivenessBeacon
-
-log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 29400
 BACKEND_NAME = "tmrun"
@@ -249,8 +246,8 @@ class TmrunRendezvousHandler(RendezvousHandler):
                 self.store.add(keys.LEFT, 1)
             if self.is_host:
                 self._wait_for_others()
-        except Exception as exc:  # the store is gone: nothing left to coordinate
-            log.debug("leave: %s", exc)
+        except Exception:  # noqa: BLE001 - the store is gone: nothing left to coordinate, nothing to say
+            pass
         if self._leader is not None:
             self._leader.stop()
 

@@ -6,7 +6,6 @@ EOF at once; heartbeats catch what a closed socket cannot (a host that vanished,
 
 from __future__ import annotations
 
-import logging
 import selectors
 import socket
 import threading
@@ -14,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-log = logging.getLogger(__name__)
+from tmrun.console import say
 
 HELLO = b"TMRUN-LIVE1 "
 MAX_HELLO = 256
@@ -102,7 +101,7 @@ class LivenessMonitor:
             line = peer.buffer.split(b"\n", 1)[0]
             node_id = self._parse_hello(line)
             if node_id is None:
-                log.warning("liveness: refused a connection that is not from this job")
+                say("liveness: refused a connection that is not from this job")
                 self._drop(peer)
                 return
             peer.node_id = node_id
