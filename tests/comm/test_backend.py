@@ -606,17 +606,3 @@ def test_attach_swaps_the_communicator_and_the_rank(groups) -> None:
     finally:
         for c in comms:
             c.close()
-
-
-def test_staging_helpers_on_cpu() -> None:
-    t = torch.arange(6.0)
-    assert tb._to_host(t) is t
-    nc = torch.arange(12.0).reshape(3, 4)[:, ::2]
-    h = tb._to_host(nc)
-    assert h.is_contiguous() and torch.equal(h, nc)
-    h.fill_(1.0)
-    tb._from_host(nc, h)
-    assert torch.equal(nc, torch.ones(3, 2))
-    assert not tb._to_host(nc, copy=False).data_ptr() == nc.data_ptr()
-    with pytest.raises(tb.UnsupportedError, match="meta"):
-        tb._to_host(torch.ones(2, device="meta"))

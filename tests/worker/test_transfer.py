@@ -39,9 +39,9 @@ def snapshot(state: TrackedState) -> list[bytes]:
 @pytest.fixture
 def staged(monkeypatch):
     """Every tensor treated as if it lived on a device (CUDA): moved through host copies."""
-    from tmrun.worker import host_bytes
+    from tmrun.comm import staging
 
-    monkeypatch.setattr(host_bytes, "in_host_memory", lambda tensor: False)
+    monkeypatch.setattr(staging, "is_host_ready", lambda tensor: False)
 
 
 @pytest.mark.parametrize("n,needy,through_host", [

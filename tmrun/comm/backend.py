@@ -33,7 +33,6 @@ Creating a group in local mode (a standby's sandbox; no store traffic, no commun
 from __future__ import annotations
 
 import datetime
-import logging
 import os
 import socket
 import threading
@@ -53,7 +52,10 @@ from torch._C._distributed_c10d import (
     ScatterOptions,
 )
 
-from tmrun.protocol import keys
+from tmrun.comm import staging
+from tmrun.comm.staging import UnsupportedError
+from tmrun.console import say
+from tmrun.protocol import environment, keys
 
 try:  # ``import tmrun`` must work without a build of the native module (the CLI, a source tree)
     import tmrun_native as tn
@@ -64,13 +66,11 @@ except (ImportError, AttributeError) as _exc:  # pragma: no cover - only without
     tn = None  # type: ignore[assignment]
     _NATIVE_ERROR = _exc
 
-log = logging.getLogger(__name__)
-
 BACKEND_NAME = "tmrun"
-ENV_LOCAL = "TMRUN_COMM_LOCAL"
-ENV_TIMEOUT = "TMRUN_COMM_TIMEOUT"
-ENV_BIND = "TMRUN_COMM_BIND"
-ENV_ADVERTISE = "TMRUN_COMM_ADVERTISE"
+ENV_LOCAL = environment.ENV_COMM_LOCAL
+ENV_TIMEOUT = environment.ENV_COMM_TIMEOUT
+ENV_BIND = environment.ENV_COMM_BIND
+ENV_ADVERTISE = environment.ENV_COMM_ADVERTISE
 STORE_PREFIX = keys.BACKEND_PREFIX
 
 __all__ = [
@@ -83,10 +83,6 @@ __all__ = [
     "get_group",
     "register",
 ]
-
-
-class UnsupportedError(NotImplementedError):
-    """An operation, reduction or dtype the tmrun backend does not implement."""
 
 
 _RED = dist.ReduceOp.RedOpType
@@ -129,7 +125,7 @@ class Options:
 
 
 def default_job_id(group_name: str) -> str:
-    run = os.environ.get("TMRUN_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or "tmrun"
+    run = os.environ.get(environment.ENV_RUN_ID) or os.environ.get(environment.ENV_TORCHELASTIC_RUN_ID) or "tmrun"
     return f"{run}/{group_name}"
 
 
@@ -158,52 +154,21 @@ def _native_options(timeout: Optional[datetime.timedelta], extra: dict) -> tn.Op
 def _multi_host() -> bool:
     """True when torchrun's environment says the job spans several nodes."""
     try:
-        return int(os.environ.get("WORLD_SIZE", "1")) > int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) > 0
+        world = int(os.environ.get(environment.ENV_WORLD_SIZE, "1"))
+        return world > int(os.environ.get(environment.ENV_LOCAL_WORLD_SIZE, "0") or 0) > 0
     except ValueError:
         return False
 
 
 # ---------------------------------------------------------------------------------------- staging
-def _to_host(t: torch.Tensor, copy: bool = True) -> torch.Tensor:
-    """A contiguous CPU tensor with ``t``'s values (``copy=False``: only its shape and dtype).
-
-    ``t`` itself when it already is one. This is the whole CUDA path (host staging, used because
-    the backend has no GPU transport): wait for the work queued on the current stream (so ``t``
-    holds the values the caller produced), then copy into pinned host memory. Run on one H100
-    (bench/gpu_inplace.py: DDP training, a failure in place, migrations)."""
-    if t.device.type == "cpu":
-        if t.is_contiguous():
-            return t
-        return t.contiguous() if copy else torch.empty(t.shape, dtype=t.dtype)
-    if t.device.type == "cuda":
-        # nothing queued on the caller's stream may still read or write t once we hand it over
-        torch.cuda.current_stream(t.device).synchronize()
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        if copy:
-            host.copy_(t)  # pinned destination, non_blocking=False: done when this returns
-        return host
-    raise UnsupportedError(f"tmrun backend: tensors on {t.device.type} are not supported (cpu, cuda)")
-
-
-def _from_host(t: torch.Tensor, host: torch.Tensor) -> None:
-    """Copy a staged result back into ``t`` (no-op when ``t`` was used in place).
-
-    For CUDA this is a blocking host-to-device copy (on the completing thread's current stream),
-    so the result is in device memory before the operation's future completes; that future is
-    created with the CUDA devices involved, so torch makes the waiter's stream (and DDP's
-    callbacks) wait for it as with NCCL or gloo."""
-    if host is not t:
-        t.copy_(host)
-
-
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of a contiguous CPU tensor as a flat uint8 tensor sharing its memory."""
-    flat = t.reshape(-1)
-    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+# Tensors that are not contiguous CPU tensors (CUDA ones included) go through host copies:
+# tmrun.comm.staging's to_host before the native operation, from_host in its finish (on the
+# completing thread, before the future completes: that future is created with the CUDA devices
+# involved, so torch makes the waiter's stream and DDP's callbacks wait for it as with NCCL).
 
 
 def _raw(t: torch.Tensor) -> memoryview:
-    buf, _ = as_buffer(_bytes_of(t))
+    buf, _ = as_buffer(staging.byte_view(t))
     return buf
 
 
@@ -263,7 +228,7 @@ def _seconds(timeout: Any) -> Optional[float]:
 class _Op:
     """One operation: native works, what to run after them, and everything it keeps alive."""
 
-    __slots__ = ("name", "result", "keep", "native", "finish", "future", "done", "error", "gen",
+    __slots__ = ("name", "result", "keep", "native", "finish", "future", "done", "error", "abort_seq",
                  "local", "source_rank")
 
     def __init__(self, name: str, result: list, local: Optional[Callable[[], None]] = None) -> None:
@@ -275,7 +240,7 @@ class _Op:
         self.future: torch.futures.Future = _future_for(result)
         self.done = threading.Event()
         self.error: Optional[BaseException] = None
-        self.gen = 0
+        self.abort_seq = 0  # the group's abort count when the op was launched
         self.local = local
         self.source_rank = -1
 
@@ -353,7 +318,7 @@ class _Completer:
             try:
                 self._group._finish(op)
             except BaseException as exc:  # noqa: BLE001  a bug here must not stall every later op
-                log.exception("tmrun completer: finishing %s failed", op.name)
+                say(f"tmrun completer: finishing {op.name} failed", worker=True, error=exc)
                 if not op.done.is_set():
                     op.complete(exc)
             with self._cv:
@@ -375,7 +340,7 @@ class TmrunProcessGroup(dist.ProcessGroup):
         self._comm = None
         self._local = bool(local)
         self._aborted = False
-        self._abort_gen = 0
+        self._abort_seq = 0  # times the group entered the aborted state
         self._handler = failure_handler
         self._handler_lock = threading.Lock()
         self._lock = threading.Lock()
@@ -477,7 +442,7 @@ class TmrunProcessGroup(dist.ProcessGroup):
         with self._handler_lock:
             if not self._aborted:
                 self._aborted = True
-                self._abort_gen += 1
+                self._abort_seq += 1
                 self._stats["aborts"] += 1
 
     def clear_aborted(self) -> None:
@@ -519,8 +484,8 @@ class TmrunProcessGroup(dist.ProcessGroup):
         if self._comm is not None:
             try:
                 self._comm.close()
-            except Exception:  # noqa: BLE001
-                log.debug("closing the tmrun communicator failed", exc_info=True)
+            except Exception as exc:  # noqa: BLE001
+                say(f"closing the tmrun communicator failed: {exc}", worker=True)
         self._completer.stop()
 
     def abort(self) -> None:
@@ -549,7 +514,7 @@ class TmrunProcessGroup(dist.ProcessGroup):
             return TmrunWork(op)
         comm = self._comm_or_raise()
         self._stats["network_ops"] += 1
-        op.gen = self._abort_gen
+        op.abort_seq = self._abort_seq
         try:
             launch(comm)
         except BaseException as exc:  # noqa: BLE001
@@ -586,28 +551,28 @@ class TmrunProcessGroup(dist.ProcessGroup):
             self._fail(op, error)
 
     def _fail(self, op: _Op, error: BaseException) -> None:
-        if isinstance(error, tn.CommError) and self._absorb(error, op.gen):
+        if isinstance(error, tn.CommError) and self._absorb(error, op.abort_seq):
             self._stats["absorbed_errors"] += 1
             op.complete()
             return
         self._stats["raised_errors"] += 1
         op.complete(_annotate(error, op.name))
 
-    def _absorb(self, error: BaseException, gen: int) -> bool:
+    def _absorb(self, error: BaseException, abort_seq: int) -> bool:
         with self._handler_lock:
-            if self._aborted or gen != self._abort_gen:
-                return True  # the group already gave up on this epoch's operations
+            if self._aborted or abort_seq != self._abort_seq:
+                return True  # the group already gave up on the operations of before its last abort
             handler = self._handler
             if handler is None:
                 return False
             try:
                 absorb = bool(handler(error))
-            except Exception:  # noqa: BLE001
-                log.exception("tmrun failure handler raised; the error goes to the caller")
+            except Exception as exc:  # noqa: BLE001
+                say("tmrun failure handler raised; the error goes to the caller", worker=True, error=exc)
                 absorb = False
             if absorb:
                 self._aborted = True
-                self._abort_gen += 1
+                self._abort_seq += 1
                 self._stats["aborts"] += 1
             return absorb
 
@@ -653,12 +618,12 @@ class TmrunProcessGroup(dist.ProcessGroup):
 
         def launch(comm: Any) -> None:
             for t in tensors:
-                host = _to_host(t)
+                host = staging.to_host(t)
                 view = _typed_view(host)
                 buf, dt = as_buffer(view)
                 op.native.append(comm.allreduce_async(buf, nop, dt))
                 op.keep += [t, host, view]
-                op.finish.append(lambda t=t, host=host: _from_host(t, host))
+                op.finish.append(lambda t=t, host=host: staging.from_host(t, host))
 
         return self._run(op, opts, launch)
 
@@ -681,11 +646,11 @@ class TmrunProcessGroup(dist.ProcessGroup):
 
         def launch(comm: Any) -> None:
             for t in tensors:
-                host = _to_host(t, copy=self._rank == root)
+                host = staging.to_host(t, copy=self._rank == root)
                 buf = _raw(host)
                 op.native.append(comm.broadcast_async(buf, root, tn.DType.UINT8))
                 op.keep += [t, host]
-                op.finish.append(lambda t=t, host=host: _from_host(t, host))
+                op.finish.append(lambda t=t, host=host: staging.from_host(t, host))
 
         return self._run(op, opts, launch)
 
@@ -708,7 +673,7 @@ class TmrunProcessGroup(dist.ProcessGroup):
         op.local = local
 
         def launch(comm: Any) -> None:
-            host_in = _to_host(inp)
+            host_in = staging.to_host(inp)
             nbytes = host_in.numel() * host_in.element_size()
             flat = torch.empty(nbytes * self._size, dtype=torch.uint8)
             op.native.append(comm.allgather_async(_raw(flat), _raw(host_in), tn.DType.UINT8))
@@ -739,11 +704,11 @@ class TmrunProcessGroup(dist.ProcessGroup):
         op.local = local
 
         def launch(comm: Any) -> None:
-            host_in = _to_host(input)
-            host_out = _to_host(output, copy=False)
+            host_in = staging.to_host(input)
+            host_out = staging.to_host(output, copy=False)
             op.native.append(comm.allgather_async(_raw(host_out), _raw(host_in), tn.DType.UINT8))
             op.keep += [output, input, host_in, host_out]
-            op.finish.append(lambda: _from_host(output, host_out))
+            op.finish.append(lambda: staging.from_host(output, host_out))
 
         return self._run(op, opts, launch)
 
@@ -780,14 +745,14 @@ class TmrunProcessGroup(dist.ProcessGroup):
             n = out.numel()
             flat = torch.empty(n * self._size, dtype=out.dtype)
             for r, t in enumerate(ins):
-                flat[r * n:(r + 1) * n].copy_(_to_host(t).reshape(-1))
-            host_out = _to_host(out, copy=False)
+                flat[r * n:(r + 1) * n].copy_(staging.to_host(t).reshape(-1))
+            host_out = staging.to_host(out, copy=False)
             vout, vin = _typed_view(host_out), _typed_view(flat)
             bout, dt = as_buffer(vout)
             bin_, _ = as_buffer(vin)
             op.native.append(comm.reduce_scatter_async(bout, bin_, nop, dt))
             op.keep += [out, ins, flat, host_out, vout, vin]
-            op.finish.append(lambda: _from_host(out, host_out))
+            op.finish.append(lambda: staging.from_host(out, host_out))
 
         return self._run(op, opts, launch)
 
@@ -805,14 +770,14 @@ class TmrunProcessGroup(dist.ProcessGroup):
         op.local = lambda: output.copy_(input.reshape(-1)[self._rank * n:(self._rank + 1) * n].view(output.shape))
 
         def launch(comm: Any) -> None:
-            host_in = _to_host(input)
-            host_out = _to_host(output, copy=False)
+            host_in = staging.to_host(input)
+            host_out = staging.to_host(output, copy=False)
             vout, vin = _typed_view(host_out), _typed_view(host_in)
             bout, dt = as_buffer(vout)
             bin_, _ = as_buffer(vin)
             op.native.append(comm.reduce_scatter_async(bout, bin_, nop, dt))
             op.keep += [output, input, host_in, host_out, vout, vin]
-            op.finish.append(lambda: _from_host(output, host_out))
+            op.finish.append(lambda: staging.from_host(output, host_out))
 
         return self._run(op, opts, launch)
 
@@ -848,7 +813,7 @@ class TmrunProcessGroup(dist.ProcessGroup):
 
         def launch(comm: Any) -> None:
             for t in tensors:
-                host = _to_host(t)
+                host = staging.to_host(t)
                 if self._rank != root and host is t:
                     host = t.clone()
                 view = _typed_view(host)
@@ -856,7 +821,7 @@ class TmrunProcessGroup(dist.ProcessGroup):
                 op.native.append(comm.allreduce_async(buf, nop, dt))
                 op.keep += [t, host, view]
                 if self._rank == root:
-                    op.finish.append(lambda t=t, host=host: _from_host(t, host))
+                    op.finish.append(lambda t=t, host=host: staging.from_host(t, host))
 
         return self._run(op, opts, launch)
 
@@ -906,15 +871,15 @@ class TmrunProcessGroup(dist.ProcessGroup):
                 for r, t in enumerate(ins):
                     if r == root:
                         continue
-                    host = _to_host(t)
+                    host = staging.to_host(t)
                     op.native.append(comm.send_async(_raw(host), r, 0))
                     op.keep += [t, host]
                 op.finish.append(lambda: out.copy_(ins[root]))
             else:
-                host = _to_host(out, copy=False)
+                host = staging.to_host(out, copy=False)
                 op.native.append(comm.recv_async(_raw(host), root, 0))
                 op.keep += [out, host]
-                op.finish.append(lambda: _from_host(out, host))
+                op.finish.append(lambda: staging.from_host(out, host))
 
         return self._run(op, opts, launch)
 
@@ -927,7 +892,7 @@ class TmrunProcessGroup(dist.ProcessGroup):
 
         def launch(comm: Any) -> None:
             for t in tensors:
-                host = _to_host(t)
+                host = staging.to_host(t)
                 op.native.append(comm.send_async(_raw(host), dst, _tag(tag)))
                 op.keep += [t, host]
 
@@ -949,10 +914,10 @@ class TmrunProcessGroup(dist.ProcessGroup):
 
         def launch(comm: Any) -> None:
             for t in tensors:
-                host = _to_host(t, copy=False)
+                host = staging.to_host(t, copy=False)
                 op.native.append(comm.recv_async(_raw(host), src, _tag(tag)))
                 op.keep += [t, host]
-                op.finish.append(lambda t=t, host=host: _from_host(t, host))
+                op.finish.append(lambda t=t, host=host: staging.from_host(t, host))
 
         return self._run(op, None, launch)
 
@@ -1063,7 +1028,7 @@ def _annotate(error: BaseException, what: str) -> BaseException:
 
 
 # ---------------------------------------------------------------------------------------- creation
-_GENERATION_KEY = keys.BACKEND_GROUP_COUNT
+_GROUP_COUNT_KEY = keys.BACKEND_GROUP_COUNT  # counter: every rank of every group created adds 1
 
 
 def create_process_group(store: Any, rank: int, world_size: int, timeout: Optional[datetime.timedelta] = None,
@@ -1071,8 +1036,9 @@ def create_process_group(store: Any, rank: int, world_size: int, timeout: Option
     """Build a :class:`TmrunProcessGroup` (what the registered creator does).
 
     Network mode: every rank publishes its communicator's address in ``store`` (keys under
-    ``tmrun/pg/g{generation}/...``; the generation counter keeps a re-created group from reading
-    the addresses of a previous one) and connects. Local mode touches neither store nor network."""
+    ``tmrun/pg/g{group_seq}/...``, where ``group_seq`` numbers the groups created through this
+    store: a re-created group never reads the addresses of a previous one) and connects. Local
+    mode touches neither store nor network."""
     if tn is None:
         raise ImportError(f"the tmrun backend needs the tmrun_native extension: {_NATIVE_ERROR}")
     options = options if options is not None else Options()
@@ -1082,11 +1048,11 @@ def create_process_group(store: Any, rank: int, world_size: int, timeout: Option
     job_id = options.job_id or default_job_id(group_name)
     comm = options.comm
     if comm is None and not local:
-        # every rank adds 1: ranks of the same creation read the same generation
-        generation = (int(store.add(_GENERATION_KEY, 1)) - 1) // world_size
+        # every rank adds 1: ranks of the same creation read the same group_seq
+        group_seq = (int(store.add(_GROUP_COUNT_KEY, 1)) - 1) // world_size
         comm = connect_via_store(store, rank, world_size, job_id, options.epoch,
                                  options=_native_options(timeout, options.native),
-                                 prefix=f"{STORE_PREFIX}/g{generation}")
+                                 prefix=f"{STORE_PREFIX}/g{group_seq}")
     elif comm is not None and (int(comm.rank) != rank or int(comm.world_size) != world_size):
         raise ValueError(f"tmrun backend: Options.comm is rank {comm.rank} of {comm.world_size}, "
                          f"the group wants rank {rank} of {world_size}")

@@ -22,11 +22,14 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from typing import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 from tmrun.protocol import environment
 from tmrun.protocol.drills import ANY_STEP, ENV, Drill, parse_all
 
+if TYPE_CHECKING:
+    import torch
 
 def _signal_node(signum: int) -> None:
     """Signal this node's agent first (so that it cannot react), then its other children."""
@@ -113,3 +116,13 @@ class DrillRunner:
         for drill in list(self._drills):
             if self._matches(drill, point, step):
                 self._trigger(drill, f"{point} of step {step}")
+
+
+def install_hooks(module: torch.nn.Module, fire: Callable[[str], None]) -> None:
+    """The "forward" and "backward" points of a module given to ``tm.ddp``: ``fire(point)`` at
+    the start of its forward, and when its last parameter's gradient is ready (among the first of
+    backward, while gradients are being reduced)."""
+    module.register_forward_pre_hook(lambda *_: fire("forward"))
+    params = [p for p in module.parameters() if p.requires_grad]
+    if params:
+        params[-1].register_hook(lambda grad: (fire("backward"), grad)[1])

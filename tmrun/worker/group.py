@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from tmrun.comm import backend as tmrun_backend
+from tmrun.protocol import environment
 
 BACKEND = "tmrun"
 
@@ -19,7 +20,7 @@ BACKEND = "tmrun"
 def init_plain() -> None:
     """A job without in-place replacement: the usual env:// initialisation (torchrun's variables)."""
     if not dist.is_initialized():
-        dist.init_process_group(os.environ.get("TMRUN_BACKEND", BACKEND))
+        dist.init_process_group(os.environ.get(environment.ENV_BACKEND, BACKEND))
 
 
 def init_active(store: dist.Store, rank: int, world_size: int, comm_timeout: float) -> None:

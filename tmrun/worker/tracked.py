@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from tmrun.worker.optimizer import unwrap as _unwrap_optimizer
+
 
 class TrackError(ValueError):
     """A tracked object cannot be moved (wrong kind, or the joiner's layout differs)."""
@@ -68,7 +70,10 @@ def _apply_optimizer_rest(optimizer: torch.optim.Optimizer, rest: dict[str, Any]
 
 
 def _unwrap(obj: Any) -> Any:
-    return obj.module if isinstance(obj, torch.nn.parallel.DistributedDataParallel) else obj
+    """What is tracked of ``obj``: a DDP model's module, a guarded optimizer's optimizer."""
+    if isinstance(obj, torch.nn.parallel.DistributedDataParallel):
+        return obj.module
+    return _unwrap_optimizer(obj)
 
 
 class TrackedState:

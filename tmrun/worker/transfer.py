@@ -19,8 +19,8 @@ import torch
 
 import tmrun_native
 from tmrun.comm.native import as_buffer, crc32c_of
+from tmrun.comm.staging import HostBytes
 from tmrun.worker import peer_read
-from tmrun.worker.host_bytes import HostBytes
 from tmrun.worker.tracked import TensorSpec, TrackedState
 
 TAG_META = 0x7E01

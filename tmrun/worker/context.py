@@ -1,0 +1,140 @@
+"""What every part of the worker runtime shares, one per process: :class:`Context`.
+
+The parts (:mod:`~tmrun.worker.loop`, :mod:`~tmrun.worker.recovery`,
+:mod:`~tmrun.worker.migration`, :mod:`~tmrun.worker.standby`) each keep their own state and
+read or change only this: the launch environment, the role, rank and world size, the
+generation, the step bookkeeping, the tracked objects, the stores and the failure drills.
+
+Names of what is counted (see :mod:`tmrun.protocol.keys`): *generation* (``gen``) is an in-place
+change of the worker group (a rank replaced or migrated; 0 for the group as started); the
+rendezvous *epoch* (the whole group restarted) is the agent's business and never seen here.
+The native communicator calls its generation ``epoch``: wherever the runtime hands it one, it
+is a generation.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from tmrun.console import say
+from tmrun.protocol import keys, messages as proto
+from tmrun.protocol.environment import LaunchEnv, Mode
+from tmrun.worker import group
+from tmrun.worker.drills import DrillRunner
+from tmrun.worker.roles import Lifecycle, Role
+from tmrun.worker.tracked import TrackedState
+
+POLL = 0.02  # a standby waiting to be needed
+FAST_POLL = 0.002  # a survivor waiting for the plan (downtime)
+
+
+class RecoveryError(RuntimeError):
+    """In-place recovery could not complete (the job falls back to the agent's restart)."""
+
+
+def log(message: str) -> None:
+    """One line of the worker: ``[tmrun worker PID HH:MM:SS.mmm] message`` on stderr."""
+    say(message, worker=True)
+
+
+class Context:
+    def __init__(self, env: LaunchEnv) -> None:
+        standby = env.mode is Mode.STANDBY
+        self.env = env
+        self.life = Lifecycle(Role.STANDBY if standby else Role.ACTIVE)
+        self.rank = 0 if standby else env.rank
+        self.world_size = env.world_size
+        self.tracked = TrackedState()
+        self.store: dist.Store | None = None  # the in-place protocol's prefix of the agent's store
+        self.job_store: dist.Store | None = None
+        self.gen = 0  # this process's generation of the worker group
+        self.current_step = -1
+        self.committed_step = -1  # the last step whose update this rank applied
+        self.aborted_by: int | None = None  # rank whose loss aborted the current step (-1: unknown)
+        self.step_rng: dict[str, Any] | None = None  # random state at the start of the current step
+        self.fresh = False  # a joiner that has not received the state yet
+        self.stop_requested = False  # SIGTERM to a standby
+        self.ddp_used = False
+        self.recoveries: list[dict[str, float | int]] = []
+        self.drills = DrillRunner.from_environ(-1 if standby else self.rank, promoted=False)
+
+    @property
+    def role(self) -> Role:
+        return self.life.role
+
+    @property
+    def in_place(self) -> bool:
+        return self.env.mode is not Mode.PLAIN
+
+    def fire(self, point: str) -> None:
+        """Failure drills of ``point`` in the current step (never in a standby's sandbox)."""
+        if not self.life.is_(Role.STANDBY):
+            self.drills.fire(point, self.current_step)
+
+    def require_store(self) -> dist.Store:
+        assert self.store is not None, "the in-place store (an in-place job only)"
+        return self.store
+
+    def comm_store(self) -> dist.Store:
+        """Where the runtime's native communicators publish their addresses."""
+        return dist.PrefixStore(keys.COMM_PREFIX, self.require_store())
+
+    # -- setup ------------------------------------------------------------------------------
+
+    def connect(self, on_comm_failure: Callable[[BaseException], bool],
+                on_term: Callable[[int, object], None]) -> None:
+        """Join the process group for this process's mode: torchrun's (plain), the sandbox (a
+        standby) or the in-place group through the agent's store (an active rank)."""
+        env = self.env
+        if env.mode is Mode.PLAIN:
+            group.init_plain()
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+            return
+        tcp = dist.TCPStore(
+            env.store_host, env.store_port, is_master=False, timeout=timedelta(seconds=60), wait_for_workers=False
+        )
+        store = self.store = dist.PrefixStore(env.store_prefix, tcp)
+        job_store = self.job_store = dist.PrefixStore(keys.job_prefix(env.run_id), tcp)
+        self.drills.claim = lambda index: job_store.add(keys.drill(index), 1) == 1
+        if env.mode is Mode.STANDBY:
+            signal.signal(signal.SIGTERM, on_term)
+            group.init_local(env.world_size)
+            return
+        self.gen = proto.read_gen(store)
+        group.init_active(dist.PrefixStore(keys.PG_PREFIX, store), env.rank, env.world_size, env.comm_timeout)
+        group.set_failure_handler(on_comm_failure)
+        if env.rank == 0:
+            store.set(keys.JOB_ID, group.comm().job_id)
+        store.set(keys.API, "1")
+        store.add(keys.MEMBERS, 1)
+
+    # -- waiting for the controller ---------------------------------------------------------------
+
+    def await_key(self, key: str, deadline: float, poll: float = POLL) -> bytes:
+        """Wait for ``key`` (polled: a timed-out store wait would log a warning each time),
+        watching for the controller's abort, SIGTERM, the agent's death and ``deadline``."""
+        store = self.require_store()
+        polls = 0
+        while True:
+            if store.check([key]):
+                return store.get(key)
+            polls += 1
+            if polls % 10 and poll < POLL:
+                time.sleep(poll)
+                continue  # the other checks at POLL's pace
+            if store.check([keys.ABORT]):
+                notice = proto.AbortNotice.decode(keys.ABORT, store.get(keys.ABORT))
+                raise RecoveryError(f"in-place recovery abandoned by the controller: {notice.reason}")
+            if self.stop_requested:
+                raise SystemExit(0)
+            if self.env.agent_pid and os.getppid() != self.env.agent_pid:
+                raise SystemExit(0)  # orphaned standby: the agent is gone
+            if time.monotonic() > deadline:
+                raise RecoveryError(f"no replacement plan within {self.env.recovery_timeout:.0f}s ({key})")
+            time.sleep(poll)

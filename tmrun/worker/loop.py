@@ -1,0 +1,98 @@
+"""``tm.steps(total)``: the training loop's driver, and the optimizer guard's gate.
+
+Per step: a STANDBY runs it as a shadow step until it is assigned and warm, then joins
+(:mod:`tmrun.worker.standby`). Otherwise the step is yielded to the script; afterwards:
+
+* the step was aborted (a collective lost a peer): recover, redo the first step not committed
+  everywhere (:mod:`tmrun.worker.recovery`);
+* else the step is committed; an unplanned plan pending (a failure elsewhere): recover too;
+* else go on, publishing the random state the next step starts with; a planned plan pending:
+  the migration's boundary (:mod:`tmrun.worker.migration`).
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any, Iterator
+
+from tmrun.protocol import keys
+from tmrun.worker import rng
+from tmrun.worker.context import Context
+from tmrun.worker.migration import Migration
+from tmrun.worker.recovery import Recovery
+from tmrun.worker.roles import Role
+from tmrun.worker.standby import Standby
+
+
+class StepLoop:
+    def __init__(self, ctx: Context, recovery: Recovery, migration: Migration, standby: Standby) -> None:
+        self._ctx = ctx
+        self._recovery = recovery
+        self._migration = migration
+        self._standby = standby
+        self._rng_published: dict[str, Any] | None = None
+        self._rng_recorded_for = -1
+
+    def steps(self, total: int) -> Iterator[int]:
+        ctx = self._ctx
+        step = 0
+        while True:
+            if ctx.life.is_(Role.STANDBY):
+                resume = self._standby.join_if_needed(step, total)
+                if resume is not None:
+                    step = resume
+                    continue
+                step = self._standby.shadow_step(step, total)
+            if step >= total:
+                break
+            self._begin_step(step)
+            yield step
+            self._standby.end_of_step()
+            self._migration.finish_handover()
+            if ctx.aborted_by is not None:
+                step = self._recovery.recover()
+                continue
+            ctx.committed_step = step
+            plan = self._recovery.pending_plan()
+            if plan is not None and not plan.planned:
+                step = self._recovery.recover()  # a failure elsewhere: this rank's step went through
+                continue
+            step += 1
+            self._record_rng(step)
+            if plan is not None:
+                step = self._migration.at_boundary(plan, done_step=step - 1)
+        if ctx.in_place and not ctx.life.is_(Role.STANDBY):
+            ctx.require_store().set(keys.done(ctx.rank), str(ctx.committed_step))
+
+    def _begin_step(self, step: int) -> None:
+        ctx = self._ctx
+        ctx.current_step = step
+        ctx.fire("step")
+        ctx.step_rng = rng.capture()
+        if self._rng_recorded_for != step:
+            self._record_rng(step)
+
+    def _record_rng(self, step: int) -> None:
+        """Publish the random state this rank starts ``step`` with (a joiner taking this rank
+        over continues from it). Written when a step commits, so a rank that dies at the very
+        start of the next step has already left it behind; skipped while the state is the one
+        already published (a loop that draws no random numbers costs no store write)."""
+        ctx = self._ctx
+        if ctx.in_place and not ctx.life.is_(Role.STANDBY):
+            states = rng.capture()
+            if self._rng_published is None or not rng.same(states, self._rng_published):
+                ctx.require_store().set(keys.rng(ctx.rank), pickle.dumps((step, states)))
+                self._rng_published = states
+            self._rng_recorded_for = step
+
+    # -- the optimizer guard's gate (tmrun.worker.optimizer.StepGate) -------------------------------
+
+    def step_aborted(self) -> bool:
+        return self._ctx.aborted_by is not None
+
+    def before_optimizer_step(self) -> None:
+        self._migration.finish_handover()  # a joiner of a migration: its optimizer state is complete
+        self._ctx.fire("optimizer")
+
+    def after_optimizer_step(self) -> None:
+        self._ctx.committed_step = self._ctx.current_step

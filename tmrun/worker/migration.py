@@ -1,0 +1,135 @@
+"""Planned migration: a rank moves to a warm standby at a step boundary, nothing is recomputed.
+
+The controller publishes a *planned* plan for the next generation. At the end of every
+committed step while it is pending, :meth:`Migration.at_boundary`:
+
+1. fixes the *switch step* (the first rank to see the plan proposes the end of the next step;
+   ranks are never more than one step apart, so nobody can be past it);
+2. on a rank that stays, prepares the links to the joiner in the background (phase 1);
+3. at the switch step, the leaver (ACTIVE -> LEAVING) hands its state over on a 2-member link
+   to its joiner and exits (:func:`tmrun.worker.leave.leave`); every other rank
+   (ACTIVE -> SWITCHING) commits the links (phase 2) and heals, which lets the joiner take any
+   part the handover could not deliver from the other ranks.
+
+The joiner's side (:meth:`Migration.take_over`, called by :mod:`tmrun.worker.standby`) receives
+the model before it returns; the optimizer's state keeps arriving while the joiner computes its
+first forward and backward, until :meth:`Migration.finish_handover` (before the optimizer
+steps, and at the end of the joiner's first step at the latest).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, NoReturn
+
+from tmrun.comm import native
+from tmrun.protocol import keys, messages as proto
+from tmrun.worker import group, rng
+from tmrun.worker.context import Context, RecoveryError, log
+from tmrun.worker.leave import leave
+from tmrun.worker.recovery import heal
+from tmrun.worker.roles import Role
+from tmrun.worker.transfer import PendingPart, TransferError, hand_over, take_over
+
+
+class Migration:
+    def __init__(self, ctx: Context) -> None:
+        self._ctx = ctx
+        self._prepared_gen = -1  # the generation whose links to the joiner are being built
+        self._handover: tuple[Any, PendingPart, float] | None = None  # a joiner's state still arriving
+
+    # -- every rank of the group ------------------------------------------------------------------
+
+    def at_boundary(self, plan: proto.ReplacementPlan, done_step: int) -> int:
+        """Called after every committed step while a migration is pending. Returns the step to
+        run next (``done_step + 1`` before the switch; after it, the step healing resumes at)."""
+        ctx = self._ctx
+        store = ctx.require_store()
+        switch_at = int(store.compare_set(keys.switch(plan.gen), "", str(done_step + 1)).decode())
+        leaving = ctx.rank in plan.replaced
+        if not leaving and self._prepared_gen != plan.gen:
+            # phase 1 while training goes on: links to the joiner are built in the background
+            # (the native communicator's "epoch" is the generation)
+            native.prepare_replacement(ctx.comm_store(), group.comm(), plan.replaced.keys(), plan.gen)
+            self._prepared_gen = plan.gen
+        if done_step < switch_at:
+            return done_step + 1
+        if done_step > switch_at:
+            raise RecoveryError(f"rank {ctx.rank} passed the switch step {switch_at} of generation {plan.gen}")
+        started = time.monotonic()
+        if leaving:
+            self._hand_over(plan, switch_at)
+        ctx.life.to(Role.SWITCHING)
+        group.comm().commit()  # phase 2, at the step boundary
+        ctx.gen = plan.gen
+        return heal(ctx, started=started, aborted_step=-1)
+
+    def _handoff_comm(self, plan_gen: int, rank: int) -> Any:
+        """A 2-member link between this rank's leaver (0) and joiner (1), made for generation
+        ``plan_gen`` (its own native epoch is 0: a new communicator)."""
+        ctx = self._ctx
+        store = ctx.require_store()
+        job_id = store.get(keys.JOB_ID).decode()
+        return native.connect_via_store(
+            ctx.comm_store(), rank, 2, f"{job_id}/handoff{plan_gen}/{ctx.rank}", 0,
+            prefix=keys.handoff_prefix(plan_gen, ctx.rank), timeout=ctx.env.comm_timeout,
+            connect_timeout=ctx.env.recovery_timeout, op_timeout=ctx.env.recovery_timeout,
+        )
+
+    # -- the leaver -------------------------------------------------------------------------------
+
+    def _hand_over(self, plan: proto.ReplacementPlan, switch_at: int) -> NoReturn:
+        """ACTIVE -> LEAVING: stream the state to the joiner (the model first, then the
+        optimizer's state, which the joiner receives while it computes), then leave cleanly."""
+        ctx = self._ctx
+        ctx.life.to(Role.LEAVING)
+        started = time.monotonic()
+        handoff = self._handoff_comm(plan.gen, 0)
+        try:
+            ctx.fire("handover")
+            meta = {"committed_step": switch_at, "rng": rng.capture()}
+            moved = hand_over(handoff, ctx.tracked, meta, same_host_reads=ctx.env.same_host_reads)
+        finally:
+            handoff.close()
+        log(f"rank {ctx.rank}: handed {moved} bytes to the joiner in {time.monotonic() - started:.3f}s; leaving")
+        leave()
+
+    # -- the joiner -------------------------------------------------------------------------------
+
+    def take_over(self, plan_gen: int) -> None:
+        """A JOINING rank of a migration: receive the model from the leaver; the optimizer's state
+        keeps arriving in the background until :meth:`finish_handover`. If the leaver cannot
+        hand over (it died, its state arrived damaged), this joiner stays fresh and heals from
+        the other ranks, which hold the same committed state."""
+        ctx = self._ctx
+        started = time.monotonic()
+        handoff = None
+        try:
+            handoff = self._handoff_comm(plan_gen, 1)
+            meta, pending, received = take_over(handoff, ctx.tracked, same_host_reads=ctx.env.same_host_reads)
+        except BaseException as exc:
+            if handoff is not None:
+                handoff.close()
+            if not isinstance(exc, (native.CommError, TransferError)):
+                raise
+            log(f"rank {ctx.rank}: the leaver's handover failed ({exc}); healing from the other ranks instead")
+            return
+        self._handover = (handoff, pending, started)
+        ctx.committed_step = int(meta["committed_step"])  # type: ignore[call-overload]
+        rng.restore(meta["rng"])  # type: ignore[arg-type]
+        ctx.fresh = False
+        log(f"rank {ctx.rank}: received the model ({received} bytes) in {time.monotonic() - started:.3f}s "
+            f"({pending.path}); {pending.nbytes} bytes of optimizer state follow in the background")
+
+    def finish_handover(self) -> None:
+        """Wait for the rest of a migration's state (nothing to do unless a handover is pending)."""
+        if self._handover is None:
+            return
+        handoff, pending, started = self._handover
+        self._handover = None
+        try:
+            pending.finish()
+        finally:
+            handoff.close()
+        log(f"rank {self._ctx.rank}: optimizer state complete ({pending.nbytes} bytes), "
+            f"{time.monotonic() - started:.3f}s after the handover began")

@@ -1,0 +1,151 @@
+"""Recovery from an unexpected failure, and the healing every change of the group ends with.
+
+A collective that loses a peer never raises into the script: the backend calls
+:meth:`Recovery.on_comm_failure` (on whichever thread saw it), which marks the step aborted and
+reports the loss to the controller; the optimizer skips the step (:mod:`tmrun.worker.optimizer`)
+and, at the end of the step, the rank goes RECOVERING (:meth:`Recovery.recover`): it waits for
+the controller's plan of the next generation, lets the native communicator reconnect only the
+lost rank's links (prepare, commit), and heals. A rank whose own step went through also
+recovers as soon as it sees an unplanned plan (:meth:`Recovery.pending_plan`).
+
+:func:`heal` ends every change (recovery, a migration's switch, a standby's promotion): every
+member agrees on the last committed step from one allgather
+(:func:`tmrun.worker.transfer.agree`), the members that hold it stream the state to those
+behind, and the rank resumes ACTIVE at the first step not committed everywhere.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+
+from tmrun.comm import native
+from tmrun.protocol import keys, messages as proto
+from tmrun.worker import group, rng
+from tmrun.worker.context import FAST_POLL, Context, RecoveryError, log
+from tmrun.worker.roles import Role
+from tmrun.worker.transfer import agree, heal as transfer_state
+
+
+class Recovery:
+    def __init__(self, ctx: Context) -> None:
+        self._ctx = ctx
+        self._cached_plan: proto.ReplacementPlan | None = None
+
+    # -- failures (any thread) ----------------------------------------------------------------
+
+    def on_comm_failure(self, exc: BaseException) -> bool:
+        """The backend's failure handler: True absorbs the error (the step is aborted)."""
+        if isinstance(exc, native.ProtocolError):
+            # Not a lost peer: two live ranks disagree (different collectives, a foreign frame).
+            # That is a bug to report, not a member to replace: it raises into the script.
+            return False
+        ctx = self._ctx
+        lost = getattr(exc, "peer", -1)
+        if ctx.aborted_by is None:
+            ctx.aborted_by = lost if isinstance(lost, int) else -1
+            self._report(ctx.aborted_by, f"{type(exc).__name__}: {exc}")
+        return True  # absorbed: the step is aborted, not the program
+
+    def _report(self, lost: int, detail: str) -> None:
+        ctx = self._ctx
+        store = ctx.require_store()
+        seq = store.add(keys.REPORT_SEQ, 1) - 1
+        message = proto.WorkerReport(reporter=ctx.rank, lost=max(lost, -1), gen=ctx.gen, detail=detail[:300])
+        store.set(keys.report(seq), message.encode())
+
+    # -- the controller's plans -----------------------------------------------------------------
+
+    def pending_plan(self) -> proto.ReplacementPlan | None:
+        """The next generation's plan, once the controller published it (active ranks only)."""
+        ctx = self._ctx
+        if not ctx.in_place or ctx.life.is_(Role.STANDBY):
+            return None
+        store = ctx.require_store()
+        key = keys.plan(ctx.gen + 1)
+        if self._cached_plan is not None and self._cached_plan.gen == ctx.gen + 1:
+            return self._cached_plan
+        if ctx.env.gen_file and self._published_gen() <= ctx.gen:
+            return None  # the controller's generation file (same node): no store round trip per step
+        if not store.check([key]):
+            return None
+        self._cached_plan = proto.ReplacementPlan.decode(key, store.get(key))
+        return self._cached_plan
+
+    def _published_gen(self) -> int:
+        """The generation in the controller's file (written after the plan is in the store)."""
+        try:
+            with open(self._ctx.env.gen_file, "rb") as flag:
+                return int(flag.read() or b"0")
+        except (OSError, ValueError):
+            return self._ctx.gen + 1  # unreadable: ask the store
+
+    # -- recovering -------------------------------------------------------------------------------
+
+    def recover(self) -> int:
+        """ACTIVE or JOINING -> RECOVERING -> ACTIVE: wait for the controller's plan, switch the
+        communicator to it, heal; repeat when a member is lost again on the way (each loss gets a
+        plan of its own). Returns the step to resume at."""
+        ctx = self._ctx
+        if not ctx.in_place:
+            raise RecoveryError(f"a collective lost rank {ctx.aborted_by} and this job has no standby")
+        ctx.life.to(Role.RECOVERING)
+        started = time.monotonic()
+        aborted_step = ctx.current_step
+        while True:
+            key = keys.plan(ctx.gen + 1)
+            raw = ctx.await_key(key, started + ctx.env.recovery_timeout, poll=FAST_POLL)
+            plan = proto.ReplacementPlan.decode(key, raw)
+            try:
+                comm = group.comm()
+                # the native communicator's "epoch" is the generation
+                native.prepare_replacement(ctx.comm_store(), comm, plan.replaced.keys(), plan.gen)
+                comm.commit()
+                ctx.gen = plan.gen
+                group.clear_aborted()
+                ctx.aborted_by = None
+                return heal(ctx, started=started, aborted_step=aborted_step)
+            except native.CommError as exc:
+                ctx.gen = max(ctx.gen, plan.gen)
+                ctx.aborted_by = None
+                self.on_comm_failure(exc)
+                log(f"rank {ctx.rank}: lost a member again during recovery ({exc}); waiting for the next plan")
+
+
+def heal(ctx: Context, started: float, aborted_step: int) -> int:
+    """Agree on the last committed step, move the state to whoever is behind, restore the random
+    state the resumed step needs; the rank is ACTIVE afterwards. Returns the step to resume at."""
+    store = ctx.require_store()
+    comm = group.comm()
+    plan = agree(comm, ctx.committed_step, ctx.tracked.layout_digest(), ctx.fresh)
+    step_meta = {"committed_step": ctx.committed_step}
+    moved, _ = transfer_state(comm, ctx.tracked, plan, step_meta, on_donate=lambda: ctx.fire("transfer"))
+    resume = plan.target_step + 1
+    if ctx.fresh:
+        _adopt_rng_of(ctx, ctx.rank, resume)
+    elif resume == aborted_step and ctx.step_rng is not None:
+        rng.restore(ctx.step_rng)  # redo the aborted step from the same random state
+    comm.barrier()
+    ctx.fresh = False
+    ctx.committed_step = plan.target_step
+    store.add(keys.recovered(ctx.gen), 1)
+    elapsed = time.monotonic() - started
+    ctx.recoveries.append({"gen": ctx.gen, "seconds": elapsed, "resume": resume, "bytes": moved})
+    ctx.life.to(Role.ACTIVE)
+    log(
+        f"rank {ctx.rank}: recovered into generation {ctx.gen} in {elapsed:.3f}s; "
+        f"resume at step {resume} (donors {plan.donors}, healed {plan.needy}, {moved} bytes here)"
+    )
+    return resume
+
+
+def _adopt_rng_of(ctx: Context, rank: int, step: int) -> None:
+    """A joiner continues from the random state its rank published (:mod:`tmrun.worker.loop`)."""
+    store = ctx.require_store()
+    key = keys.rng(rank)
+    if not store.check([key]):
+        return
+    recorded_step, states = pickle.loads(store.get(key))
+    if recorded_step > step:
+        log(f"rank {rank}'s random state was recorded at step {recorded_step}, after {step}; using it")
+    rng.restore(states)  # unchanged since it was recorded (only changes are written)

@@ -1,0 +1,123 @@
+"""A standby worker: the job's script in a sandbox, warm, until the controller needs it.
+
+The standby runs the same script as the ranks, with every collective served locally (the
+backend's local mode: no network). Its first ``TMRUN_SHADOW_STEPS`` steps are *shadow steps*
+(``tm.is_shadow``): they build DDP's buckets and warm the allocator and the code paths. Then
+``steps()`` reports the standby ready and waits inside for an assignment. Assigned a rank, it
+goes STANDBY -> JOINING: it connects for the assigned generation, takes over a migration's
+handover if the assignment is planned, and heals (JOINING -> ACTIVE); a member lost on the way
+sends it through recovery (JOINING -> RECOVERING -> ACTIVE).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from tmrun.comm import native
+from tmrun.protocol import keys, messages as proto
+from tmrun.worker import group
+from tmrun.worker.context import POLL, Context, log
+from tmrun.worker.migration import Migration
+from tmrun.worker.recovery import Recovery, heal
+from tmrun.worker.roles import Role
+
+
+class Standby:
+    def __init__(self, ctx: Context, recovery: Recovery, migration: Migration) -> None:
+        self._ctx = ctx
+        self._recovery = recovery
+        self._migration = migration
+        self._assignment: proto.Assignment | None = None
+        self._assigned_at = 0.0
+        self.shadow = False  # inside a shadow step
+        self.shadow_done = 0
+
+    def on_term(self, signum: int, frame: object) -> None:
+        """SIGTERM: a standby stops at its next check; a promoted one exits at once."""
+        self._ctx.stop_requested = True
+        if not self._ctx.life.is_(Role.STANDBY):
+            raise SystemExit(128 + signum)
+
+    # -- the steps of a standby --------------------------------------------------------------------
+
+    def join_if_needed(self, step: int, total: int) -> int | None:
+        """Before a standby's step: wait for the assignment once the shadow steps are done, and
+        join as soon as it is assigned and warm. Returns the step to resume at after joining,
+        or None: run ``shadow_step(step)`` instead."""
+        if self._assignment is None and step >= min(self._ctx.env.shadow_steps, total):
+            self._assignment = self._await_assignment()
+        if self._assignment is not None and self._warm():
+            return self._join(self._assignment)
+        return None
+
+    def shadow_step(self, step: int, total: int) -> int:
+        """A shadow step: before waiting, or (a cold standby) after it was assigned."""
+        self.shadow = True
+        return step % max(total, 1)
+
+    def end_of_step(self) -> None:
+        if self.shadow:
+            self.shadow = False
+            self.shadow_done += 1
+
+    def _warm(self) -> bool:
+        """DDP rebuilds its gradient buckets once, with a broadcast, in its second iteration:
+        a joiner must have done that locally or its first collectives would not match the
+        survivors'. A cold standby therefore runs its two local steps after it is assigned."""
+        return not self._ctx.ddp_used or self.shadow_done >= 2
+
+    def _await_assignment(self) -> proto.Assignment:
+        ctx = self._ctx
+        store = ctx.require_store()
+        traffic = group.traffic()
+        finite = all(bool(torch.isfinite(t).all()) for _, t in ctx.tracked.tensors() if t.is_floating_point())
+        ready = proto.StandbyReady(pid=os.getpid(), shadow_steps=self.shadow_done, finite=finite, **traffic)
+        store.set(keys.standby_ready(ctx.env.standby_id), ready.encode())
+        log(
+            f"standby {ctx.env.standby_id} warm after {self.shadow_done} shadow steps "
+            f"({traffic['local_ops']} collectives served locally, "
+            f"{traffic['bytes_sent'] + traffic['bytes_recv']} bytes on the network, "
+            f"tracked values {'finite' if finite else 'NOT finite'}); waiting"
+        )
+        key = keys.standby_assign(ctx.env.standby_id)
+        raw = ctx.await_key(key, float("inf"), poll=POLL / 2)
+        self._assigned_at = time.monotonic()
+        assignment = proto.Assignment.decode(key, raw)
+        if assignment.stop:
+            raise SystemExit(0)
+        if not self._warm():
+            log(f"standby {ctx.env.standby_id} assigned rank {assignment.rank} cold: warming up first")
+        return assignment
+
+    def _join(self, assignment: proto.Assignment) -> int:
+        """STANDBY -> JOINING: connect as the assigned rank for the assigned generation, then
+        heal (JOINING -> ACTIVE)."""
+        ctx = self._ctx
+        store = ctx.require_store()
+        started = self._assigned_at
+        job_id = store.get(keys.JOB_ID).decode()
+        # the native communicator's "epoch" is the generation
+        comm = native.join_via_store(
+            ctx.comm_store(), assignment.rank, ctx.world_size, job_id, assignment.gen, timeout=ctx.env.comm_timeout,
+            connect_timeout=ctx.env.recovery_timeout,
+        )
+        group.attach(comm)
+        group.set_failure_handler(self._recovery.on_comm_failure)
+        ctx.rank = assignment.rank
+        ctx.gen = assignment.gen
+        ctx.life.to(Role.JOINING)
+        ctx.fresh = True
+        ctx.drills.rebind(ctx.rank, promoted=True)
+        log(f"promoted to rank {ctx.rank} (generation {ctx.gen})")
+        ctx.fire("promotion")
+        try:
+            if assignment.planned:
+                self._migration.take_over(assignment.gen)
+            return heal(ctx, started=started, aborted_step=-1)
+        except native.CommError as exc:
+            self._recovery.on_comm_failure(exc)
+            log(f"rank {ctx.rank}: lost a member while joining ({exc}); waiting for the next plan")
+            return self._recovery.recover()
