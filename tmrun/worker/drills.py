@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from tmrun.protocol import environment
