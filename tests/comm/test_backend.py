@@ -7,7 +7,6 @@ Multi-process tests (dist.* API, DDP vs gloo, SIGKILL, standby replacement): tes
 from __future__ import annotations
 
 import datetime
-import os
 import threading
 import time
 from typing import Any, Callable

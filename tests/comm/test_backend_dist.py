@@ -11,10 +11,10 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
-from typing import Any
 
 import pytest
+
+pytestmark = pytest.mark.e2e  # jobs of several training processes: not in the unit subset
 
 pytest.importorskip("tmrun_native")
 
