@@ -49,6 +49,7 @@ def test_short_scale_run() -> None:
     assert "| 2 | 1 of 1 |" in out.stdout, out.stdout
 
 
+@pytest.mark.e2e  # starts processes that import torch: not in the unit subset
 def test_gpu_bench_skips_cleanly_without_a_gpu() -> None:
     import subprocess
 

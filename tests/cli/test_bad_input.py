@@ -42,6 +42,7 @@ def test_bad_input_is_one_clear_line(name: str, capsys: pytest.CaptureFixture[st
     assert lines[0].startswith("tmrun: error:") and expected in lines[0]
 
 
+@pytest.mark.e2e  # starts processes that import torch: not in the unit subset
 @pytest.mark.parametrize(
     "args, expected",
     [
@@ -58,6 +59,7 @@ def test_bad_input_from_the_shell(args: list[str], expected: str) -> None:
     assert len(error_lines) == 1 and expected in error_lines[0], result.stdout
 
 
+@pytest.mark.e2e  # starts processes that import torch: not in the unit subset
 def test_unreachable_endpoint_fails_within_connect_timeout() -> None:
     port = free_port()  # nothing listens there once the probe socket is closed
     args = [

@@ -52,6 +52,7 @@ def test_file_store(tmp_path) -> None:
         store.wait(["missing"], timedelta(seconds=0.05))
 
 
+@pytest.mark.e2e  # starts processes that import torch: not in the unit subset
 def test_script_skips_cleanly_without_gpu() -> None:
     ok, _ = _gpu_ready()
     if ok:

@@ -3,6 +3,8 @@ through comm.ddp.wrap, the optimizer guarded on the user's object and as a wrapp
 
 from __future__ import annotations
 
+import pytest
+
 import socket
 import subprocess
 import sys
@@ -61,10 +63,12 @@ def _run(backend: str) -> None:
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr
 
 
+@pytest.mark.e2e  # starts processes that import torch: not in the unit subset
 def test_plain_job_over_tmrun() -> None:
     _run("tmrun")
 
 
+@pytest.mark.e2e  # starts processes that import torch: not in the unit subset
 def test_plain_job_over_gloo() -> None:
     """A plain worker group of another backend: tm.ddp builds DDP over it too."""
     _run("gloo")
