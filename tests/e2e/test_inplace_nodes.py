@@ -141,7 +141,7 @@ def test_planned_migration_of_a_node_recomputes_nothing(tmp_path: Path, referenc
                       ["migrate", "--node", "1", "--reason", "drain"], work / "state", requested)
     thread = threading.Thread(target=request, daemon=True)
     thread.start()
-    codes, logs, final = _run_nodes(work, 3, script_args=["--step-time", "0.6"])
+    codes, logs, final = _run_nodes(work, 3, script_args=["--step-time", "1.0"])  # room for the request under load
     thread.join(timeout=5)
     everything = "\n".join(logs)
     assert requested and "migration of node at group rank 1 requested" in requested[0], requested

@@ -171,7 +171,9 @@ def _migrate_while_training(tmp_path: Path, name: str, *tmrun_args: str) -> tupl
                       work / "state", requested)
     thread = threading.Thread(target=request, daemon=True)
     thread.start()
-    result = _run(tmp_path, name, *tmrun_args, steps=MIGRATION_STEPS, step_time=0.15)
+    # paced so that the request (tmrun-ctl in its own process) lands well before the last step, even
+    # on a loaded 2-core machine; the reference is not paced (pacing does not change the result)
+    result = _run(tmp_path, name, *tmrun_args, steps=MIGRATION_STEPS, step_time=0.4)
     thread.join(timeout=5)
     assert requested and "migration of rank 1 requested" in requested[0], requested
     return result

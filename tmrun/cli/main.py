@@ -85,6 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
         "the network.",
     )
     group.add_argument(
+        "--console",
+        choices=("auto", "live", "plain"),
+        default="auto",
+        help="The store host's terminal: live shows a live view of the job (ranks, standbys, events, step "
+        "history, ETTR; workers' output then goes to files under --log-dir); plain prints one line per event. "
+        "auto (default): live on a terminal, plain otherwise (SLURM logs, pipes).",
+    )
+    group.add_argument(
         "--inject-failure",
         action="append",
         default=[],
@@ -228,6 +236,11 @@ def run(argv: Sequence[str]) -> int:
 
     from tmrun.launcher.launch import TmrunOptions, launch
 
+    from tmrun.console.live import choose_mode
+
+    console_mode = choose_mode(args.console)
+    if console_mode == "live" and args.redirects in ("", "0"):
+        args.redirects = "3"  # workers' stdout and stderr to files: the live view owns the terminal
     try:
         config, entrypoint, entry_args = config_from_args(args)
     except (ValueError, RuntimeError, AssertionError) as exc:
@@ -240,7 +253,8 @@ def run(argv: Sequence[str]) -> int:
     if args.inject_failure:
         os.environ[environment.ENV_INJECT_FAILURE] = ";".join(drill.encode() for drill in args.inject_failure)
     return launch(config, entrypoint, entry_args, TmrunOptions(standby=args.standby, standby_wait=args.standby_wait,
-                                                             refill_delay=args.standby_refill_delay))
+                                                             refill_delay=args.standby_refill_delay,
+                                                             console=console_mode))
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:

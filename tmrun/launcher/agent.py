@@ -39,6 +39,7 @@ class AgentSettings:
     standby_nodes: int = 0  # several nodes: this job has standby nodes
     standby_wait: float = 60.0  # in-place: how long a failure waits for a warm standby
     refill_delay: float = 5.0  # one node: seconds after a recovery before the replacement standby starts
+    standby_log_dir: str = ""  # where standby workers write their output (else: the agent's terminal)
 
 
 class TmrunAgent(LocalElasticAgent):

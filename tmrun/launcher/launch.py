@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +14,8 @@ from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.launcher.api import LaunchConfig
 
 from tmrun.console import say
+from tmrun.console.live import LiveConsole
+from tmrun.launcher.console_feed import ConsoleFeed
 from tmrun.launcher.agent import AgentSettings, TmrunAgent
 from tmrun.launcher.runfile import remove_runfile, write_runfile
 from tmrun.control.rendezvous_backend import register_tmrun_backend
@@ -28,6 +32,7 @@ class TmrunOptions:
     standby: int  # spare members: nodes when the job spans nodes, worker processes on one node
     standby_wait: float = 60.0  # in-place: how long a failure waits for a warm standby
     refill_delay: float = 5.0  # one node: seconds after a recovery before the replacement standby starts
+    console: str = "plain"  # "live": a live view on the store host's terminal (see tmrun.console.live)
 
 
 def launch(config: LaunchConfig, entrypoint: str, args: list[Any], options: TmrunOptions) -> int:
@@ -77,23 +82,39 @@ def launch(config: LaunchConfig, entrypoint: str, args: list[Any], options: Tmru
             standby_nodes=0 if single_node else options.standby,
             standby_wait=options.standby_wait,
             refill_delay=options.refill_delay,
+            standby_log_dir=_standby_log_dir(config) if options.console == "live" else "",
         ),
         log_line_prefix_template=config.log_line_prefix_template,
         shutdown_timeout=int(getattr(config, "shutdown_timeout", 30)),  # torch >= 2.12 has it
     )
     runfile = None
+    console: LiveConsole | None = None
     if tmrun_handler is not None and tmrun_handler.is_host:
         runfile = write_runfile(config.run_id, str(tmrun_handler.endpoint))
         say(f"rendezvous store at {tmrun_handler.endpoint} (run id {config.run_id})")
+        if options.console == "live":
+            console = LiveConsole(ConsoleFeed(tmrun_handler))
+            console.start()
     try:
         return _run(agent, tmrun_handler)
     finally:
+        if console is not None:
+            console.stop()
         if tmrun_handler is not None:
             tmrun_handler.leave()
         else:
             handler.shutdown()
         if runfile is not None:
             remove_runfile(runfile)
+
+
+def _standby_log_dir(config: LaunchConfig) -> str:
+    """Where standby workers write their output while the live console owns the terminal: beside
+    the workers' logs (torch's log directory, a temporary one unless --log-dir is given)."""
+    root = getattr(config.logs_specs, "root_log_dir", "") or tempfile.mkdtemp(prefix="tmrun-logs-")
+    directory = os.path.join(str(root), f"{config.run_id}-standby")
+    os.makedirs(directory, exist_ok=True)
+    return directory
 
 
 def _run(agent: TmrunAgent, handler: TmrunRendezvousHandler | None) -> int:

@@ -40,7 +40,8 @@ class StandbyPool:
     0 each); a standby node's pool (``by_local_rank``) holds one per local rank of a node, so
     that each takes over the rank with the same local rank (and the same device)."""
 
-    def __init__(self, size: int, run_id: str, first_index: int = 0, by_local_rank: bool = False) -> None:
+    def __init__(self, size: int, run_id: str, first_index: int = 0, by_local_rank: bool = False,
+                 log_dir: str = "") -> None:
         self._size = size
         self._run_id = run_id
         self._members: list[StandbyMember] = []
@@ -52,6 +53,7 @@ class StandbyPool:
         self.worker_env: dict[str, str] = {}  # what a standby needs to run the job's script
         self._dir = tempfile.mkdtemp(prefix="tmrun-standby-")
         self._last_states: list[str] = []
+        self._log_dir = log_dir  # standby-<index>.log there (the live console owns the terminal), else inherited
 
     @property
     def directory(self) -> str:
@@ -119,11 +121,13 @@ class StandbyPool:
         )
         if self._by_local_rank:
             env[environment.ENV_LOCAL_RANK] = str(local_rank)
-        process = subprocess.Popen(
-            [sys.executable, "-m", "tmrun.launcher.standby_worker"],
-            env=env,
-            stdin=subprocess.DEVNULL,
-        )
+        if self._log_dir:
+            with open(os.path.join(self._log_dir, f"standby-{index}.log"), "ab") as log:
+                process = subprocess.Popen([sys.executable, "-m", "tmrun.launcher.standby_worker"], env=env,
+                                           stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        else:
+            process = subprocess.Popen([sys.executable, "-m", "tmrun.launcher.standby_worker"], env=env,
+                                       stdin=subprocess.DEVNULL)
         say(f"standby worker {index} started (pid {process.pid})")
         return StandbyMember(index, process, ready_file, local_rank)
 

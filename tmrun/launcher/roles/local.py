@@ -30,7 +30,7 @@ class LocalStandbyRole(AgentRole):
         super().__init__(agent)
         self._settings = settings
         self._handler = handler
-        self._pool = StandbyPool(settings.standby_workers, handler.get_run_id())
+        self._pool = StandbyPool(settings.standby_workers, handler.get_run_id(), log_dir=settings.standby_log_dir)
         self._controller: ProcessReplacement | None = None
         self._group_starts = 0
 
@@ -84,7 +84,7 @@ class LocalStandbyRole(AgentRole):
         self.agent.wait_for_exit(0.05, controller.slots.pids())
         before = controller.replacements
         outcome = controller.step()
-        if controller.replacements != before:
+        if controller.replacements != before or self._pool.changed():
             pids = {slot.rank: slot.pid for slot in controller.slots.by_rank.values()}
             self.agent.publish(worker_group, pids, self.standby_members())
         if outcome.finished:

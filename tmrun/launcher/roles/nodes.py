@@ -35,6 +35,7 @@ class NodeRole(AgentRole):
     def __init__(self, agent: TmrunAgent, settings: AgentSettings, handler: TmrunRendezvousHandler) -> None:
         super().__init__(agent)
         self._handler = handler
+        self._standby_log_dir = settings.standby_log_dir
         self._dir = tempfile.mkdtemp(prefix="tmrun-node-")
         self._watch: NodeWatch | None = None
         self._pool: StandbyPool | None = None
@@ -121,7 +122,8 @@ class NodeRole(AgentRole):
             self._stop_pool()
             self._standby_epoch = membership.epoch
             self._pool = StandbyPool(spec.local_world_size, handler.get_run_id(),
-                                     first_index=1000 * (handler.node_id or 0), by_local_rank=True)
+                                     first_index=1000 * (handler.node_id or 0), by_local_rank=True,
+                                     log_dir=self._standby_log_dir)
             prefix = keys.node_prefix(handler.get_run_id(), membership.epoch)
             self._pool.worker_env = {
                 **in_place_env(self.agent, handler, prefix, self._gen_file(membership.epoch)).to_environ(),

@@ -1,0 +1,95 @@
+"""What the live console shows, assembled from what the control plane already publishes.
+
+The leading agent's :class:`~tmrun.console.live.LiveConsole` calls a :class:`ConsoleFeed` at a
+bounded rate. It reads the job's status from the store on a connection of its own (the
+membership, every node's processes, the events: :func:`tmrun.control.status.read_status`),
+adds CPU and memory of the processes on this host (psutil), and turns it into a
+:class:`~tmrun.console.live.ConsoleView`. Nothing here writes to the store or talks to a worker.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import TYPE_CHECKING
+
+import psutil
+from torch.distributed import PrefixStore
+
+from tmrun.console.live import ConsoleView, EventRow, MemberRow
+from tmrun.control.status import JobStatus, read_status
+from tmrun.protocol import keys
+from tmrun.protocol.messages import ClosedNotice
+
+if TYPE_CHECKING:
+    from tmrun.rendezvous.handler import TmrunRendezvousHandler
+
+RECOVERED = re.compile(r"back in ([\d.]+)s")
+
+
+def downtime_of(status: JobStatus) -> float:
+    """Seconds the job spent recovering: the sum of its recovered events' durations (from the
+    failure, or the migration request, to the last rank's recovery)."""
+    return sum(float(m.group(1)) for e in status.events if e.kind == "recovered"
+               for m in [RECOVERED.search(e.detail)] if m)
+
+
+class ConsoleFeed:
+    def __init__(self, handler: TmrunRendezvousHandler) -> None:
+        self._handler = handler
+        self._store = PrefixStore(keys.job_prefix(handler.get_run_id()), handler.raw_store.clone())
+        self._started = time.time()
+        self._processes: dict[int, psutil.Process] = {}
+
+    def _usage(self, pid: int | None) -> tuple[float | None, float | None]:
+        """(cpu %, resident MiB) of a process on this host, or Nones."""
+        if pid is None:
+            return None, None
+        try:
+            process = self._processes.get(pid)
+            if process is None:
+                process = self._processes[pid] = psutil.Process(pid)
+                process.cpu_percent(None)  # the first reading only starts the interval
+            with process.oneshot():
+                return process.cpu_percent(None), process.memory_info().rss / (1 << 20)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            self._processes.pop(pid, None)
+            return None, None
+
+    def _members(self, status: JobStatus) -> list[MemberRow]:
+        rows = []
+        for node in status.nodes:
+            for worker in node.workers:
+                pid = worker.get("pid")
+                cpu, rss = self._usage(pid if isinstance(pid, int) else None)
+                rank = worker.get("rank")
+                rows.append(MemberRow(node=node.node_id, rank=rank if isinstance(rank, int) else None, role="active",
+                                      pid=pid if isinstance(pid, int) else None, host=node.host,
+                                      cpu_percent=cpu, rss_mib=rss))
+            for standby in node.standby_workers:
+                pid = standby.get("pid")
+                cpu, rss = self._usage(pid if isinstance(pid, int) else None)
+                state = str(standby.get("state", ""))
+                rows.append(MemberRow(node=node.node_id, rank=None, role="exited" if state == "exited" else "standby",
+                                      pid=pid if isinstance(pid, int) else None, host=node.host,
+                                      cpu_percent=cpu, rss_mib=rss))
+        return sorted(rows, key=lambda r: (r.rank is None, r.rank if r.rank is not None else 0, r.node))
+
+    def __call__(self) -> ConsoleView:
+        status = read_status(self._store, self._handler.get_run_id(), str(self._handler.endpoint))
+        now = time.time()
+        formed = next((e.time for e in status.events if e.kind == "formed"), None)
+        ettr = None
+        if formed is not None and now > formed:
+            ettr = max(0.0, 1.0 - downtime_of(status) / (now - formed))
+        phase = status.membership.phase.value
+        if self._store.check([keys.CLOSED]):  # the leader may not have published the closed membership yet
+            phase = ClosedNotice.decode(keys.CLOSED, self._store.get(keys.CLOSED)).phase
+        standby_states = [str(s.get("state", "?")) for n in status.nodes for s in n.standby_workers]
+        summary = ", ".join(f"{standby_states.count(s)} {s}" for s in sorted(set(standby_states)))
+        return ConsoleView(
+            run_id=status.run_id, phase=phase, epoch=status.membership.epoch,
+            members=self._members(status),
+            events=[EventRow(e.time, e.kind, e.detail) for e in status.events[-8:]],
+            ettr=ettr, elapsed=now - self._started, standby_summary=summary,
+        )
