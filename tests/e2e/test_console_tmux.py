@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import EXAMPLES, TAG_VAR, leftovers, tagged_pids, tmrun_cmd, wait_until
+from tests.helpers import EXAMPLES, TAG_VAR, tagged_pids, tmrun_cmd, wait_until
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (apt-get install tmux)")
 
