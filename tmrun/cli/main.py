@@ -240,7 +240,8 @@ def run(argv: Sequence[str]) -> int:
     if args.inject_failure:
         os.environ[environment.ENV_INJECT_FAILURE] = ";".join(drill.encode() for drill in args.inject_failure)
     return launch(config, entrypoint, entry_args, TmrunOptions(standby=args.standby, standby_wait=args.standby_wait,
-                                                             refill_delay=args.standby_refill_delay))
+                                                             refill_delay=args.standby_refill_delay,
+                                                             log_dir=getattr(args, "log_dir", None) or None))
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:

@@ -13,7 +13,8 @@ from torch.distributed.launcher.api import LaunchConfig
 
 from tmrun.console import say
 from tmrun.launcher.agent import AgentSettings, TmrunAgent
-from tmrun.launcher.runfile import remove_runfile, write_runfile
+from tmrun.launcher.runfile import event_log_path, remove_runfile, write_runfile
+from tmrun.protocol import keys
 from tmrun.control.rendezvous_backend import register_tmrun_backend
 from tmrun.rendezvous.handler import NodeRetiredError, TmrunRendezvousHandler
 from tmrun.protocol.membership import Phase
@@ -28,6 +29,7 @@ class TmrunOptions:
     standby: int  # spare members: nodes when the job spans nodes, worker processes on one node
     standby_wait: float = 60.0  # in-place: how long a failure waits for a warm standby
     refill_delay: float = 5.0  # one node: seconds after a recovery before the replacement standby starts
+    log_dir: str | None = None  # torchrun's --log-dir: the job's event log goes there (else next to the runfile)
 
 
 def launch(config: LaunchConfig, entrypoint: str, args: list[Any], options: TmrunOptions) -> int:
@@ -38,6 +40,7 @@ def launch(config: LaunchConfig, entrypoint: str, args: list[Any], options: Tmru
     if config.rdzv_backend == "tmrun":
         rdzv_configs["standby"] = 0 if single_node else options.standby
         rdzv_configs.setdefault("standby_wait", options.standby_wait)
+        rdzv_configs.setdefault("event_log", str(event_log_path(config.run_id, options.log_dir)))
     params = RendezvousParameters(
         backend=config.rdzv_backend,
         endpoint=config.rdzv_endpoint,
@@ -83,17 +86,36 @@ def launch(config: LaunchConfig, entrypoint: str, args: list[Any], options: Tmru
     )
     runfile = None
     if tmrun_handler is not None and tmrun_handler.is_host:
-        runfile = write_runfile(config.run_id, str(tmrun_handler.endpoint))
+        ops = tmrun_handler.store.get(keys.OPS_ADDR).decode()
+        runfile = write_runfile(config.run_id, str(tmrun_handler.endpoint), ops=ops,
+                                event_log=str(rdzv_configs.get("event_log", "")))
         say(f"rendezvous store at {tmrun_handler.endpoint} (run id {config.run_id})")
+        say(f"operations endpoint at {ops} (tmrun-ctl --endpoint {ops}); events in {rdzv_configs.get('event_log')}")
     try:
         return _run(agent, tmrun_handler)
     finally:
         if tmrun_handler is not None:
             tmrun_handler.leave()
+            if tmrun_handler.is_host:
+                _say_totals(tmrun_handler)  # after the others left: the job's last events are in
         else:
             handler.shutdown()
         if runfile is not None:
             remove_runfile(runfile)
+
+
+def _say_totals(handler: TmrunRendezvousHandler) -> None:
+    """The job's recovery totals (docs/events.md), once, from the host of the leader."""
+    leader = getattr(handler, "_leader", None)
+    ops = getattr(leader, "ops", None)
+    if ops is None:
+        return
+    try:
+        from tmrun.control.metrics import describe
+
+        say(f"recovery totals: {describe(ops.totals())}")
+    except Exception as exc:  # noqa: BLE001 - the store is gone: no totals to give
+        say(f"recovery totals unavailable: {exc}")
 
 
 def _run(agent: TmrunAgent, handler: TmrunRendezvousHandler | None) -> int:
