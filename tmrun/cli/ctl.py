@@ -249,6 +249,8 @@ def plan(
     from tmrun.control.projection import PlanInput, ProjectionError, project
 
     source = "given"
+    if node_mttf_hours is None and job_mttf_minutes is None:
+        raise _die("give --node-mttf-hours or --job-mttf-minutes", 2)
     if recovery_seconds is None:
         job = _ask(run_id, endpoint, {"op": "status"}, 5.0)
         t = job["totals"]
