@@ -9,7 +9,7 @@ start in a fraction of the time (``bench/ctl_latency.py``; a test checks ``sys.m
 from __future__ import annotations
 
 import json
-import secrets
+import os
 import time
 from typing import Any
 
@@ -198,7 +198,7 @@ def drain(
         raise _die("the job has no standby node to move the node's ranks to (one node: migrate a rank)")
     node_id = int(active[node])
     since = int(job.get("next_event", 0))
-    token = secrets.token_hex(4)
+    token = os.urandom(4).hex()
     reply = _ask(run_id, endpoint, {"op": "migrate", "node": node, "reason": f"{reason} [{token}]"}, timeout)
     typer.echo(f"draining node {node_id} (group rank {node}): request {reply['request']}")
     deadline = time.monotonic() + wait
