@@ -159,3 +159,40 @@ def test_plan(job) -> None:  # type: ignore[no-untyped-def]
     assert "ETTR 83.53%" in text and "standbys that pay for themselves" in text
     measured = CliRunner().invoke(app, ["plan", "--gpus", "64", "--node-mttf-hours", "100"])
     assert measured.exit_code == 2 and "no measured recovery yet" in measured.output
+
+
+def test_found_from_the_slurm_allocation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No run file on this host, inside the job's allocation: the leader's endpoint is on the
+    first node at 30400 + job id mod 1000 (when that port was free for the leader)."""
+    monkeypatch.setenv("TMRUN_STATE_DIR", str(tmp_path / "empty"))
+    monkeypatch.setenv("SLURM_JOB_ID", "77123")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "127.0.0.1")
+    master = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)
+    store = PrefixStore(keys.job_prefix("slurm-77123.0"), master)
+    store.set(keys.STATE, Membership(epoch=1, phase=Phase.RUNNING, active=[0]).to_json())
+    ops = OpsServer(store, "slurm-77123.0", port=30400 + 123)
+    try:
+        if ops.port != 30400 + 123:
+            pytest.skip("port 30523 is taken on this machine")
+        ops.start("127.0.0.1")
+        result = CliRunner().invoke(app, ["status", "--json"])
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.output)["run_id"] == "slurm-77123.0"
+    finally:
+        ops.stop()
+
+
+def test_drain_when_the_job_ends_first(job) -> None:  # type: ignore[no-untyped-def]
+    store, _ = job
+
+    def leader() -> None:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not store.check([keys.migrate_request(0)]):
+            time.sleep(0.05)
+        request = MigrateRequest.decode("m", store.get(keys.migrate_request(0)))
+        record_event(store, "migrate", 1, f"generation 1: node 2 replaces node 1: {request.reason}")
+        record_event(store, "closed", 1, "succeeded: workers finished")
+
+    threading.Thread(target=leader, daemon=True).start()
+    result = CliRunner().invoke(app, ["drain", "1", "--wait", "20"])
+    assert result.exit_code == 0 and "node 1 drained: the job ended" in result.output, result.output

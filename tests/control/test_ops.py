@@ -135,3 +135,16 @@ def test_client_errors_are_one_line() -> None:
         assert time.monotonic() - started < 3
     finally:
         silent.close()
+
+
+def test_a_damaged_event_does_not_stop_the_log(server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    ops, store, address = server
+    record_event(store, "join", 0, "node 0 (h) joined")
+    seq = store.add(keys.EVENT_SEQ, 1) - 1
+    store.set(keys.event(seq), "{not json")
+    record_event(store, "formed", 1, "formed with 1 active, 0 standby")
+    kinds = [e["kind"] for e in wire.ask(address, {"op": "events", "since": 0})["events"]]
+    assert kinds == ["join", "formed"]
+    # a number taken but not written yet: the log waits for it, then goes on
+    store.add(keys.EVENT_SEQ, 1)
+    assert wire.ask(address, {"op": "events", "since": 3})["events"] == []

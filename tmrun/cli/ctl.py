@@ -39,6 +39,14 @@ def _locate(run_id: str | None, endpoint: str | None) -> tuple[str, int]:
 
     runs = [r for r in live_runs() if run_id is None or r.get("run_id") == run_id]
     if not runs:
+        from tmrun.cli.slurm import HostlistError, slurm_defaults
+
+        try:
+            slurm = slurm_defaults(os.environ)
+        except (HostlistError, ValueError):
+            slurm = None
+        if slurm is not None:  # inside the job's SLURM allocation: the leader runs on its first node
+            return slurm.first_host, slurm.ops_port
         which = f"with run id {run_id!r} " if run_id else ""
         raise wire.OpsError(f"no running tmrun job {which}found on this host; pass --endpoint HOST:PORT "
                             "(tmrun prints it at start: 'operations endpoint at ...')")
@@ -220,6 +228,9 @@ def drain(
                     typer.echo(f"{_stamp(float(event['time']))} node {node_id} drained: its agent left")
                     return
                 if event["kind"] == "closed":
+                    if moved:  # handed over; its agent leaves with the job
+                        typer.echo(f"{_stamp(float(event['time']))} node {node_id} drained: the job ended ({detail})")
+                        return
                     raise _die(f"the job ended before the node was drained: {detail}")
             time.sleep(0.2)
     except KeyboardInterrupt:

@@ -26,17 +26,17 @@ from typing import TYPE_CHECKING, Any
 
 from tmrun.console import say
 from tmrun.control import metrics
-from tmrun.control.events import read_events
 from tmrun.protocol import keys
 from tmrun.protocol import ops as wire
-from tmrun.protocol.messages import request_migration
+from tmrun.protocol.messages import Event, ProtocolMessageError, request_migration
 
 if TYPE_CHECKING:
     from torch.distributed import Store
 
 
 class EventLog:
-    """Appends the store's events to a JSON-lines file, each once, in order (``seq``)."""
+    """Appends the store's events to a JSON-lines file, each once, in order (``seq``): events of
+    the leader and of the one-node controller alike (both write them to the store)."""
 
     def __init__(self, path: str | None) -> None:
         self.path = Path(path) if path else None
@@ -47,15 +47,21 @@ class EventLog:
             self.path.write_text("")  # one job, one file (a rerun with the same run id starts it anew)
 
     def sync(self, store: Store) -> list[dict[str, Any]]:
-        """Read the events written since the last call; append them to the file."""
+        """Read the events written since the last call; append them to the file. Stops at the
+        first number whose writer has not written yet; skips an entry that is not an event."""
         fresh = []
-        for event in read_events(store, self._next):
-            if event.seq != self._next:
-                break  # a gap: its writer took the number but has not written yet
+        for seq in range(self._next, store.add(keys.EVENT_SEQ, 0)):
+            key = keys.event(seq)
+            if not store.check([key]):
+                break  # its writer took the number but has not written yet: next time
+            self._next = seq + 1
+            try:
+                event = Event.decode(key, store.get(key), seq)
+            except ProtocolMessageError:
+                continue  # damaged or foreign: not ours to show
             data = {"seq": event.seq, "time": event.time, "kind": event.kind, "epoch": event.epoch,
                     "detail": event.detail, **event.fields}
             fresh.append(metrics.enrich(data))
-            self._next += 1
         if fresh and self.path is not None:
             with self.path.open("a") as out:
                 out.writelines(json.dumps(e, sort_keys=True) + "\n" for e in fresh)
@@ -141,10 +147,8 @@ class OpsServer:
                 try:
                     with self._lock:
                         self.log.sync(self._store)
-                except Exception as exc:  # noqa: BLE001 - the store is going away; requests will say so
-                    if not self._stop.is_set():
-                        next_sync = now + 1.0
-                        _ = exc
+                except Exception:  # noqa: BLE001 - the store is going away; requests will say so
+                    next_sync = now + 1.0
 
     def _accept(self) -> None:
         try:

@@ -30,6 +30,7 @@ class TmrunOptions:
     standby_wait: float = 60.0  # in-place: how long a failure waits for a warm standby
     refill_delay: float = 5.0  # one node: seconds after a recovery before the replacement standby starts
     log_dir: str | None = None  # torchrun's --log-dir: the job's event log goes there (else next to the runfile)
+    ops_port: int = 0  # the operations endpoint's preferred port (SLURM: 30400 + job id mod 1000); 0: any
 
 
 def launch(config: LaunchConfig, entrypoint: str, args: list[Any], options: TmrunOptions) -> int:
@@ -41,6 +42,8 @@ def launch(config: LaunchConfig, entrypoint: str, args: list[Any], options: Tmru
         rdzv_configs["standby"] = 0 if single_node else options.standby
         rdzv_configs.setdefault("standby_wait", options.standby_wait)
         rdzv_configs.setdefault("event_log", str(event_log_path(config.run_id, options.log_dir)))
+        if options.ops_port:
+            rdzv_configs.setdefault("ops_port", options.ops_port)
     params = RendezvousParameters(
         backend=config.rdzv_backend,
         endpoint=config.rdzv_endpoint,

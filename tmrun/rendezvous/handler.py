@@ -78,6 +78,7 @@ class TmrunRendezvousConfig:
     standby_wait: float
     may_host: bool  # rdzv-conf is_host (as torch's c10d backend): false = always a client
     event_log: str = ""  # rdzv-conf event_log: the leader's JSON-lines event log ("": none)
+    ops_port: int = 0  # rdzv-conf ops_port: the operations endpoint's preferred port (0: any)
 
     @classmethod
     def from_parameters(cls, params: RendezvousParameters) -> TmrunRendezvousConfig:
@@ -111,6 +112,7 @@ class TmrunRendezvousConfig:
             standby_wait=number("standby_wait", 60),
             may_host=str(params.get("is_host", "auto")).lower() not in ("0", "false", "no"),
             event_log=str(params.get("event_log", "") or ""),
+            ops_port=int(number("ops_port", 0)),
         )
 
 
