@@ -17,11 +17,11 @@ from tmrun.console import say
 from tmrun.control import planner
 from tmrun.control.events import record_event
 from tmrun.control.ops import OpsServer
-from tmrun.rendezvous.liveness import LivenessMonitor
 from tmrun.control.replacement.nodes import Decision, NodeReplacement
 from tmrun.protocol import keys
 from tmrun.protocol.membership import GroupLimits, Membership, Phase
 from tmrun.protocol.messages import ClosedNotice, FailureReport, NodeInfo, ProtocolMessageError
+from tmrun.rendezvous.liveness import LivenessMonitor
 
 
 @dataclass(frozen=True)

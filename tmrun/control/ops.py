@@ -24,7 +24,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tmrun.console import say
 from tmrun.control import metrics
 from tmrun.protocol import keys
 from tmrun.protocol import ops as wire

@@ -93,7 +93,7 @@ def ask(address: tuple[str, int], request: dict[str, Any], timeout: float = 5.0)
                     raise OpsError(f"the reply of {host}:{port} is larger than {MAX_REPLY} bytes")
                 if chunk.endswith(b"\n"):
                     break
-    except socket.timeout:
+    except TimeoutError:
         raise OpsError(f"no answer from the operations endpoint {host}:{port} within {timeout:g} s") from None
     except OSError as exc:
         raise OpsError(f"no tmrun job answers at {host}:{port} ({exc.strerror or exc})") from None
