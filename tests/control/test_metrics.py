@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tmrun.control.metrics import describe, enrich, totals
+from tmrun.control.metrics import describe, enrich, link_phases, totals
 
 
 def _e(seq: int, t: float, kind: str, detail: str, epoch: int = 1, **fields: object) -> dict:
@@ -14,7 +14,17 @@ def test_one_node_details_become_fields() -> None:
     assert replace["ranks"] == [1] and replace["gen"] == 1
     recovered = enrich(_e(3, 11, "recovered", "2 ranks back in 1.250s", epoch=1))
     assert recovered["seconds"] == 1.25 and recovered["phases"]["total"] == 1.25
-    assert set(recovered["phases"]) == {"detect", "plan", "connect", "transfer", "first_step", "total"}
+    assert set(recovered["phases"]) == {"detect", "plan", "connect", "transfer", "recover", "first_step", "total"}
+
+
+def test_phases_from_the_plan_event() -> None:
+    published: dict[int, float] = {}
+    link_phases(enrich(_e(2, 10.0, "replace", "rank 1 (pid 5, exit code 1) -> standby 0 (pid 7)", epoch=3)), published)
+    recovered = link_phases(enrich(_e(3, 11.0, "recovered", "2 ranks back in 1.250s", epoch=3)), published)
+    assert recovered["phases"]["recover"] == 1.0 and recovered["phases"]["plan"] == 0.25
+    assert published == {}
+    alone = link_phases(enrich(_e(4, 12.0, "recovered", "generation 9: all 2 ranks back in 0.5s")), published)
+    assert alone["phases"]["recover"] is None and alone["phases"]["plan"] is None
 
 
 def test_node_details_become_fields() -> None:

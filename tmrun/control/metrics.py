@@ -61,10 +61,33 @@ def enrich(event: dict[str, Any]) -> dict[str, Any]:
         phases.setdefault("plan", None)
         phases.setdefault("connect", None)
         phases.setdefault("transfer", None)
+        phases.setdefault("recover", None)
         phases.setdefault("first_step", None)
         phases.setdefault("total", out.get("seconds"))
         out["phases"] = phases
     return out
+
+
+def link_phases(event: dict[str, Any], published: dict[int, float]) -> dict[str, Any]:
+    """Fill a ``recovered`` event's ``plan`` and ``recover`` phases from the time of the
+    ``replace``/``migrate`` event of its generation (recorded once the plan was published):
+    ``recover`` = published -> every rank recovered (the links' switch, the state transfer and
+    the agreement), ``plan`` = ``seconds`` - ``recover`` (failure seen -> plan published).
+    ``published`` (generation -> time) is the caller's state across events, in order."""
+    gen = event.get("gen")
+    if not isinstance(gen, int):
+        return event
+    if event.get("kind") in ("replace", "migrate"):
+        published[gen] = float(event["time"])
+    elif event.get("kind") == "recovered" and gen in published:
+        phases = event.setdefault("phases", {})
+        recover = max(0.0, float(event["time"]) - published.pop(gen))
+        if phases.get("recover") is None:
+            phases["recover"] = round(recover, 6)
+        seconds = event.get("seconds")
+        if phases.get("plan") is None and isinstance(seconds, (int, float)):
+            phases["plan"] = round(max(0.0, seconds - recover), 6)
+    return event
 
 
 def totals(events: list[dict[str, Any]], now: float | None = None) -> dict[str, Any]:

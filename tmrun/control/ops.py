@@ -40,6 +40,7 @@ class EventLog:
     def __init__(self, path: str | None) -> None:
         self.path = Path(path) if path else None
         self._next = 0
+        self._published: dict[int, float] = {}  # generation -> time of its replace/migrate event
         self.events: list[dict[str, Any]] = []  # every event so far, enriched (metrics.enrich)
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -60,7 +61,7 @@ class EventLog:
                 continue  # damaged or foreign: not ours to show
             data = {"seq": event.seq, "time": event.time, "kind": event.kind, "epoch": event.epoch,
                     "detail": event.detail, **event.fields}
-            fresh.append(metrics.enrich(data))
+            fresh.append(metrics.link_phases(metrics.enrich(data), self._published))
         if fresh and self.path is not None:
             with self.path.open("a") as out:
                 out.writelines(json.dumps(e, sort_keys=True) + "\n" for e in fresh)
