@@ -25,20 +25,23 @@ def _register_backend() -> None:
 
 class _AfterTorch(importlib.abc.MetaPathFinder):
     """Registers the backend right after ``import torch`` completes, for a script that imports
-    tmrun first: ``import tmrun`` itself does not load torch (``tmrun-ctl`` starts without it)."""
+    tmrun first: ``import tmrun`` itself does not load torch (``tmrun-ctl`` starts without it).
+    It stays in place until torch actually ran (a mere ``importlib.util.find_spec("torch")``, as
+    libraries do to test for torch, executes nothing)."""
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         if name != "torch":
             return None
-        sys.meta_path.remove(self)
         spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         loader = spec.loader
         run = loader.exec_module
 
         def exec_module(module: Any) -> None:
             run(module)
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
             _register_backend()
 
         loader.exec_module = exec_module  # type: ignore[method-assign]

@@ -40,7 +40,9 @@ def test_ctl_does_not_import_torch() -> None:
 
 
 def test_import_tmrun_still_registers_the_backend_when_torch_comes_later() -> None:
-    code = "import tmrun, sys; assert 'torch' not in sys.modules; import torch.distributed as d; print(d.Backend.TMRUN)"
+    code = ("import tmrun, sys, importlib.util; assert 'torch' not in sys.modules; "
+            "assert importlib.util.find_spec('torch') is not None; "  # a library testing for torch
+            "import torch.distributed as d; print(d.Backend.TMRUN)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "tmrun", result.stderr
 

@@ -45,6 +45,9 @@ def test_status_events_log_and_totals(tmp_path: Path) -> None:
     assert "replace" in kinds and "recovered" in kinds and kinds[-1] == "closed", kinds
     recovered = rows[kinds.index("recovered")]
     assert recovered["gen"] == 1 and recovered["seconds"] > 0 and recovered["phases"]["total"] == recovered["seconds"]
+    phases = recovered["phases"]
+    assert phases["recover"] is not None and phases["plan"] is not None
+    assert abs(phases["plan"] + phases["recover"] - recovered["seconds"]) < 0.01 or phases["plan"] == 0.0
     assert rows[kinds.index("replace")]["ranks"] == [1]
     # the totals at the end of the job
     totals = re.search(r"recovery totals: downtime ([\d.]+)s over ([\d.]+)s, ETTR ([\d.]+)%, 1 in-place recoveries "
