@@ -69,3 +69,28 @@ def test_node_mttf_scales_with_nodes_and_standbys_are_counted() -> None:
 def test_bad_inputs(spec: PlanInput, message: str) -> None:
     with pytest.raises(ProjectionError, match=message):
         project(spec)
+
+
+def test_standbys_in_use_are_poisson() -> None:
+    """P(a failure finds no free standby) = P(N >= k), N ~ Poisson(repair / job MTTF)."""
+    import math
+
+    result = project(PlanInput(gpus=8 * 100, job_mttf_min=60, restart_min=5, recovery_s=10, repair_h=2))
+    mean = 2.0  # 2 h of repair / 1 h between failures
+    for k in (1, 2, 5):
+        below = sum(math.exp(-mean) * mean**i / math.factorial(i) for i in range(k))
+        assert result.options[k].p_no_standby == pytest.approx(1 - below)
+    instant = project(PlanInput(gpus=800, job_mttf_min=60, restart_min=5, recovery_s=10, repair_h=0))
+    assert instant.options[1].p_no_standby == 0.0
+    huge = project(PlanInput(gpus=8 * 20000, job_mttf_min=1, restart_min=5, recovery_s=10, repair_h=24))
+    assert 0.0 <= huge.best.p_no_standby <= 1.0  # a mean of 1440 standbys in use: no underflow
+
+
+def test_at_1k_gpus_a_standby_does_not_pay() -> None:
+    """§8.2 Fig. 9: at 1K GPUs the systems are similar and TrainMover with a standby is slightly
+    worse (its idle machine costs more than it saves). Node MTTF implied by the 128K figure."""
+    node_mttf_h = _implied_mttf(PAPER[131072]) * (131072 // 8) / 60
+    small = project(PlanInput(gpus=1024, node_mttf_h=node_mttf_h, restart_min=RESTART, recovery_s=20))
+    assert small.best.standby == 0 and small.options[1].gpu_hours_lost_week > small.restart_only.gpu_hours_lost_week
+    large = project(PlanInput(gpus=8192, node_mttf_h=node_mttf_h, restart_min=RESTART, recovery_s=20))
+    assert large.best.standby >= 1

@@ -289,7 +289,11 @@ def plan(
     typer.echo(f"tmrun with {b.standby} standby nodes (recovery {recovery_seconds:.1f} s, {source}): "
                f"ETTR {b.ettr * 100:.2f}%, {b.gpu_hours_lost_week:,.0f} GPU-hours lost a week "
                f"(idle standbys included; a failure finds none free with p={b.p_no_standby:.2g})")
-    typer.echo(f"standbys that pay for themselves: best {b.standby}, break-even up to {result.break_even}")
+    if b.standby == 0:
+        typer.echo("standbys that pay for themselves: none at this scale (one standby node idles more GPU-hours "
+                   "than it saves)")
+    else:
+        typer.echo(f"standbys that pay for themselves: best {b.standby}, break-even up to {result.break_even}")
 
 
 def main() -> None:

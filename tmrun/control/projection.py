@@ -72,18 +72,6 @@ def throughput_loss(downtime_min: float, job_mttf_min: float) -> float:
     return min(downtime_min / job_mttf_min, 1.0)
 
 
-def _p_at_least(k: int, mean: float) -> float:
-    """P(N >= k) for N ~ Poisson(mean)."""
-    if k <= 0:
-        return 1.0
-    term = math.exp(-mean)
-    below = term
-    for i in range(1, k):
-        term *= mean / i
-        below += term
-    return max(0.0, 1.0 - below)
-
-
 def project(spec: PlanInput) -> Projection:
     if spec.gpus < 1 or spec.gpus_per_node < 1:
         raise ProjectionError("--gpus and --gpus-per-node must be at least 1")
@@ -104,17 +92,21 @@ def project(spec: PlanInput) -> Projection:
         raise ProjectionError("the MTTF must be a positive number")
     in_use = spec.repair_h * 60.0 / job_mttf
 
-    def option(k: int) -> Option:
-        p = _p_at_least(k, in_use)
+    def option(k: int, p: float) -> Option:
         downtime = p * spec.restart_min + (1 - p) * spec.recovery_s / 60.0
         loss = throughput_loss(downtime, job_mttf)
         lost = loss * spec.gpus * HOURS_PER_WEEK + k * spec.gpus_per_node * HOURS_PER_WEEK
         return Option(k, p, downtime, loss, 1.0 - loss, lost)
 
-    baseline = option(0)
+    baseline = option(0, 1.0)
     # beyond this many standbys their idle GPUs alone cost more than every failure without them
     most = min(nodes, math.ceil(baseline.gpu_hours_lost_week / (spec.gpus_per_node * HOURS_PER_WEEK)))
-    options = [baseline] + [option(k) for k in range(1, most + 1)]
+    options = [baseline]
+    below = 0.0  # P(N < k), N ~ Poisson(in_use); terms in log space (no underflow for large means)
+    log_mean = math.log(in_use) if in_use > 0 else -math.inf
+    for k in range(1, most + 1):
+        below += math.exp(-in_use + (k - 1) * log_mean - math.lgamma(k)) if in_use > 0 else (1.0 if k == 1 else 0.0)
+        options.append(option(k, min(1.0, max(0.0, 1.0 - below))))  # P(N >= k)
     best = min(options, key=lambda o: o.gpu_hours_lost_week)
     break_even = max(o.standby for o in options if o.gpu_hours_lost_week <= baseline.gpu_hours_lost_week)
     return Projection(nodes, job_mttf, HOURS_PER_WEEK * 60.0 / job_mttf, baseline, best, break_even,
