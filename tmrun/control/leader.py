@@ -82,6 +82,7 @@ class Leader:
         self._store.set(keys.LIVENESS_ADDR, f"{advertise_host}:{self._monitor.port}")
         self._publish(self._membership)
         self.ops_address = self.ops.start(advertise_host)
+        say(f"operations endpoint at {self.ops_address} (tmrun-ctl --endpoint {self.ops_address})")
         self._thread.start()
 
     def stop(self) -> None:

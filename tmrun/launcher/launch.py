@@ -93,7 +93,7 @@ def launch(config: LaunchConfig, entrypoint: str, args: list[Any], options: Tmru
         runfile = write_runfile(config.run_id, str(tmrun_handler.endpoint), ops=ops,
                                 event_log=str(rdzv_configs.get("event_log", "")))
         say(f"rendezvous store at {tmrun_handler.endpoint} (run id {config.run_id})")
-        say(f"operations endpoint at {ops} (tmrun-ctl --endpoint {ops}); events in {rdzv_configs.get('event_log')}")
+        say(f"the job's events go to {rdzv_configs.get('event_log')}")
     try:
         return _run(agent, tmrun_handler)
     finally:
