@@ -198,3 +198,16 @@ def test_drain_when_the_job_ends_first(job) -> None:  # type: ignore[no-untyped-
     threading.Thread(target=leader, daemon=True).start()
     result = CliRunner().invoke(app, ["drain", "1", "--wait", "20"])
     assert result.exit_code == 0 and "node 1 drained: the job ended" in result.output, result.output
+
+
+def test_usage_mistakes_are_one_line(tmp_path: Path) -> None:
+    """typer's own usage errors (an unknown option, a value of the wrong type, an unknown
+    command) are one line and exit code 2 too, not a box."""
+    env = {"TMRUN_STATE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    for args, needle in ((["status", "--bogus"], "No such option"), (["migrate", "abc"], "Invalid value"),
+                         (["reboot"], "No such command")):
+        result = subprocess.run([sys.executable, "-m", "tmrun.cli.ctl", *args], capture_output=True, text=True,
+                                timeout=60, env=env)
+        lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+        assert result.returncode == 2 and len(lines) == 1 and needle in lines[0], (args, lines)
+        assert lines[0].startswith("tmrun: error: ")

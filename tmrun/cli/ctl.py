@@ -297,7 +297,24 @@ def plan(
 
 
 def main() -> None:
-    app()
+    """Run tmrun-ctl; a usage mistake is one line (``tmrun: error: ...``) and exit code 2."""
+    import sys
+
+    try:
+        code = app(standalone_mode=False)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as exc:  # click's (vendored by typer) usage errors: one line, not a box
+        message = getattr(exc, "format_message", None)
+        if message is None or not hasattr(exc, "exit_code"):
+            raise
+        if type(exc).__name__ == "NoArgsIsHelpError":
+            app(["--help"], standalone_mode=False)
+            sys.exit(2)
+        command = getattr(getattr(exc, "ctx", None), "command_path", "tmrun-ctl")
+        fail(f"{message().splitlines()[0] if message() else type(exc).__name__} (see {command} --help)")
+        sys.exit(int(exc.exit_code))
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":
