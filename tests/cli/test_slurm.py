@@ -61,6 +61,7 @@ def test_srun_tmrun_needs_no_other_option(monkeypatch: pytest.MonkeyPatch) -> No
     assert args.rdzv_id == "slurm-4242.0"
     assert args.node_rank == 2 and "node_rank=2" in args.rdzv_conf
     assert args.max_restarts == 3
+    assert args.ops_port == 30400 + 242  # tmrun-ctl finds the leader from any node of the allocation
 
 
 def test_explicit_options_override_slurm(monkeypatch: pytest.MonkeyPatch) -> None:

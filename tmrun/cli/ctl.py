@@ -1,46 +1,87 @@
-"""``tmrun-ctl``: look at a running tmrun job (status, events)."""
+"""``tmrun-ctl``: operate a running tmrun job through its leader's operations endpoint.
+
+Finds the job on this host (the run file the store host writes), or by ``--endpoint HOST:PORT``
+(printed by tmrun at start: "operations endpoint at ..."). Talks line-delimited JSON to the
+endpoint (:mod:`tmrun.protocol.ops`) and never imports torch: this module and what it imports
+start in a fraction of the time (``bench/ctl_latency.py``; a test checks ``sys.modules``).
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import time
-from dataclasses import asdict
+from typing import Any
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from tmrun.console import fail
+from tmrun.protocol import ops as wire
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Operate a running tmrun job.")
 
+RunIdOption = typer.Option(None, "--run-id", help="The job's --rdzv-id, among the jobs on this host (default: the newest).")
+EndpointOption = typer.Option(
+    None, "--endpoint", help="HOST:PORT of the job's operations endpoint (tmrun prints it at start; default: the job on this host)."
+)
+TimeoutOption = typer.Option(5.0, "--timeout", help="Seconds to wait for an answer.")
 
-def _locate(run_id: str | None, endpoint: str | None) -> tuple[str, str]:
+
+def _die(message: str, code: int = 1) -> typer.Exit:
+    fail(message)
+    return typer.Exit(code)
+
+
+def _locate(run_id: str | None, endpoint: str | None) -> tuple[str, int]:
+    if endpoint:
+        return wire.parse_address(endpoint)
     from tmrun.launcher.runfile import live_runs
 
-    if endpoint and run_id:
-        return run_id, endpoint
-    runs = [r for r in live_runs() if run_id is None or r["run_id"] == run_id]
+    runs = [r for r in live_runs() if run_id is None or r.get("run_id") == run_id]
     if not runs:
-        raise typer.BadParameter("no running tmrun job found on this host; pass --endpoint and --run-id")
-    return str(runs[0]["run_id"]), str(endpoint or runs[0]["endpoint"])
+        from tmrun.cli.slurm import HostlistError, slurm_defaults
+
+        try:
+            slurm = slurm_defaults(os.environ)
+        except (HostlistError, ValueError):
+            slurm = None
+        if slurm is not None:  # inside the job's SLURM allocation: the leader runs on its first node
+            return slurm.first_host, slurm.ops_port
+        which = f"with run id {run_id!r} " if run_id else ""
+        raise wire.OpsError(f"no running tmrun job {which}found on this host; pass --endpoint HOST:PORT "
+                            "(tmrun prints it at start: 'operations endpoint at ...')")
+    ops = str(runs[0].get("ops") or "")
+    if not ops:
+        raise wire.OpsError(f"job {runs[0].get('run_id')} was started by a tmrun without an operations endpoint")
+    return wire.parse_address(ops)
 
 
-def _open(run_id: str | None, endpoint: str | None):  # type: ignore[no-untyped-def]
-    from tmrun.control.status import connect, read_status
-    from tmrun.rendezvous.endpoint import EndpointError, parse_endpoint
-
+def _ask(run_id: str | None, endpoint: str | None, request: dict[str, Any], timeout: float) -> dict[str, Any]:
+    if not timeout > 0:
+        raise _die(f"--timeout must be positive, got {timeout}", 2)
     try:
-        found_id, found_endpoint = _locate(run_id, endpoint)
-        store = connect(parse_endpoint(found_endpoint, 29400), found_id)
-        return read_status(store, found_id, found_endpoint)
-    except (EndpointError, typer.BadParameter) as exc:
-        fail(str(exc))
-        raise typer.Exit(1) from None
+        address = _locate(run_id, endpoint)
+        reply = wire.ask(address, request, timeout)
+    except wire.OpsError as exc:
+        raise _die(str(exc)) from None
+    if not reply.get("ok"):
+        raise _die(f"the job refused the request: {reply.get('error', 'no reason given')}")
+    if run_id is not None and reply.get("run_id") != run_id:
+        raise _die(f"the endpoint serves job {reply.get('run_id')!r}, not {run_id!r}")
+    return reply
 
 
-RunIdOption = typer.Option(None, "--run-id", help="The job's --rdzv-id (default: the newest job on this host).")
-EndpointOption = typer.Option(None, "--endpoint", help="host:port of the job's rendezvous store.")
+def _stamp(t: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t * 1000) % 1000:03d}"
+
+
+def _totals_line(t: dict[str, Any]) -> str:
+    from tmrun.control.metrics import describe
+
+    return describe(t)
+
+
+# ---- status ----------------------------------------------------------------------------------
 
 
 @app.command()
@@ -48,35 +89,80 @@ def status(
     run_id: str | None = RunIdOption,
     endpoint: str | None = EndpointOption,
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    timeout: float = TimeoutOption,
 ) -> None:
-    """Membership of the job: active nodes and their workers, standby members, lost nodes."""
-    job = _open(run_id, endpoint)
+    """Membership of the job (active nodes and their workers, standby members, lost nodes) and
+    its recovery totals (downtime, steps recomputed, ETTR)."""
+    job = _ask(run_id, endpoint, {"op": "status"}, timeout)
     if as_json:
-        data = asdict(job)
-        data["membership"]["phase"] = job.membership.phase.value
-        typer.echo(json.dumps(data, indent=2, default=str))
+        job.pop("ok", None)
+        typer.echo(json.dumps(job, indent=2, default=str))
         return
+    from rich.console import Console
+    from rich.table import Table
+
     console = Console()
-    m = job.membership
-    console.print(f"job {job.run_id} at {job.endpoint}: {m.phase.value}, epoch {m.epoch}")
-    if m.reason:
-        console.print(f"last change: {m.reason}")
+    m = job["membership"]
+    console.print(f"job {job['run_id']} at {job.get('endpoint', '')}: {m['phase']}, epoch {m['epoch']}", highlight=False)
+    if m.get("reason"):
+        console.print(f"last change: {m['reason']}", highlight=False, markup=False)
     table = Table("node", "role", "group rank", "host", "agent pid", "workers (rank:pid)", "standby workers")
-    for node in job.nodes:
-        workers = " ".join(f"{w.get('rank')}:{w.get('pid')}" for w in node.workers)
-        standby = " ".join(f"{w.get('pid')}({w.get('state')})" for w in node.standby_workers)
-        rank = "" if node.group_rank is None else str(node.group_rank)
-        table.add_row(str(node.node_id), node.role, rank, node.host, str(node.agent_pid), workers, standby)
+    for node in job["nodes"]:
+        workers = " ".join(f"{w.get('rank')}:{w.get('pid')}" for w in node["workers"])
+        standby = " ".join(f"{w.get('pid')}({w.get('state')})" for w in node["standby_workers"])
+        rank = "" if node["group_rank"] is None else str(node["group_rank"])
+        table.add_row(str(node["node_id"]), node["role"], rank, node["host"], str(node["agent_pid"]), workers, standby)
     console.print(table)
+    console.print(f"recovery: {_totals_line(job['totals'])}", highlight=False)
+    if job.get("event_log"):
+        console.print(f"event log: {job['event_log']}", highlight=False, markup=False)
+
+
+# ---- events ----------------------------------------------------------------------------------
+
+
+def _print_event(event: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        typer.echo(json.dumps(event, sort_keys=True))
+    else:
+        typer.echo(f"{_stamp(float(event['time']))} epoch {event['epoch']} {event['kind']}: {event['detail']}")
 
 
 @app.command()
-def events(run_id: str | None = RunIdOption, endpoint: str | None = EndpointOption) -> None:
-    """The job's events (joins, failures, replacements), oldest first."""
-    job = _open(run_id, endpoint)
-    for event in job.events:
-        stamp = time.strftime("%H:%M:%S", time.localtime(event.time)) + f".{int(event.time * 1000) % 1000:03d}"
-        typer.echo(f"{stamp} epoch {event.epoch} {event.kind}: {event.detail}")
+def events(
+    run_id: str | None = RunIdOption,
+    endpoint: str | None = EndpointOption,
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new events until the job ends (or Ctrl-C)."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per line (the event log's schema)."),
+    since: int = typer.Option(0, "--since", help="Start at this event number."),
+    timeout: float = TimeoutOption,
+) -> None:
+    """The job's events (joins, failures, replacements, recoveries, migrations), oldest first."""
+    if since < 0:
+        raise _die(f"--since must be 0 or more, got {since}", 2)
+    try:
+        while True:
+            reply = _ask(run_id, endpoint, {"op": "events", "since": since}, timeout)
+            for event in reply["events"]:
+                _print_event(event, as_json)
+            since = int(reply["next"])
+            if not follow or any(e["kind"] == "closed" for e in reply["events"]):
+                return
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+
+
+# ---- migrate, drain --------------------------------------------------------------------------
+
+
+def _check_target(rank: int | None, node: int | None) -> None:
+    if (rank is None) == (node is None):
+        raise _die("give a rank or --node GROUP_RANK (one of them)", 2)
+    value = node if node is not None else rank
+    assert value is not None
+    if value < 0:
+        raise _die(f"{'--node' if node is not None else 'rank'} must be 0 or more, got {value}", 2)
 
 
 @app.command()
@@ -86,32 +172,149 @@ def migrate(
     reason: str = typer.Option("operator request", "--reason", help="Recorded with the event."),
     run_id: str | None = RunIdOption,
     endpoint: str | None = EndpointOption,
+    timeout: float = TimeoutOption,
 ) -> None:
     """Move a rank (or a node) to a warm standby at the next step boundary (planned: nothing is recomputed)."""
-    from tmrun.protocol.messages import request_migration
-    from tmrun.control.status import connect
-    from tmrun.rendezvous.endpoint import EndpointError, parse_endpoint
+    _check_target(rank, node)
+    request: dict[str, Any] = {"op": "migrate", "reason": reason}
+    request["node" if node is not None else "rank"] = node if node is not None else rank
+    reply = _ask(run_id, endpoint, request, timeout)
+    target = f"node at group rank {node}" if node is not None else f"rank {rank}"
+    typer.echo(f"migration of {target} requested (request {reply['request']}); see tmrun-ctl events")
 
-    if (rank is None) == (node is None):
-        fail("give a rank or --node GROUP_RANK (one of them)")
-        raise typer.Exit(2)
-    target, value = ("node at group rank", node) if node is not None else ("rank", rank)
-    assert value is not None
-    if value < 0:
-        fail(f"{'--node' if node is not None else 'rank'} must be 0 or more, got {value}")
-        raise typer.Exit(2)
+
+@app.command()
+def drain(
+    node: int = typer.Argument(..., help="The group rank of the node to drain."),
+    reason: str = typer.Option("drain", "--reason", help="Recorded with the event."),
+    wait: float = typer.Option(600.0, "--wait", help="Seconds to wait for the node's agent to leave."),
+    run_id: str | None = RunIdOption,
+    endpoint: str | None = EndpointOption,
+    timeout: float = TimeoutOption,
+) -> None:
+    """Move every rank of a node to a warm standby node (a planned migration), then report when
+    the node's agent has left: the node is free for maintenance."""
+    if node < 0:
+        raise _die(f"the node's group rank must be 0 or more, got {node}", 2)
+    if not wait > 0:
+        raise _die(f"--wait must be positive, got {wait}", 2)
+    job = _ask(run_id, endpoint, {"op": "status"}, timeout)
+    active = job["membership"]["active"]
+    if not 0 <= node < len(active) or active[node] < 0:
+        raise _die(f"no node at group rank {node} (the job has {len(active)} active nodes)")
+    if not any(n.get("role") == "standby" for n in job["nodes"]):
+        raise _die("the job has no standby node to move the node's ranks to (one node: migrate a rank)")
+    node_id = int(active[node])
+    since = int(job.get("next_event", 0))
+    token = os.urandom(4).hex()
+    reply = _ask(run_id, endpoint, {"op": "migrate", "node": node, "reason": f"{reason} [{token}]"}, timeout)
+    typer.echo(f"draining node {node_id} (group rank {node}): request {reply['request']}")
+    deadline = time.monotonic() + wait
+    moved = False
     try:
-        found_id, found_endpoint = _locate(run_id, endpoint)
-        store = connect(parse_endpoint(found_endpoint, 29400), found_id)
-    except (EndpointError, typer.BadParameter) as exc:
-        fail(str(exc))
-        raise typer.Exit(1) from None
-    seq = request_migration(store, rank if rank is not None else -1, reason, node=node if node is not None else -1)
-    typer.echo(f"migration of {target} {value} requested (request {seq}); see tmrun-ctl events")
+        while time.monotonic() < deadline:
+            reply = _ask(run_id, endpoint, {"op": "events", "since": since}, timeout)
+            since = int(reply["next"])
+            for event in reply["events"]:
+                detail = str(event.get("detail", ""))
+                if event["kind"] == "migrate-refused" and (token in detail or f"node at group rank {node}" in detail):
+                    raise _die(f"the drain was refused: {detail}")
+                if token in detail and event["kind"] == "migrate":
+                    moved = True
+                    typer.echo(f"{_stamp(float(event['time']))} its ranks move to a standby node: {detail}")
+                if moved and event["kind"] == "recovered":
+                    typer.echo(f"{_stamp(float(event['time']))} handover done: {detail}")
+                if moved and event["kind"] in ("left", "lost") and node_id in (event.get("nodes") or []):
+                    typer.echo(f"{_stamp(float(event['time']))} node {node_id} drained: its agent left")
+                    return
+                if event["kind"] == "closed":
+                    if moved:  # handed over; its agent leaves with the job
+                        typer.echo(f"{_stamp(float(event['time']))} node {node_id} drained: the job ended ({detail})")
+                        return
+                    raise _die(f"the job ended before the node was drained: {detail}")
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    raise _die(f"node {node_id} was not drained within {wait:g} s (see tmrun-ctl events)")
+
+
+# ---- plan --------------------------------------------------------------------------------------
+
+
+@app.command()
+def plan(
+    gpus: int = typer.Option(..., "--gpus", help="GPUs of the training job."),
+    gpus_per_node: int = typer.Option(8, "--gpus-per-node", help="GPUs per node (a standby is a node)."),
+    node_mttf_hours: float | None = typer.Option(None, "--node-mttf-hours", help="One node's mean time to failure, hours."),
+    job_mttf_minutes: float | None = typer.Option(None, "--job-mttf-minutes", help="Or the whole job's MTTF, minutes."),
+    restart_minutes: float = typer.Option(4.45, "--restart-minutes", help="Downtime of a restart from checkpoint (TrainMover: 4.45 min)."),
+    recovery_seconds: float | None = typer.Option(
+        None, "--recovery-seconds", help="tmrun's in-place recovery time (default: measured by the job on this host / --endpoint)."),
+    repair_hours: float = typer.Option(24.0, "--repair-hours", help="Until a used standby is back in the pool."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    run_id: str | None = RunIdOption,
+    endpoint: str | None = EndpointOption,
+) -> None:
+    """Projected ETTR, GPU-hours lost a week and the standbys that pay for themselves (TrainMover's
+    model: loss = downtime per failure / the job's MTTF; see docs/user-guide.md)."""
+    from tmrun.control.projection import PlanInput, ProjectionError, project
+
+    source = "given"
+    if node_mttf_hours is None and job_mttf_minutes is None:
+        raise _die("give --node-mttf-hours or --job-mttf-minutes", 2)
+    if recovery_seconds is None:
+        job = _ask(run_id, endpoint, {"op": "status"}, 5.0)
+        t = job["totals"]
+        if not t.get("recoveries"):
+            raise _die("the job has no measured recovery yet; pass --recovery-seconds", 2)
+        recovery_seconds = float(t["downtime_s"]) / int(t["recoveries"])
+        source = f"measured: mean of {t['recoveries']} recoveries of job {job['run_id']}"
+    try:
+        result = project(PlanInput(gpus=gpus, gpus_per_node=gpus_per_node, node_mttf_h=node_mttf_hours,
+                                   job_mttf_min=job_mttf_minutes, restart_min=restart_minutes,
+                                   recovery_s=recovery_seconds, repair_h=repair_hours))
+    except ProjectionError as exc:
+        raise _die(str(exc), 2) from None
+    if as_json:
+        data = result.to_dict()
+        data["recovery_s"] = recovery_seconds
+        data["recovery_source"] = source
+        typer.echo(json.dumps(data, indent=2))
+        return
+    r, b = result.restart_only, result.best
+    typer.echo(f"{gpus} GPUs ({result.nodes} nodes): job MTTF {result.job_mttf_min:.1f} min, "
+               f"{result.failures_per_week:.0f} failures a week")
+    typer.echo(f"restart on every failure ({restart_minutes:g} min): ETTR {r.ettr * 100:.2f}% "
+               f"(throughput loss {r.loss * 100:.2f}%), {r.gpu_hours_lost_week:,.0f} GPU-hours lost a week")
+    typer.echo(f"tmrun with {b.standby} standby nodes (recovery {recovery_seconds:.1f} s, {source}): "
+               f"ETTR {b.ettr * 100:.2f}%, {b.gpu_hours_lost_week:,.0f} GPU-hours lost a week "
+               f"(idle standbys included; a failure finds none free with p={b.p_no_standby:.2g})")
+    if b.standby == 0:
+        typer.echo("standbys that pay for themselves: none at this scale (one standby node idles more GPU-hours "
+                   "than it saves)")
+    else:
+        typer.echo(f"standbys that pay for themselves: best {b.standby}, break-even up to {result.break_even}")
 
 
 def main() -> None:
-    app()
+    """Run tmrun-ctl; a usage mistake is one line (``tmrun: error: ...``) and exit code 2."""
+    import sys
+
+    try:
+        code = app(standalone_mode=False)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as exc:  # click's (vendored by typer) usage errors: one line, not a box
+        message = getattr(exc, "format_message", None)
+        if message is None or not hasattr(exc, "exit_code"):
+            raise
+        if type(exc).__name__ == "NoArgsIsHelpError":
+            app(["--help"], standalone_mode=False)
+            sys.exit(2)
+        command = getattr(getattr(exc, "ctx", None), "command_path", "tmrun-ctl")
+        fail(f"{message().splitlines()[0] if message() else type(exc).__name__} (see {command} --help)")
+        sys.exit(int(exc.exit_code))
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -137,6 +137,7 @@ def _apply_slurm(args: argparse.Namespace, given: set[str]) -> None:
         args.nnodes = str(active)
     if "rdzv_endpoint" not in given and "standalone" not in given:
         args.rdzv_endpoint = f"{defaults.first_host}:{defaults.rdzv_port}"
+        args.ops_port = defaults.ops_port  # so that tmrun-ctl finds the job from any node of the allocation
     if "rdzv_id" not in given:
         args.rdzv_id = defaults.run_id
     if "node_rank" not in given:
@@ -254,7 +255,9 @@ def run(argv: Sequence[str]) -> int:
         os.environ[environment.ENV_INJECT_FAILURE] = ";".join(drill.encode() for drill in args.inject_failure)
     return launch(config, entrypoint, entry_args, TmrunOptions(standby=args.standby, standby_wait=args.standby_wait,
                                                              refill_delay=args.standby_refill_delay,
-                                                             console=console_mode))
+                                                             console=console_mode,
+                                                             log_dir=getattr(args, "log_dir", None) or None,
+                                                             ops_port=getattr(args, "ops_port", 0)))
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:

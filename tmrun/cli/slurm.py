@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 RDZV_BASE_PORT = 29400
+OPS_BASE_PORT = 30400  # the leader's operations endpoint (tmrun-ctl): 30400 + job id mod 1000
 
 
 class HostlistError(ValueError):
@@ -77,6 +78,7 @@ class SlurmDefaults:
     rdzv_port: int
     run_id: str
     node_rank: int
+    ops_port: int = 0  # where the leader's operations endpoint listens when that port is free
 
 
 def slurm_defaults(env: Mapping[str, str]) -> SlurmDefaults | None:
@@ -92,5 +94,5 @@ def slurm_defaults(env: Mapping[str, str]) -> SlurmDefaults | None:
     run_id = f"slurm-{job_id}" + (f".{step}" if step else "")
     node_rank_text = env.get("SLURM_NODEID", "0")
     node_rank = int(node_rank_text) if node_rank_text.isdigit() else 0
-    port = RDZV_BASE_PORT + (int(job_id) % 1000 if job_id.isdigit() else 0)
-    return SlurmDefaults(nnodes, hosts[0], port, run_id, node_rank)
+    offset = int(job_id) % 1000 if job_id.isdigit() else 0
+    return SlurmDefaults(nnodes, hosts[0], RDZV_BASE_PORT + offset, run_id, node_rank, OPS_BASE_PORT + offset)

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import time
-
-from torch.distributed import Store
+from typing import TYPE_CHECKING, Any
 
 from tmrun.protocol import keys
 from tmrun.protocol.messages import Event, ProtocolMessageError
 
+if TYPE_CHECKING:
+    from torch.distributed import Store
 
-def record_event(store: Store, kind: str, epoch: int, detail: str) -> None:
+
+def record_event(store: Store, kind: str, epoch: int, detail: str, **fields: Any) -> None:
+    """Append an event; ``fields`` are its structured facts (``gen``, ``ranks``, ``nodes``,
+    ``seconds``, ``phases``; docs/events.md), where the writer knows them."""
     seq = store.add(keys.EVENT_SEQ, 1) - 1
-    store.set(keys.event(seq), Event(time.time(), kind, epoch, detail).encode())
+    store.set(keys.event(seq), Event(time.time(), kind, epoch, detail, fields=fields).encode())
 
 
 def read_events(store: Store, since: int = 0) -> list[Event]:

@@ -11,16 +11,17 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from torch.distributed import Store
+from torch.distributed import PrefixStore, Store
 
 from tmrun.console import say
 from tmrun.control import planner
 from tmrun.control.events import record_event
-from tmrun.rendezvous.liveness import LivenessMonitor
+from tmrun.control.ops import OpsServer
 from tmrun.control.replacement.nodes import Decision, NodeReplacement
 from tmrun.protocol import keys
 from tmrun.protocol.membership import GroupLimits, Membership, Phase
 from tmrun.protocol.messages import ClosedNotice, FailureReport, NodeInfo, ProtocolMessageError
+from tmrun.rendezvous.liveness import LivenessMonitor
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,9 @@ class LeaderConfig:
     heartbeat_timeout: float
     standby_wait: float = 60.0  # in-place: how long a failed node waits for a warm standby node
     poll_interval: float = 0.02
+    event_log: str | None = None  # the job's JSON-lines event log (docs/events.md); None: none
+    ops_port: int = 0  # the operations endpoint's preferred port (0: any; taken: any)
+    store_endpoint: str = ""  # host:port of the store (shown by tmrun-ctl status)
 
 
 @dataclass
@@ -63,6 +67,12 @@ class Leader:
                                                config.standby_wait)
         self._thread = threading.Thread(target=self._run, name="tmrun-leader", daemon=True)
         self.error: BaseException | None = None
+        # tmrun-ctl's endpoint: a thread and a store connection of its own, off the decision loop
+        raw = raw_store if raw_store is not None else store
+        ops_store = PrefixStore(keys.job_prefix(config.run_id), raw.clone()) if raw_store is not None else store
+        self.ops = OpsServer(ops_store, config.run_id, config.event_log, port=config.ops_port,
+                             store_endpoint=config.store_endpoint)
+        self.ops_address = ""
 
     @property
     def liveness_port(self) -> int:
@@ -71,6 +81,8 @@ class Leader:
     def start(self, advertise_host: str) -> None:
         self._store.set(keys.LIVENESS_ADDR, f"{advertise_host}:{self._monitor.port}")
         self._publish(self._membership)
+        self.ops_address = self.ops.start(advertise_host)
+        say(f"operations endpoint at {self.ops_address} (tmrun-ctl --endpoint {self.ops_address})")
         self._thread.start()
 
     def stop(self) -> None:
@@ -78,6 +90,7 @@ class Leader:
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         self._monitor.close()
+        self.ops.stop()
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -87,6 +100,9 @@ class Leader:
                 self._monitor.poll(self._config.poll_interval, self._on_lost)
                 if self._membership.is_closed():
                     continue
+                for node_id in self._monitor.take_departed():
+                    self._event("left", f"node {node_id} ({self._membership.role_of(node_id)}): its agent left",
+                                nodes=[node_id])
                 if self._store.check([keys.CLOSED]):
                     self._close_from_store()
                     continue
@@ -112,9 +128,9 @@ class Leader:
         self._store.set(keys.STATE, membership.to_json())
         self._store.add(keys.STATE_VERSION, 1)
 
-    def _event(self, kind: str, detail: str) -> None:
+    def _event(self, kind: str, detail: str, **fields: object) -> None:
         say(f"{kind}: {detail}")
-        record_event(self._store, kind, self._membership.epoch, detail)
+        record_event(self._store, kind, self._membership.epoch, detail, **fields)
 
     def _on_lost(self, node_id: int, why: str) -> None:
         self._lost[node_id] = why
@@ -135,7 +151,7 @@ class Leader:
                 continue
             if self._membership.phase is Phase.FORMING:
                 self._joined.append(node_id)
-                self._event("join", f"node {node_id} ({info.host}) joined")
+                self._event("join", f"node {node_id} ({info.host}) joined", nodes=[node_id])
             else:
                 admitted = planner.admit_node(self._membership, node_id, self._config.limits)
                 self._publish(admitted)
@@ -191,7 +207,7 @@ class Leader:
             if node_id in self._membership.dead:
                 continue
             role = self._membership.role_of(node_id)
-            self._event("lost", f"node {node_id} ({role}): {why}")
+            self._event("lost", f"node {node_id} ({role}): {why}", nodes=[node_id])
             if self._membership.phase is Phase.FORMING:
                 if node_id in self._joined:
                     self._joined.remove(node_id)

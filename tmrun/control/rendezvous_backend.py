@@ -39,6 +39,9 @@ def start_leader(raw_store: Store, config: TmrunRendezvousConfig, advertise_host
         failure_settle=config.failure_settle,
         heartbeat_timeout=config.heartbeat_timeout,
         standby_wait=config.standby_wait,
+        event_log=config.event_log or None,
+        ops_port=config.ops_port,
+        store_endpoint=f"{config.endpoint.host}:{getattr(raw_store, 'port', config.endpoint.port)}",
     )
     leader = Leader(PrefixStore(keys.job_prefix(config.run_id), raw_store), leader_config, raw_store)
     leader.start(advertise_host)

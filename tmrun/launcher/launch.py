@@ -17,7 +17,8 @@ from tmrun.console import say
 from tmrun.console.live import LiveConsole
 from tmrun.launcher.console_feed import ConsoleFeed
 from tmrun.launcher.agent import AgentSettings, TmrunAgent
-from tmrun.launcher.runfile import remove_runfile, write_runfile
+from tmrun.launcher.runfile import event_log_path, remove_runfile, write_runfile
+from tmrun.protocol import keys
 from tmrun.control.rendezvous_backend import register_tmrun_backend
 from tmrun.rendezvous.handler import NodeRetiredError, TmrunRendezvousHandler
 from tmrun.protocol.membership import Phase
@@ -33,6 +34,8 @@ class TmrunOptions:
     standby_wait: float = 60.0  # in-place: how long a failure waits for a warm standby
     refill_delay: float = 5.0  # one node: seconds after a recovery before the replacement standby starts
     console: str = "plain"  # "live": a live view on the store host's terminal (see tmrun.console.live)
+    log_dir: str | None = None  # torchrun's --log-dir: the job's event log goes there (else next to the runfile)
+    ops_port: int = 0  # the operations endpoint's preferred port (SLURM: 30400 + job id mod 1000); 0: any
 
 
 def launch(config: LaunchConfig, entrypoint: str, args: list[Any], options: TmrunOptions) -> int:
@@ -43,6 +46,9 @@ def launch(config: LaunchConfig, entrypoint: str, args: list[Any], options: Tmru
     if config.rdzv_backend == "tmrun":
         rdzv_configs["standby"] = 0 if single_node else options.standby
         rdzv_configs.setdefault("standby_wait", options.standby_wait)
+        rdzv_configs.setdefault("event_log", str(event_log_path(config.run_id, options.log_dir)))
+        if options.ops_port:
+            rdzv_configs.setdefault("ops_port", options.ops_port)
     params = RendezvousParameters(
         backend=config.rdzv_backend,
         endpoint=config.rdzv_endpoint,
@@ -90,8 +96,11 @@ def launch(config: LaunchConfig, entrypoint: str, args: list[Any], options: Tmru
     runfile = None
     console: LiveConsole | None = None
     if tmrun_handler is not None and tmrun_handler.is_host:
-        runfile = write_runfile(config.run_id, str(tmrun_handler.endpoint))
+        ops = tmrun_handler.store.get(keys.OPS_ADDR).decode()
+        runfile = write_runfile(config.run_id, str(tmrun_handler.endpoint), ops=ops,
+                                event_log=str(rdzv_configs.get("event_log", "")))
         say(f"rendezvous store at {tmrun_handler.endpoint} (run id {config.run_id})")
+        say(f"the job's events go to {rdzv_configs.get('event_log')}")
         if options.console == "live":
             console = LiveConsole(ConsoleFeed(tmrun_handler))
             console.start()
@@ -102,6 +111,8 @@ def launch(config: LaunchConfig, entrypoint: str, args: list[Any], options: Tmru
             console.stop()
         if tmrun_handler is not None:
             tmrun_handler.leave()
+            if tmrun_handler.is_host:
+                _say_totals(tmrun_handler)  # after the others left: the job's last events are in
         else:
             handler.shutdown()
         if runfile is not None:
@@ -115,6 +126,20 @@ def _standby_log_dir(config: LaunchConfig) -> str:
     directory = os.path.join(str(root), f"{config.run_id}-standby")
     os.makedirs(directory, exist_ok=True)
     return directory
+
+
+def _say_totals(handler: TmrunRendezvousHandler) -> None:
+    """The job's recovery totals (docs/events.md), once, from the host of the leader."""
+    leader = getattr(handler, "_leader", None)
+    ops = getattr(leader, "ops", None)
+    if ops is None:
+        return
+    try:
+        from tmrun.control.metrics import describe
+
+        say(f"recovery totals: {describe(ops.totals())}")
+    except Exception as exc:  # noqa: BLE001 - the store is gone: no totals to give
+        say(f"recovery totals unavailable: {exc}")
 
 
 def _run(agent: TmrunAgent, handler: TmrunRendezvousHandler | None) -> int:

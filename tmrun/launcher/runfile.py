@@ -14,11 +14,23 @@ def runs_dir() -> Path:
     return Path(base) / "runs"
 
 
-def write_runfile(run_id: str, endpoint: str) -> Path:
+def event_log_path(run_id: str, log_dir: str | None) -> Path:
+    """The job's JSON-lines event log: in torchrun's ``--log-dir`` when given, else next to the
+    run file."""
+    name = f"{run_id}.events.jsonl"
+    return Path(log_dir) / name if log_dir else runs_dir() / name
+
+
+def write_runfile(run_id: str, endpoint: str, ops: str = "", event_log: str = "") -> Path:
+    """``endpoint``: the store; ``ops``: the leader's operations endpoint (what tmrun-ctl uses)."""
     directory = runs_dir()
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{run_id}.json"
-    path.write_text(json.dumps({"run_id": run_id, "endpoint": endpoint, "pid": os.getpid(), "started": time.time()}))
+    data = {"run_id": run_id, "endpoint": endpoint, "ops": ops, "event_log": event_log, "pid": os.getpid(),
+            "started": time.time()}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)  # a reader never sees half a file
     return path
 
 

@@ -167,3 +167,8 @@ def nccl_key(epoch: int, group: str, purpose: str) -> str:
     if int(epoch) < 0:
         raise ValueError("epoch must be >= 0")
     return f"epoch/{int(epoch)}/nccl/{group}/{purpose}"
+
+
+# ---- appended: the operations endpoint ----------------------------------------------------------
+
+OPS_ADDR = "leader/ops"  # "host:port" of the leader's operations endpoint (tmrun-ctl; protocol/ops.py)

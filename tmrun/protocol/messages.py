@@ -351,19 +351,28 @@ class StandbyReady(_Json):
 
 @dataclass(frozen=True)
 class Event(_Json):
-    """One line of the job's event log (``seq`` is its key's number, not stored in the value)."""
+    """One line of the job's event log (``seq`` is its key's number, not stored in the value).
+
+    ``fields`` holds what the writer knew in structured form (``gen``, ``ranks``, ``nodes``,
+    ``seconds``, ``phases``: see docs/events.md); stored flat next to the four base fields."""
 
     time: float
     kind: str
     epoch: int
     detail: str
     seq: int = -1
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    BASE = ("time", "kind", "epoch", "detail")
 
     def encode(self) -> str:
-        return json.dumps({"time": self.time, "kind": self.kind, "epoch": self.epoch, "detail": self.detail})
+        data = {k: v for k, v in self.fields.items() if k not in self.BASE and k != "seq"}
+        data.update({"time": self.time, "kind": self.kind, "epoch": self.epoch, "detail": self.detail})
+        return json.dumps(data)
 
     @classmethod
     def decode(cls, key: str, raw: bytes | str, seq: int = -1) -> Event:
         data = _load(key, raw)
+        extra = {k: v for k, v in data.items() if k not in cls.BASE and k != "seq"}
         return cls(time=float(data.get("time", 0.0)), kind=_str(key, data, "kind"), epoch=_int(key, data, "epoch"),
-                   detail=str(data.get("detail", "")), seq=seq)
+                   detail=str(data.get("detail", "")), seq=seq, fields=extra)

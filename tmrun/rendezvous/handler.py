@@ -77,6 +77,8 @@ class TmrunRendezvousConfig:
     close_grace: float
     standby_wait: float
     may_host: bool  # rdzv-conf is_host (as torch's c10d backend): false = always a client
+    event_log: str = ""  # rdzv-conf event_log: the leader's JSON-lines event log ("": none)
+    ops_port: int = 0  # rdzv-conf ops_port: the operations endpoint's preferred port (0: any)
 
     @classmethod
     def from_parameters(cls, params: RendezvousParameters) -> TmrunRendezvousConfig:
@@ -109,6 +111,8 @@ class TmrunRendezvousConfig:
             close_grace=number("close_grace", 10),
             standby_wait=number("standby_wait", 60),
             may_host=str(params.get("is_host", "auto")).lower() not in ("0", "false", "no"),
+            event_log=str(params.get("event_log", "") or ""),
+            ops_port=int(number("ops_port", 0)),
         )
 
 

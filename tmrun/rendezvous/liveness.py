@@ -44,6 +44,12 @@ class LivenessMonitor:
         self._selector.register(self._listener, selectors.EVENT_READ, None)
         self._peers: dict[int, _Peer] = {}  # fd -> peer
         self.port: int = self._listener.getsockname()[1]
+        self._departed: list[int] = []  # nodes whose agent said goodbye and closed
+
+    def take_departed(self) -> list[int]:
+        """Nodes whose agent left on purpose (goodbye, then EOF) since the last call."""
+        departed, self._departed = self._departed, []
+        return departed
 
     def poll(self, timeout: float, on_lost: Callable[[int, str], None]) -> None:
         """Wait up to ``timeout`` for activity; call ``on_lost(node_id, why)`` for each lost node."""
@@ -90,6 +96,8 @@ class LivenessMonitor:
             self._drop(peer)
             if peer.node_id is not None and not peer.leaving:
                 on_lost(peer.node_id, reason)
+            elif peer.node_id is not None:
+                self._departed.append(peer.node_id)
             return
         peer.last_seen = time.monotonic()
         if peer.node_id is None:

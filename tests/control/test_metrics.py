@@ -1,0 +1,66 @@
+"""Recovery totals and the event log's structured fields, from events alone."""
+
+from __future__ import annotations
+
+from tmrun.control.metrics import describe, enrich, link_phases, totals
+
+
+def _e(seq: int, t: float, kind: str, detail: str, epoch: int = 1, **fields: object) -> dict:
+    return {"seq": seq, "time": t, "kind": kind, "epoch": epoch, "detail": detail, **fields}
+
+
+def test_one_node_details_become_fields() -> None:
+    replace = enrich(_e(2, 10, "replace", "rank 1 (pid 5, killed by SIGKILL) -> standby 0 (pid 7)", epoch=1))
+    assert replace["ranks"] == [1] and replace["gen"] == 1
+    recovered = enrich(_e(3, 11, "recovered", "2 ranks back in 1.250s", epoch=1))
+    assert recovered["seconds"] == 1.25 and recovered["phases"]["total"] == 1.25
+    assert set(recovered["phases"]) == {"detect", "plan", "connect", "transfer", "recover", "first_step", "total"}
+
+
+def test_phases_from_the_plan_event() -> None:
+    published: dict[int, float] = {}
+    link_phases(enrich(_e(2, 10.0, "replace", "rank 1 (pid 5, exit code 1) -> standby 0 (pid 7)", epoch=3)), published)
+    recovered = link_phases(enrich(_e(3, 11.0, "recovered", "2 ranks back in 1.250s", epoch=3)), published)
+    assert recovered["phases"]["recover"] == 1.0 and recovered["phases"]["plan"] == 0.25
+    assert published == {}
+    alone = link_phases(enrich(_e(4, 12.0, "recovered", "generation 9: all 2 ranks back in 0.5s")), published)
+    assert alone["phases"]["recover"] is None and alone["phases"]["plan"] is None
+
+
+def test_node_details_become_fields() -> None:
+    migrate = enrich(_e(4, 12, "migrate", "generation 2: node 3 took group rank 1 of node 1 "
+                                          "(ranks 2->standby 4, 3->standby 5): drain [ab12]", epoch=1))
+    assert migrate["gen"] == 2 and migrate["ranks"] == [2, 3] and migrate["nodes"] == [1, 3]
+    recovered = enrich(_e(5, 13, "recovered", "generation 2: all 4 ranks back in 0.800s"))
+    assert recovered["gen"] == 2 and recovered["seconds"] == 0.8
+    given = enrich(_e(6, 14, "join", "node 9 joined", nodes=[9]))
+    assert given["nodes"] == [9]  # what the writer gave wins
+
+
+def test_totals() -> None:
+    events = [
+        _e(0, 100.0, "join", "node 0 (h) joined", epoch=0),
+        _e(1, 100.0, "formed", "formed with 1 active, 0 standby"),
+        _e(2, 150.0, "replace", "rank 1 (pid 5, killed by SIGKILL) -> standby 0 (pid 7)"),
+        _e(3, 152.0, "recovered", "2 ranks back in 2.000s"),
+        _e(4, 160.0, "migrate", "rank 0 (pid 4) -> standby 1 (pid 9): drill", epoch=2),
+        _e(5, 161.0, "recovered", "2 ranks back in 1.000s", epoch=3),
+        _e(6, 200.0, "closed", "succeeded: workers finished"),
+    ]
+    t = totals(events, now=999.0)
+    assert t["wall_s"] == 100.0 and t["downtime_s"] == 3.0 and t["ettr"] == 0.97
+    assert t["recoveries"] == 2 and t["migrations"] == 1 and t["steps_recomputed"] == 1
+    assert t["restarts"] == 0 and t["finished"]
+    assert "ETTR 97.00%" in describe(t)
+
+
+def test_restarts_are_counted_and_flagged() -> None:
+    events = [
+        _e(0, 0.0, "formed", "formed with 2 active, 0 standby"),
+        _e(1, 5.0, "fallback", "rank 1: no standby ready within 60s"),
+        _e(2, 6.0, "replace", "epoch 2: node 1 restarts in place"),
+    ]
+    t = totals(events, now=10.0)
+    assert t["restarts"] == 2 and t["restarts_excluded"] and t["ettr"] == 1.0 and not t["finished"]
+    assert "not in the downtime" in describe(t)
+    assert totals([], now=5.0)["ettr"] == 1.0
