@@ -9,30 +9,21 @@ adds CPU and memory of the processes on this host (psutil), and turns it into a
 
 from __future__ import annotations
 
-import re
 import time
+from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 import psutil
 from torch.distributed import PrefixStore
 
 from tmrun.console.live import ConsoleView, EventRow, MemberRow
+from tmrun.control import metrics
 from tmrun.control.status import JobStatus, read_status
 from tmrun.protocol import keys
 from tmrun.protocol.messages import ClosedNotice
 
 if TYPE_CHECKING:
     from tmrun.rendezvous.handler import TmrunRendezvousHandler
-
-RECOVERED = re.compile(r"back in ([\d.]+)s")
-
-
-def downtime_of(status: JobStatus) -> float:
-    """Seconds the job spent recovering: the sum of its recovered events' durations (from the
-    failure, or the migration request, to the last rank's recovery)."""
-    return sum(float(m.group(1)) for e in status.events if e.kind == "recovered"
-               for m in [RECOVERED.search(e.detail)] if m)
-
 
 class ConsoleFeed:
     def __init__(self, handler: TmrunRendezvousHandler) -> None:
@@ -78,10 +69,8 @@ class ConsoleFeed:
     def __call__(self) -> ConsoleView:
         status = read_status(self._store, self._handler.get_run_id(), str(self._handler.endpoint))
         now = time.time()
-        formed = next((e.time for e in status.events if e.kind == "formed"), None)
-        ettr = None
-        if formed is not None and now > formed:
-            ettr = max(0.0, 1.0 - downtime_of(status) / (now - formed))
+        # ETTR as tmrun-ctl status and the end-of-job totals give it (docs/events.md)
+        ettr = metrics.totals([asdict(e) for e in status.events], now)["ettr"] if status.events else None
         phase = status.membership.phase.value
         if self._store.check([keys.CLOSED]):  # the leader may not have published the closed membership yet
             phase = ClosedNotice.decode(keys.CLOSED, self._store.get(keys.CLOSED)).phase

@@ -130,8 +130,7 @@ def _standby_log_dir(config: LaunchConfig) -> str:
 
 def _say_totals(handler: TmrunRendezvousHandler) -> None:
     """The job's recovery totals (docs/events.md), once, from the host of the leader."""
-    leader = getattr(handler, "_leader", None)
-    ops = getattr(leader, "ops", None)
+    ops = getattr(handler.leader, "ops", None)
     if ops is None:
         return
     try:

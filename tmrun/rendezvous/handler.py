@@ -158,6 +158,11 @@ class TmrunRendezvousHandler(RendezvousHandler):
         return self.config.run_id
 
     @property
+    def leader(self) -> LeaderHandle | None:
+        """The leader this agent runs (the store host), else None."""
+        return self._leader
+
+    @property
     def raw_store(self) -> Store:
         """The job's store without any prefix (the in-place protocol's keys are full paths)."""
         return self._raw_store
