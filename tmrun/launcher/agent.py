@@ -26,6 +26,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import LogsSpecs
 
 from tmrun.console import say
+from tmrun.control.detection import DetectionSettings
 from tmrun.launcher.roles import AgentRole, choose_role
 from tmrun.protocol.messages import WorkersInfo
 from tmrun.rendezvous.handler import TmrunRendezvousHandler
@@ -39,6 +40,7 @@ class AgentSettings:
     standby_nodes: int = 0  # several nodes: this job has standby nodes
     standby_wait: float = 60.0  # in-place: how long a failure waits for a warm standby
     refill_delay: float = 5.0  # one node: seconds after a recovery before the replacement standby starts
+    detection: DetectionSettings = DetectionSettings()  # hangs, stragglers, GPU health (one node)
 
 
 class TmrunAgent(LocalElasticAgent):

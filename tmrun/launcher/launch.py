@@ -12,6 +12,7 @@ from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.launcher.api import LaunchConfig
 
 from tmrun.console import say
+from tmrun.control.detection import DetectionSettings
 from tmrun.launcher.agent import AgentSettings, TmrunAgent
 from tmrun.launcher.runfile import remove_runfile, write_runfile
 from tmrun.control.rendezvous_backend import register_tmrun_backend
@@ -28,6 +29,10 @@ class TmrunOptions:
     standby: int  # spare members: nodes when the job spans nodes, worker processes on one node
     standby_wait: float = 60.0  # in-place: how long a failure waits for a warm standby
     refill_delay: float = 5.0  # one node: seconds after a recovery before the replacement standby starts
+    hang_timeout: float = 0.0  # no step on any rank for this long: fence the hung rank (0: off)
+    straggler_factor: float = 0.0  # a rank's own work over this x the others' median ... (0: off)
+    straggler_steps: int = 5  # ... for this many consecutive steps: migrate it
+    gpu_health: bool = True  # NVML health monitor (off by itself without a GPU)
 
 
 def launch(config: LaunchConfig, entrypoint: str, args: list[Any], options: TmrunOptions) -> int:
@@ -77,6 +82,8 @@ def launch(config: LaunchConfig, entrypoint: str, args: list[Any], options: Tmru
             standby_nodes=0 if single_node else options.standby,
             standby_wait=options.standby_wait,
             refill_delay=options.refill_delay,
+            detection=DetectionSettings(hang_timeout=options.hang_timeout, straggler_factor=options.straggler_factor,
+                                        straggler_steps=options.straggler_steps, gpu_health=options.gpu_health),
         ),
         log_line_prefix_template=config.log_line_prefix_template,
         shutdown_timeout=int(getattr(config, "shutdown_timeout", 30)),  # torch >= 2.12 has it

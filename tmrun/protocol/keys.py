@@ -167,3 +167,12 @@ def nccl_key(epoch: int, group: str, purpose: str) -> str:
     if int(epoch) < 0:
         raise ValueError("epoch must be >= 0")
     return f"epoch/{int(epoch)}/nccl/{group}/{purpose}"
+
+
+# ---- progress (detection beyond process exit) ------------------------------------------------------
+
+
+def node_progress(node: int) -> str:
+    """JSON NodeProgress of node ``node`` (group rank; 0 on one node), under the job prefix
+    ``tmrun/<run>/``: its agent rewrites it at most about once a second while workers run."""
+    return f"progress/{node}"
