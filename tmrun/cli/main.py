@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         metavar="SECONDS",
-        help="One node, in-place jobs: when no rank completes a step for this long, the rank that hangs "
+        help="In-place jobs (--standby, worker API): when no rank completes a step for this long, the rank that hangs "
         "(a stopped process, or one stuck outside the collective the others wait in) is stopped and "
         "replaced by a standby. Counted from the first step every rank completed. Default 0 (off).",
     )
@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         metavar="F",
-        help="One node, in-place jobs: a rank whose own work per step (outside collectives) exceeds F "
+        help="In-place jobs (--standby, worker API): a rank whose own work per step (outside collectives) exceeds F "
         "times the other ranks' median for --straggler-steps consecutive steps is migrated to a "
         "standby while training goes on. Default 0 (off); e.g. 2.",
     )
@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpu-health",
         choices=("auto", "off"),
         default="auto",
-        help="One node, in-place jobs: watch the GPUs through NVML (Xid errors, ECC errors, thermal or "
+        help="In-place jobs (--standby, worker API): watch the GPUs through NVML (Xid errors, ECC errors, thermal or "
         "power throttling) and migrate the ranks of an unhealthy GPU to a standby. 'auto' (default): "
         "on where NVML starts; 'off'.",
     )
