@@ -68,3 +68,56 @@ def test_generation_file_and_finish(tmp_path: Path, procs) -> None:  # type: ign
     store.set(keys.API, "1")
     store.add(keys.MEMBERS, 4)
     assert member.enabled()
+
+
+def _watched(tmp_path: Path, **settings: object) -> tuple[dist.Store, dist.Store, NodeWatch, list, dict]:
+    from tmrun.control.detection import Detection, DetectionSettings
+    from tmrun.protocol import progress
+
+    store, job = dist.HashStore(), dist.HashStore()
+    (tmp_path / "progress").mkdir()
+    detection = Detection(DetectionSettings(progress_dir=str(tmp_path / "progress"), read_interval=0.0,
+                                            gpu_health=False, **settings), job, 1, {2: 0, 3: 1})  # type: ignore[arg-type]
+    reports: list[tuple[bool, str]] = []
+    watch = NodeWatch(store, 4, str(tmp_path / "gen"), lambda by_signal, detail: reports.append((by_signal, detail)),
+                      detection, job)
+    store.set(keys.API, "1")
+    store.add(keys.MEMBERS, 4)
+    files = {r: progress.ProgressFile(progress.path_for(str(tmp_path / "progress"), r)) for r in (2, 3)}
+    return store, job, watch, reports, files
+
+
+def test_a_stopped_worker_fails_its_node_after_the_hang_timeout(tmp_path: Path, procs) -> None:  # type: ignore[no-untyped-def]
+    import os
+    import signal
+    import time
+
+    from tmrun.protocol.progress import ProgressRecord
+
+    store, job, watch, reports, files = _watched(tmp_path, hang_timeout=0.5)
+    stuck, mate = _start(procs, SLEEP), _start(procs, SLEEP)
+    watch.adopt({2: mate, 3: stuck}, promoted=False)
+    files[2].write(ProgressRecord(step=4, pid=mate.pid, comm_since=time.time()))
+    files[3].write(ProgressRecord(step=4, pid=stuck.pid))
+    assert not watch.step().failed
+    os.kill(stuck.pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 20
+    while not watch.step().failed and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert (stuck.wait(timeout=10), mate.wait(timeout=10)) == (-9, -9)  # the whole node is fenced
+    assert len(reports) == 1 and "rank 3" in reports[0][1] and "hangs (process stopped" in reports[0][1]
+
+
+def test_a_straggler_asks_the_leader_to_migrate_its_node(tmp_path: Path, procs) -> None:  # type: ignore[no-untyped-def]
+    from tmrun.protocol.progress import ProgressRecord
+
+    store, job, watch, reports, files = _watched(tmp_path, straggler_factor=2.0, straggler_steps=2)
+    a, b = _start(procs, SLEEP), _start(procs, SLEEP)
+    watch.adopt({2: a, 3: b}, promoted=False)
+    for step in range(4):
+        files[2].write(ProgressRecord(step=step, busy_seconds=0.1, pid=a.pid, role="active"))
+        files[3].write(ProgressRecord(step=step, busy_seconds=0.6, pid=b.pid, role="active"))
+        assert not watch.step().failed
+    assert job.add(keys.MIGRATE_SEQ, 0) == 1  # once
+    request = proto.MigrateRequest.decode("m", job.get(keys.migrate_request(0)))
+    assert request.rank == 3 and request.reason.startswith("straggler") and reports == []

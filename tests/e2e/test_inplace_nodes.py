@@ -182,3 +182,15 @@ def test_planned_migration_of_a_node_recomputes_nothing(tmp_path: Path, referenc
         assert len({pid for _, pid in steps[rank]}) == 1
     for rank in (2, 3):
         assert len({pid for _, pid in steps[rank]}) == 2
+
+
+def test_node_whose_rank_hangs_is_fenced_and_replaced(tmp_path: Path, reference: str) -> None:
+    """Rank 3 (node 1) stalls in its forward for good, its process and communicator alive: node
+    1's agent sees no step for --hang-timeout with rank 3 outside the collective rank 2 waits in,
+    fences its node and reports it; the standby node takes ranks 2 and 3 in place."""
+    codes, logs, final = _run_nodes(tmp_path / "hang", 3, "--hang-timeout", "5",
+                                    "--inject-failure", "rank=3,step=4,at=forward,signal=STALL")
+    assert codes == [0, 0, 0], "\n".join(logs)
+    assert re.search(r"this node failed \(rank 3 \(pid \d+\) hangs \(no step completed for [\d.]+s, outside any "
+                     r"collective while rank\(s\) 2 wait in one\)\)", logs[1]), logs[1]
+    _check_in_place(tmp_path / "hang", logs, final, reference)

@@ -70,6 +70,39 @@ def build_parser() -> argparse.ArgumentParser:
         "that its warm-up does not slow the joiner's first steps. Default 5.",
     )
     group.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="In-place jobs (--standby, worker API): when no rank completes a step for this long, the rank that hangs "
+        "(a stopped process, or one stuck outside the collective the others wait in) is stopped and "
+        "replaced by a standby. Counted from the first step every rank completed. Default 0 (off).",
+    )
+    group.add_argument(
+        "--straggler-factor",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="In-place jobs (--standby, worker API): a rank whose own work per step (outside collectives) exceeds F "
+        "times the other ranks' median for --straggler-steps consecutive steps is migrated to a "
+        "standby while training goes on. Default 0 (off); e.g. 2.",
+    )
+    group.add_argument(
+        "--straggler-steps",
+        type=int,
+        default=5,
+        metavar="K",
+        help="Consecutive slow steps before a straggler is migrated (see --straggler-factor). Default 5.",
+    )
+    group.add_argument(
+        "--gpu-health",
+        choices=("auto", "off"),
+        default="auto",
+        help="In-place jobs (--standby, worker API): watch the GPUs through NVML (Xid errors, ECC errors, thermal or "
+        "power throttling) and migrate the ranks of an unhealthy GPU to a standby. 'auto' (default): "
+        "on where NVML starts; 'off'.",
+    )
+    group.add_argument(
         "--shadow-steps",
         type=int,
         default=2,
@@ -191,6 +224,12 @@ def _validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--standby-wait must be 0 or more, got {args.standby_wait}")
     if args.standby_refill_delay < 0:
         raise UsageError(f"--standby-refill-delay must be 0 or more, got {args.standby_refill_delay}")
+    if not args.hang_timeout >= 0:
+        raise UsageError(f"--hang-timeout must be 0 (off) or more, got {args.hang_timeout}")
+    if args.straggler_factor != 0 and not args.straggler_factor > 1:
+        raise UsageError(f"--straggler-factor must be above 1 (or 0: off), got {args.straggler_factor}")
+    if args.straggler_steps < 1:
+        raise UsageError(f"--straggler-steps must be at least 1, got {args.straggler_steps}")
     if args.shadow_steps < 0:
         raise UsageError(f"--shadow-steps must be 0 or more, got {args.shadow_steps}")
     if args.inject_failure:
@@ -257,7 +296,11 @@ def run(argv: Sequence[str]) -> int:
                                                              refill_delay=args.standby_refill_delay,
                                                              console=console_mode,
                                                              log_dir=getattr(args, "log_dir", None) or None,
-                                                             ops_port=getattr(args, "ops_port", 0)))
+                                                             ops_port=getattr(args, "ops_port", 0),
+                                                             hang_timeout=args.hang_timeout,
+                                                             straggler_factor=args.straggler_factor,
+                                                             straggler_steps=args.straggler_steps,
+                                                             gpu_health=args.gpu_health == "auto"))
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:

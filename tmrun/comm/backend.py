@@ -36,6 +36,7 @@ import datetime
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -225,11 +226,57 @@ def _seconds(timeout: Any) -> Optional[float]:
     return None if secs <= 0 else secs  # c10d's kNoTimeout is 0
 
 
+class CommClock:
+    """Time this process spent with at least one collective outstanding (``seconds()``), and
+    since when one is (``since()``, 0.0 when none): what sets a rank's own work apart from waiting
+    for its peers (the worker's progress record; a straggler waits least). ``listener(since)`` is
+    called on every change between none and some outstanding."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._outstanding = 0
+        self._since = 0.0
+        self._total = 0.0
+        self.listener: Optional[Callable[[float], None]] = None
+
+    def begin(self) -> None:
+        with self._lock:
+            self._outstanding += 1
+            if self._outstanding != 1:
+                return
+            self._since = time.time()
+            since = self._since
+        if self.listener is not None:
+            self.listener(since)
+
+    def end(self) -> None:
+        with self._lock:
+            if self._outstanding <= 0:
+                return
+            self._outstanding -= 1
+            if self._outstanding:
+                return
+            self._total += time.time() - self._since
+            self._since = 0.0
+        if self.listener is not None:
+            self.listener(0.0)
+
+    def seconds(self) -> float:
+        with self._lock:
+            return self._total + (time.time() - self._since if self._outstanding else 0.0)
+
+    def since(self) -> float:
+        return self._since
+
+
+COMM_CLOCK = CommClock()
+
+
 class _Op:
     """One operation: native works, what to run after them, and everything it keeps alive."""
 
     __slots__ = ("name", "result", "keep", "native", "finish", "future", "done", "error", "abort_seq",
-                 "local", "source_rank")
+                 "local", "source_rank", "clocked")
 
     def __init__(self, name: str, result: list, local: Optional[Callable[[], None]] = None) -> None:
         self.name = name
@@ -243,6 +290,8 @@ class _Op:
         self.abort_seq = 0  # the group's abort count when the op was launched
         self.local = local
         self.source_rank = -1
+        self.clocked = True
+        COMM_CLOCK.begin()
 
     def complete(self, error: Optional[BaseException] = None) -> None:
         self.error = error
@@ -251,6 +300,9 @@ class _Op:
         else:
             self.future.set_exception(error)
         self.done.set()
+        if self.clocked:
+            self.clocked = False
+            COMM_CLOCK.end()
         self.keep = []
         self.native = []
 

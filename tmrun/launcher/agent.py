@@ -26,6 +26,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import LogsSpecs
 
 from tmrun.console import say
+from tmrun.control.detection import DetectionSettings
 from tmrun.launcher.roles import AgentRole, choose_role
 from tmrun.protocol.messages import WorkersInfo
 from tmrun.rendezvous.handler import TmrunRendezvousHandler
@@ -40,6 +41,7 @@ class AgentSettings:
     standby_wait: float = 60.0  # in-place: how long a failure waits for a warm standby
     refill_delay: float = 5.0  # one node: seconds after a recovery before the replacement standby starts
     standby_log_dir: str = ""  # where standby workers write their output (else: the agent's terminal)
+    detection: DetectionSettings = DetectionSettings()  # hangs, stragglers, GPU health (one node)
 
 
 class TmrunAgent(LocalElasticAgent):

@@ -16,6 +16,7 @@ from torch.distributed.launcher.api import LaunchConfig
 from tmrun.console import say
 from tmrun.console.live import LiveConsole
 from tmrun.launcher.console_feed import ConsoleFeed
+from tmrun.control.detection import DetectionSettings
 from tmrun.launcher.agent import AgentSettings, TmrunAgent
 from tmrun.launcher.runfile import event_log_path, remove_runfile, write_runfile
 from tmrun.protocol import keys
@@ -36,6 +37,10 @@ class TmrunOptions:
     console: str = "plain"  # "live": a live view on the store host's terminal (see tmrun.console.live)
     log_dir: str | None = None  # torchrun's --log-dir: the job's event log goes there (else next to the runfile)
     ops_port: int = 0  # the operations endpoint's preferred port (SLURM: 30400 + job id mod 1000); 0: any
+    hang_timeout: float = 0.0  # no step on any rank for this long: fence the hung rank (0: off)
+    straggler_factor: float = 0.0  # a rank's own work over this x the others' median ... (0: off)
+    straggler_steps: int = 5  # ... for this many consecutive steps: migrate it
+    gpu_health: bool = True  # NVML health monitor (off by itself without a GPU)
 
 
 def launch(config: LaunchConfig, entrypoint: str, args: list[Any], options: TmrunOptions) -> int:
@@ -89,6 +94,8 @@ def launch(config: LaunchConfig, entrypoint: str, args: list[Any], options: Tmru
             standby_wait=options.standby_wait,
             refill_delay=options.refill_delay,
             standby_log_dir=_standby_log_dir(config) if options.console == "live" else "",
+            detection=DetectionSettings(hang_timeout=options.hang_timeout, straggler_factor=options.straggler_factor,
+                                        straggler_steps=options.straggler_steps, gpu_health=options.gpu_health),
         ),
         log_line_prefix_template=config.log_line_prefix_template,
         shutdown_timeout=int(getattr(config, "shutdown_timeout", 30)),  # torch >= 2.12 has it

@@ -31,6 +31,7 @@ class Drill:
     signal_name: str = "KILL"
     who: str = "original"
     node: int = -1  # group rank of a node to kill whole (agent and workers)
+    slow: float = 0.0  # > 1: from ``step`` on (0 by default) each step takes about this many times longer
 
     @classmethod
     def parse(cls, text: str) -> Drill:
@@ -42,10 +43,10 @@ class Drill:
             if key in fields:
                 raise DrillSpecError(f"--inject-failure: {key} given twice")
             fields[key] = value.strip()
-        unknown = set(fields) - {"rank", "node", "step", "at", "time", "signal", "who"}
+        unknown = set(fields) - {"rank", "node", "step", "at", "time", "signal", "who", "slow"}
         if unknown:
             raise DrillSpecError(f"--inject-failure: unknown key {sorted(unknown)[0]!r} "
-                                 "(keys: rank, node, step, at, time, signal, who)")
+                                 "(keys: rank, node, step, at, time, signal, who, slow)")
         if ("rank" in fields) == ("node" in fields):
             raise DrillSpecError("--inject-failure needs rank=N or node=G (one of them)")
         try:
@@ -55,6 +56,8 @@ class Drill:
             seconds = float(fields.get("time", "-1"))
         except ValueError:
             raise DrillSpecError("--inject-failure: rank, node and step must be integers, time a number") from None
+        if "slow" in fields:
+            return cls._parse_slow(fields, rank, step)
         at = fields.get("at", "promotion" if fields.get("who") == "joiner" else "step")
         if at not in POINTS:
             raise DrillSpecError(f"--inject-failure: at={at!r} is not one of {', '.join(POINTS)}")
@@ -62,21 +65,43 @@ class Drill:
         if who not in ("original", "joiner"):
             raise DrillSpecError("--inject-failure: who must be original or joiner")
         name = fields.get("signal", "KILL").upper().removeprefix("SIG")
-        if name != "RAISE" and not hasattr(signal, f"SIG{name}"):
+        if name not in ("RAISE", "STALL") and not hasattr(signal, f"SIG{name}"):
             raise DrillSpecError(f"--inject-failure: unknown signal {fields.get('signal')!r}")
         if "node" in fields and node < 0:
             raise DrillSpecError("--inject-failure: node must be >= 0")
-        if "node" in fields and (who == "joiner" or name == "RAISE"):
-            raise DrillSpecError("--inject-failure: node=G kills a node's processes (no who=joiner, no signal=RAISE)")
+        if "node" in fields and (who == "joiner" or name in ("RAISE", "STALL")):
+            raise DrillSpecError("--inject-failure: node=G kills a node's processes "
+                                 "(no who=joiner, no signal=RAISE or STALL)")
         if "rank" in fields and rank < 0:
             raise DrillSpecError("--inject-failure: rank must be >= 0")
         if name == "RAISE" and seconds >= 0:
             raise DrillSpecError("--inject-failure: signal=RAISE needs step=N (an exception cannot be raised from a timer)")
+        if name == "STALL" and seconds >= 0:
+            raise DrillSpecError("--inject-failure: signal=STALL needs step=N (a timer cannot stall the training loop)")
         if who == "original" and step < 0 and seconds < 0 and at not in STEP_OPTIONAL:
             raise DrillSpecError("--inject-failure needs step=N or time=SECONDS")
         return cls(rank=rank, step=step, at=at, seconds=seconds, signal_name=name, who=who, node=node)
 
+    @classmethod
+    def _parse_slow(cls, fields: dict[str, str], rank: int, step: int) -> Drill:
+        """``rank=R,slow=3x[,step=N]``: a straggler, not a failure."""
+        extra = set(fields) - {"rank", "slow", "step"}
+        if extra or "rank" not in fields:
+            raise DrillSpecError("--inject-failure: slow=F takes rank=R and optionally step=N "
+                                 f"(not {', '.join(sorted(extra)) or 'node'})")
+        if rank < 0:
+            raise DrillSpecError("--inject-failure: rank must be >= 0")
+        try:
+            factor = float(fields["slow"].lower().removesuffix("x"))
+        except ValueError:
+            raise DrillSpecError(f"--inject-failure: slow={fields['slow']!r} is not a factor such as 3x") from None
+        if not factor > 1 or factor != factor or factor > 1000:
+            raise DrillSpecError(f"--inject-failure: slow={fields['slow']!r} must be a factor above 1 (e.g. 3x)")
+        return cls(rank=rank, step=max(step, 0), slow=factor, signal_name="NONE")
+
     def encode(self) -> str:
+        if self.slow:
+            return f"rank={self.rank},slow={self.slow}x,step={self.step}"
         target = f"node={self.node}" if self.node >= 0 else f"rank={self.rank}"
         parts = [target, f"at={self.at}", f"signal={self.signal_name}", f"who={self.who}"]
         if self.step >= 0:

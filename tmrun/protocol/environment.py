@@ -32,6 +32,8 @@ ENV_READY_FILE = "TMRUN_STANDBY_READY_FILE"  # a single-node standby writes its 
 ENV_INJECT_FAILURE = "TMRUN_INJECT_FAILURE"  # failure drills (tmrun.worker.drills)
 ENV_BACKEND = "TMRUN_BACKEND"  # torch.distributed backend of a plain worker group (default "tmrun")
 ENV_STATE_DIR = "TMRUN_STATE_DIR"  # where agents write their run files (tmrun-ctl finds jobs there)
+ENV_PROGRESS_DIR = "TMRUN_PROGRESS_DIR"  # per-rank progress records on this node (protocol.progress)
+ENV_FAKE_NVML = "TMRUN_FAKE_NVML"  # tests: a JSON file that stands in for NVML (control.gpu_health)
 # the "tmrun" torch.distributed backend
 ENV_COMM_LOCAL = "TMRUN_COMM_LOCAL"  # "1": serve collectives locally (a standby's sandbox)
 ENV_COMM_BIND = "TMRUN_COMM_BIND"
@@ -101,6 +103,7 @@ class LaunchEnv:
     same_host_reads: bool = True  # a migration's joiner may read the leaver's memory (TMRUN_HANDOVER)
     entrypoint: tuple[str, ...] = ()  # argv of the job's script, for a standby to run the same
     ready_file: str = ""  # a single-node standby's "I am warm" file
+    progress_dir: str = ""  # where this node's workers write their progress records ("" : none)
 
     def to_environ(self) -> dict[str, str]:
         """The ``TMRUN_*`` variables that :meth:`from_environ` reads back as this env (the
@@ -119,6 +122,7 @@ class LaunchEnv:
             ENV_READY_FILE: self.ready_file,
             ENV_STORE: f"{self.store_host}:{self.store_port}" if self.mode is not Mode.PLAIN else "",
             ENV_ROLE: "standby" if self.mode is Mode.STANDBY else "",
+            ENV_PROGRESS_DIR: self.progress_dir,
         }
         return environ
 
@@ -162,4 +166,5 @@ class LaunchEnv:
             same_host_reads=handover == "auto",
             entrypoint=tuple(str(a) for a in entrypoint),
             ready_file=env.get(ENV_READY_FILE, ""),
+            progress_dir=env.get(ENV_PROGRESS_DIR, ""),
         )

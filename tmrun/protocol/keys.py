@@ -172,3 +172,11 @@ def nccl_key(epoch: int, group: str, purpose: str) -> str:
 # ---- appended: the operations endpoint ----------------------------------------------------------
 
 OPS_ADDR = "leader/ops"  # "host:port" of the leader's operations endpoint (tmrun-ctl; protocol/ops.py)
+
+# ---- progress (detection beyond process exit) ------------------------------------------------------
+
+
+def node_progress(node: int) -> str:
+    """JSON NodeProgress of node ``node`` (group rank; 0 on one node), under the job prefix
+    ``tmrun/<run>/``: its agent rewrites it at most about once a second while workers run."""
+    return f"progress/{node}"

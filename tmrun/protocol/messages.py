@@ -376,3 +376,64 @@ class Event(_Json):
         extra = {k: v for k, v in data.items() if k not in cls.BASE and k != "seq"}
         return cls(time=float(data.get("time", 0.0)), kind=_str(key, data, "kind"), epoch=_int(key, data, "epoch"),
                    detail=str(data.get("detail", "")), seq=seq, fields=extra)
+
+
+# ---- progress -----------------------------------------------------------------------------------------
+
+
+def _number(key: str, data: dict[str, Any], name: str) -> float:
+    value = data.get(name)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value or value < 0:
+        raise ProtocolMessageError(f"{key}: field {name!r} must be a number >= 0, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class RankProgress(_Json):
+    """One rank's last completed step, as its current process wrote it (see protocol.progress).
+
+    ``step`` is -1 before the first completed step; ``time`` is when it completed (Unix time);
+    ``step_seconds`` its wall time; ``busy_seconds`` its wall time outside collectives (what a
+    straggler has more of than its peers); ``role`` the worker's role (active, recovering, ...)."""
+
+    rank: int
+    step: int
+    step_seconds: float
+    busy_seconds: float
+    time: float
+    pid: int
+    role: str = ""
+
+    @classmethod
+    def from_dict(cls, key: str, data: Any) -> RankProgress:
+        if not isinstance(data, dict):
+            raise ProtocolMessageError(f"{key}: each rank's progress must be a JSON object")
+        step = data.get("step")
+        if not isinstance(step, int) or isinstance(step, bool) or step < -1:
+            raise ProtocolMessageError(f"{key}: field 'step' must be an integer >= -1, got {step!r}")
+        return cls(rank=_int(key, data, "rank"), step=step, step_seconds=_number(key, data, "step_seconds"),
+                   busy_seconds=_number(key, data, "busy_seconds"), time=_number(key, data, "time"),
+                   pid=_int(key, data, "pid"), role=_str(key, data, "role", ""))
+
+
+@dataclass(frozen=True)
+class NodeProgress:
+    """A node's ranks' progress (key ``progress/<node>`` under the job prefix), written by the
+    node's agent at most about once a second; read by tmrun-ctl and the live console.
+    ``time`` is when the agent wrote it (Unix time)."""
+
+    node: int
+    time: float
+    ranks: tuple[RankProgress, ...] = ()
+
+    def encode(self) -> str:
+        return json.dumps({"node": self.node, "time": self.time, "ranks": [asdict(r) for r in self.ranks]})
+
+    @classmethod
+    def decode(cls, key: str, raw: bytes | str) -> NodeProgress:
+        data = _load(key, raw)
+        ranks = data.get("ranks")
+        if not isinstance(ranks, list):
+            raise ProtocolMessageError(f"{key}: field 'ranks' must be a list")
+        return cls(node=_int(key, data, "node"), time=_number(key, data, "time"),
+                   ranks=tuple(RankProgress.from_dict(key, r) for r in ranks))

@@ -27,6 +27,7 @@ from tmrun.protocol import keys, messages as proto
 from tmrun.protocol.environment import LaunchEnv, Mode
 from tmrun.worker import group
 from tmrun.worker.drills import DrillRunner
+from tmrun.worker.progress import ProgressWriter
 from tmrun.worker.roles import Lifecycle, Role
 from tmrun.worker.tracked import TrackedState
 
@@ -63,6 +64,7 @@ class Context:
         self.ddp_used = False
         self.recoveries: list[dict[str, float | int]] = []
         self.drills = DrillRunner.from_environ(-1 if standby else self.rank, promoted=False)
+        self.progress = ProgressWriter(env.progress_dir if env.mode is not Mode.PLAIN else "")
 
     @property
     def role(self) -> Role:

@@ -15,6 +15,13 @@ forward), ``backward`` (while gradients are being reduced), ``optimizer`` (insid
 ``promotion`` (a joiner, after it joined and before it received the state), ``handover`` (a
 migration's leaver, once its joiner is connected and before it sends anything). ``time=SECONDS`` fires that many seconds
 after the worker's runtime started instead of at a step.
+
+``signal=STALL`` does not end the process: it stops the training loop at that point for good
+(the process and its communicator threads live on: a hang that no peer's heartbeat sees; the
+agent's ``--hang-timeout`` does). ``rank=R,slow=3x[,step=N]`` is a straggler, not a failure:
+from step N on, rank R's original process sleeps at the start of every step so that its own
+work (outside collectives) takes about three times as long (the agent's straggler detection
+migrates it).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from typing import TYPE_CHECKING, Callable
 
 from tmrun.protocol import environment
@@ -68,6 +76,10 @@ class DrillRunner:
         self._promoted = promoted
         self._node_leader = local_rank == 0 and group_rank >= 0
         self._group_rank = group_rank
+        self._slow = [d for d in self._drills if d.slow]
+        self._drills = [d for d in self._drills if not d.slow]
+        self._slept = 0.0  # seconds the slow drill slept in the current step
+        self._base = 0.0  # the last step's own work without that sleep
         for drill in drills:
             if drill.seconds >= 0 and drill.who == "original" and not promoted:
                 timer = threading.Timer(drill.seconds, self._fire_timed, args=(drill,))
@@ -102,6 +114,10 @@ class DrillRunner:
             return
         if drill.signal_name == "RAISE":
             raise InjectedFailure(f"injected failure: rank {self._rank} at {where}")
+        if drill.signal_name == "STALL":
+            print(f"[tmrun drill] rank {self._rank} stalls at {where} (the process lives on)", flush=True)
+            while True:
+                time.sleep(3600)
         signum = getattr(signal, f"SIG{drill.signal_name}")
         if drill.node >= 0:
             _signal_node(signum)
@@ -111,8 +127,30 @@ class DrillRunner:
         if self._targets(drill) and not self._promoted and drill in self._drills:
             self._trigger(drill, f"{drill.seconds}s")
 
+    def observe(self, busy_seconds: float) -> None:
+        """The step that just ended took ``busy_seconds`` of this rank's own work."""
+        self._base = max(0.0, busy_seconds - self._slept)
+        self._slept = 0.0
+
+    def _slow_down(self, step: int) -> None:
+        for drill in list(self._slow):
+            if drill.rank != self._rank or self._promoted or step < drill.step:
+                continue
+            if drill in self._drills or self.claim(self._index[drill]):
+                if drill not in self._drills:  # claimed: this process is the straggler from now on
+                    self._drills.append(drill)
+                    print(f"[tmrun drill] rank {self._rank} is {drill.slow:g}x slower from step {step}", flush=True)
+                self._slept = (drill.slow - 1) * self._base
+                time.sleep(self._slept)
+            else:
+                self._slow.remove(drill)
+
     def fire(self, point: str, step: int) -> None:
+        if point == "step" and self._slow:
+            self._slow_down(step)
         for drill in list(self._drills):
+            if drill.slow:
+                continue
             if self._matches(drill, point, step):
                 self._trigger(drill, f"{point} of step {step}")
 

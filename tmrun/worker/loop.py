@@ -53,6 +53,7 @@ class StepLoop:
                 step = self._recovery.recover()
                 continue
             ctx.committed_step = step
+            self._progress(step)
             plan = self._recovery.pending_plan()
             if plan is not None and not plan.planned:
                 step = self._recovery.recover()  # a failure elsewhere: this rank's step went through
@@ -67,10 +68,19 @@ class StepLoop:
     def _begin_step(self, step: int) -> None:
         ctx = self._ctx
         ctx.current_step = step
+        if ctx.progress.enabled and not ctx.life.is_(Role.STANDBY):
+            ctx.progress.bind(ctx.rank, ctx.gen, ctx.life.role.value)
+        ctx.progress.begin_step()
         ctx.fire("step")
         ctx.step_rng = rng.capture()
         if self._rng_recorded_for != step:
             self._record_rng(step)
+
+    def _progress(self, step: int) -> None:
+        """The node's agent sees this step completed (a memory write, see worker.progress)."""
+        ctx = self._ctx
+        if not ctx.life.is_(Role.STANDBY):
+            ctx.drills.observe(ctx.progress.end_step(step, ctx.gen, ctx.life.role.value))
 
     def _record_rng(self, step: int) -> None:
         """Publish the random state this rank starts ``step`` with (a joiner taking this rank

@@ -32,6 +32,8 @@ from torch.distributed import PrefixStore, Store
 
 from tmrun.console import say
 from tmrun.control import planner
+from tmrun.control.detection import Detection
+from tmrun.control.events import record_event
 from tmrun.control.replacement import core
 from tmrun.protocol import keys
 from tmrun.protocol import messages as proto
@@ -179,8 +181,12 @@ class NodeWatch:
     """One active node of an in-place job over several nodes, seen from its agent."""
 
     def __init__(self, store: Store, world_size: int, gen_file: str,
-                 report_failure: Callable[[bool, str], None]) -> None:
+                 report_failure: Callable[[bool, str], None], detection: Detection | None = None,
+                 job_store: Store | None = None) -> None:
         self._store = store
+        self._world_size = world_size
+        self.detection = detection  # hangs fence the node; stragglers and bad GPUs ask a migration
+        self._job = job_store
         self._gen_file = gen_file
         self._report_failure = report_failure
         self._reports = core.ReportInbox(store)
@@ -207,7 +213,34 @@ class NodeWatch:
             self._fail(", ".join(f"rank {rank} {core.how_it_ended(code)}" for rank, code in bad.items()),
                        by_signal=any(code < 0 for code in bad.values()))
             return NodeOutcome(failed=True)
+        if self._detect():
+            return NodeOutcome(failed=True)
         return NodeOutcome(finished=self.slots.all_succeeded())
+
+    def _detect(self) -> bool:
+        """A hung rank of this node fails the node (fenced, reported: the leader replaces it); a
+        straggler or a rank on an unhealthy GPU asks the leader for a planned migration of the
+        node (once). Returns True when the node failed."""
+        detection = self.detection
+        if detection is None or not self.enabled():
+            return False
+        pids = {slot.rank: slot.pid for slot in self.slots.by_rank.values() if slot.poll() is None}
+        busy = self._gen > 0 and self._store.add(keys.recovered(self._gen), 0) < self._world_size
+        findings = detection.poll(pids, busy=busy)
+        if (findings.hung or findings.notes) and core.any_done(self._store, self.slots.ranks()):
+            return False  # the training is finishing: nobody steps any more
+        for note in findings.notes:
+            say(note)
+        if findings.hung:
+            self._fail("; ".join(f"rank {rank} (pid {pids[rank]}) hangs ({why})" for rank, why in findings.hung))
+            return True
+        for rank, kind, why in findings.migrate:
+            if self._job is None:
+                continue
+            say(f"rank {rank}: {why}; asking for a migration of this node")
+            record_event(self._job, kind, self._gen, f"rank {rank}: {why}")
+            proto.request_migration(self._job, rank, why)
+        return False
 
     def _mirror_gen(self) -> None:
         gen = proto.read_gen(self._store)

@@ -17,6 +17,7 @@ from typing import Protocol
 from torch.distributed import Store
 
 from tmrun.console import say
+from tmrun.control.detection import Detection
 from tmrun.control.events import record_event
 from tmrun.control.replacement import core
 from tmrun.protocol import messages as proto
@@ -53,7 +54,8 @@ class Outcome:
 
 class ProcessReplacement:
     def __init__(self, store: Store, pool: StandbyProcesses, world_size: int, standby_wait: float,
-                 max_replacements: int, events_store: Store, gen_file: str, refill_delay: float = 0.0) -> None:
+                 max_replacements: int, events_store: Store, gen_file: str, refill_delay: float = 0.0,
+                 detection: Detection | None = None) -> None:
         self._store = store
         self._pool = pool
         self._world_size = world_size
@@ -70,6 +72,8 @@ class ProcessReplacement:
         self.slots = core.Slots()
         self.gen = 0
         self.replacements = 0
+        self.detection = detection  # hangs, stragglers, unhealthy GPUs (control.detection)
+        self._waiting_for_standby: set[int] = set()  # ranks to migrate once a standby is warm
 
     def adopt(self, processes: dict[int, subprocess.Popen[bytes]]) -> None:
         """The worker group just started: ``processes`` rank -> its process."""
@@ -84,6 +88,7 @@ class ProcessReplacement:
             # steps). A failure that finds no standby starts one at once (_replace).
             self._pool.fill()
         self._fence_reported()
+        self._detect()
         for recovered in self._recoveries.poll():
             self._refill_at = time.monotonic() + self._refill_delay
             say(f"generation {recovered.gen}: all {recovered.world_size} ranks recovered, "
@@ -102,29 +107,57 @@ class ProcessReplacement:
                 return outcome
         return Outcome(finished=self.slots.all_succeeded())
 
-    def _refuse(self, what: str, why: str) -> None:
+    def _detect(self) -> None:
+        """Hung ranks are fenced (and replaced below, as failed ranks); stragglers and ranks on an
+        unhealthy GPU are migrated (planned: no step lost)."""
+        detection = self.detection
+        if detection is None or not self.enabled():
+            return
+        pids = {slot.rank: slot.pid for slot in self.slots.by_rank.values() if slot.poll() is None and not slot.fenced}
+        findings = detection.poll(pids, busy=bool(self._recoveries))
+        if (findings.hung or findings.notes) and core.any_done(self._store, self.slots.ranks()):
+            findings.hung, findings.notes = [], []  # the training is finishing: nobody steps any more
+        for note in findings.notes:
+            say(note)
+        for rank, why in findings.hung:
+            slot = self.slots[rank]
+            say(f"rank {rank} (pid {slot.pid}) hangs ({why}); stopping it")
+            record_event(self._events, "hang", self.gen, f"rank {rank} (pid {slot.pid}): {why}")
+            slot.fence()
+        for rank, kind, why in findings.migrate:
+            if self._recoveries or self._ready_standby() is None:  # ask again once a standby is warm
+                if rank not in self._waiting_for_standby:
+                    self._waiting_for_standby.add(rank)
+                    say(f"rank {rank}: {why}; it moves once a standby is warm")
+                detection.retry(rank) if kind == "straggler" else detection.gpu_retry(rank, why)
+                continue
+            self._waiting_for_standby.discard(rank)
+            say(f"rank {rank}: {why}; migrating it to a standby")
+            record_event(self._events, kind, self.gen, f"rank {rank}: {why}")
+            if not self._migrate(proto.MigrateRequest(rank=rank, reason=why)):
+                detection.retry(rank) if kind == "straggler" else detection.gpu_retry(rank, why)
+
+    def _refuse(self, what: str, why: str) -> bool:
         say(f"migration of {what} refused: {why}")
         record_event(self._events, "migrate-refused", self.gen, f"{what}: {why}")
+        return False
 
-    def _migrate(self, request: proto.MigrateRequest) -> None:
+    def _migrate(self, request: proto.MigrateRequest) -> bool:
         if request.node >= 0:
-            self._refuse(f"the {request.describe()}", "this job runs on one node (migrate a rank)")
-            return
+            return self._refuse(f"the {request.describe()}", "this job runs on one node (migrate a rank)")
         slot = self.slots.get(request.rank)
         if slot is None or slot.poll() is not None:
-            self._refuse(f"rank {request.rank}", "no such running rank on this node")
-            return
+            return self._refuse(f"rank {request.rank}", "no such running rank on this node")
         if core.any_done(self._store, self.slots.ranks()):
-            self._refuse(f"rank {request.rank}", "the training is finishing (a rank finished its steps)")
-            return
+            return self._refuse(f"rank {request.rank}", "the training is finishing (a rank finished its steps)")
         member = self._ready_standby()
         if member is None:
-            self._refuse(f"rank {request.rank}", "no warm standby")
-            return
+            return self._refuse(f"rank {request.rank}", "no warm standby")
         detail = f"rank {request.rank} (pid {slot.pid}) -> standby {member.index} (pid {member.process.pid}): {request.reason}"
         self._promote(request.rank, member, time.monotonic(), request.reason, planned=True)
         say(f"planned migration, generation {self.gen}: {detail}")
         record_event(self._events, "migrate", self.gen, detail)
+        return True
 
     def _fence_reported(self) -> None:
         for report in self._reports:

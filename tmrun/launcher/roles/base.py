@@ -41,7 +41,8 @@ class AgentRole:
         return []
 
 
-def in_place_env(agent: TmrunAgent, handler: TmrunRendezvousHandler, prefix: str, gen_file: str) -> LaunchEnv:
+def in_place_env(agent: TmrunAgent, handler: TmrunRendezvousHandler, prefix: str, gen_file: str,
+                 progress_dir: str = "") -> LaunchEnv:
     """Where workers and standby workers find the in-place protocol (job settings such as the
     shadow steps come from the agent's own environment, set by the CLI)."""
     spec = agent.spec
@@ -60,6 +61,7 @@ def in_place_env(agent: TmrunAgent, handler: TmrunRendezvousHandler, prefix: str
         comm_timeout=base.comm_timeout,
         same_host_reads=base.same_host_reads,
         entrypoint=tuple(entry),
+        progress_dir=progress_dir,
     )
 
 

@@ -9,12 +9,17 @@ restart the group as torchrun's would, and the standbys only stand ready).
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from typing import TYPE_CHECKING, Any
 
 from torch.distributed import PrefixStore
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+from dataclasses import replace
+
+from tmrun.control.detection import Detection
 from tmrun.control.replacement.processes import ProcessReplacement
 from tmrun.launcher.roles.base import HEALTHY, AgentRole, in_place_env, succeeded
 from tmrun.launcher.standby_pool import StandbyPool
@@ -33,6 +38,7 @@ class LocalStandbyRole(AgentRole):
         self._pool = StandbyPool(settings.standby_workers, handler.get_run_id(), log_dir=settings.standby_log_dir)
         self._controller: ProcessReplacement | None = None
         self._group_starts = 0
+        self._progress_root = tempfile.mkdtemp(prefix="tmrun-progress-")  # workers' progress records
 
     def start(self, worker_group: WorkerGroup) -> dict[int, Any]:
         controller = self._prepare(worker_group)
@@ -50,10 +56,18 @@ class LocalStandbyRole(AgentRole):
         gen_file = os.path.join(self._pool.directory, f"gen-{self._group_starts}")
         self._group_starts += 1
         world_size = worker_group.workers[0].world_size if worker_group.workers else spec.local_world_size
+        progress_dir = os.path.join(self._progress_root, str(self._group_starts - 1))
+        os.makedirs(progress_dir, exist_ok=True)
+        if self._controller is not None and self._controller.detection is not None:
+            self._controller.detection.close()
+        first = worker_group.workers[0].global_rank if worker_group.workers else 0
+        detection = Detection(replace(self._settings.detection, progress_dir=progress_dir), handler.store,
+                              worker_group.group_rank or 0,
+                              {w.global_rank: w.global_rank - first for w in worker_group.workers})
         self._controller = ProcessReplacement(
             PrefixStore(prefix, handler.raw_store), self._pool, world_size, self._settings.standby_wait,
-            max(spec.max_restarts, 0), handler.store, gen_file, self._settings.refill_delay)
-        env = in_place_env(self.agent, handler, prefix, gen_file)
+            max(spec.max_restarts, 0), handler.store, gen_file, self._settings.refill_delay, detection)
+        env = in_place_env(self.agent, handler, prefix, gen_file, progress_dir)
         os.environ.update(env.to_environ())  # the workers torch starts inherit these
         previous = self._pool.worker_env.get(environment.ENV_PREFIX)
         self._pool.worker_env = {
@@ -110,6 +124,9 @@ class LocalStandbyRole(AgentRole):
     def close(self) -> None:
         self._pool.stop()
         self.stop_promoted()
+        if self._controller is not None and self._controller.detection is not None:
+            self._controller.detection.close()
+        shutil.rmtree(self._progress_root, ignore_errors=True)
 
     def standby_members(self) -> list[dict[str, object]]:
         return [m.describe() for m in self._pool.members]

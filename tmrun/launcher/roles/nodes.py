@@ -13,12 +13,14 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from torch.distributed import PrefixStore, Store
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 
 from tmrun.console import say
+from tmrun.control.detection import Detection
 from tmrun.control.replacement.nodes import NodeWatch
 from tmrun.launcher.roles.base import HEALTHY, AgentRole, in_place_env, succeeded
 from tmrun.launcher.standby_pool import StandbyPool
@@ -39,6 +41,7 @@ class NodeRole(AgentRole):
         self._dir = tempfile.mkdtemp(prefix="tmrun-node-")
         self._watch: NodeWatch | None = None
         self._pool: StandbyPool | None = None
+        self._settings = settings
         self._standby_epoch = -1  # the epoch this standby node's workers are warm for
         self._standby_ids: list[int] = []
         handler.on_standby = self._keep_warm
@@ -50,6 +53,11 @@ class NodeRole(AgentRole):
     def _gen_file(self, epoch: int) -> str:
         return os.path.join(self._dir, f"gen-{epoch}")
 
+    def _progress_dir(self, epoch: int) -> str:
+        path = os.path.join(self._dir, f"progress-{epoch}")
+        os.makedirs(path, exist_ok=True)
+        return path
+
     # -- active ---------------------------------------------------------------------------------
 
     def start(self, worker_group: WorkerGroup) -> dict[int, Any]:
@@ -58,11 +66,18 @@ class NodeRole(AgentRole):
         handler = self._handler
         store = self._epoch_store(handler.epoch)
         world_size = worker_group.workers[0].world_size if worker_group.workers else worker_group.spec.local_world_size
-        watch = self._watch = NodeWatch(store, world_size, self._gen_file(handler.epoch), handler.report_failure)
+        if self._watch is not None and self._watch.detection is not None:
+            self._watch.detection.close()
+        detection = Detection(replace(self._settings.detection, progress_dir=self._progress_dir(handler.epoch)),
+                              handler.store, worker_group.group_rank or 0,
+                              {w.global_rank: w.local_rank for w in worker_group.workers})
+        watch = self._watch = NodeWatch(store, world_size, self._gen_file(handler.epoch), handler.report_failure,
+                                        detection, handler.store)
         ranks = [w.global_rank for w in worker_group.workers]
         store.set(keys.node_ranks(worker_group.group_rank or 0), proto.NodeRanks(handler.node_id or 0, ranks).encode())
         prefix = keys.node_prefix(handler.get_run_id(), handler.epoch)
-        os.environ.update(in_place_env(self.agent, handler, prefix, self._gen_file(handler.epoch)).to_environ())
+        os.environ.update(in_place_env(self.agent, handler, prefix, self._gen_file(handler.epoch),
+                                       self._progress_dir(handler.epoch)).to_environ())
         adopted = self._adopt_standby_workers(worker_group)
         if adopted is not None:
             self.agent.forget_group_processes()
@@ -126,7 +141,8 @@ class NodeRole(AgentRole):
                                      log_dir=self._standby_log_dir)
             prefix = keys.node_prefix(handler.get_run_id(), membership.epoch)
             self._pool.worker_env = {
-                **in_place_env(self.agent, handler, prefix, self._gen_file(membership.epoch)).to_environ(),
+                **in_place_env(self.agent, handler, prefix, self._gen_file(membership.epoch),
+                               self._progress_dir(membership.epoch)).to_environ(),
                 environment.ENV_WORLD_SIZE: str(len(membership.active) * spec.local_world_size),
                 environment.ENV_LOCAL_WORLD_SIZE: str(spec.local_world_size),
                 environment.ENV_RANK: "0",
@@ -158,5 +174,7 @@ class NodeRole(AgentRole):
     def close(self) -> None:
         self._stop_pool()
         self.stop_promoted()
+        if self._watch is not None and self._watch.detection is not None:
+            self._watch.detection.close()
         shutil.rmtree(self._dir, ignore_errors=True)
 
