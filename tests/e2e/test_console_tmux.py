@@ -18,7 +18,7 @@ from tests.helpers import EXAMPLES, TAG_VAR, tagged_pids, tmrun_cmd, wait_until
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (apt-get install tmux)")
 
-STEPS = 70
+STEPS = 120  # long enough for the refilled standby to warm up on a loaded machine
 FAIL_STEP = 12
 
 
@@ -99,8 +99,10 @@ def test_the_live_console_shows_a_failure_and_a_migration(tmp_path: Path) -> Non
         assert "tmrun" in before and "epoch 1" in before
         captures["2-failure"] = pane.wait_for(r"recovered: .*back in", 120)
         assert "failure" in captures["2-failure"] or "replace" in captures["2-failure"], captures["2-failure"]
-        # a planned migration once the refilled standby is warm (its row shows it ready)
-        pane.wait_for(r"standby pool: 1 ready", 120)
+        # the refilled standby's warm-up shows (warming, then warm: it finished its shadow steps);
+        # then a planned migration
+        pane.wait_for(r"standby pool: 1 (warming|ready)", 120)
+        pane.wait_for(r"(?m)standby pool: 1 warm\s*$", 120)
         ctl = subprocess.run([*tmrun_cmd()[:2], "tmrun.cli.ctl", "migrate", "0", "--reason", "console-test"],
                              capture_output=True, text=True, timeout=60,
                              env={**os.environ, "TMRUN_STATE_DIR": str(state)})

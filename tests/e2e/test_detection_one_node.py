@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_inplace_one_node import STEPS, _check, _run
+from tests.e2e.test_inplace_one_node import _check, _run
 
 MIGRATION_STEPS = 24
 

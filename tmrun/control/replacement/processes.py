@@ -171,6 +171,10 @@ class ProcessReplacement:
                 say(f"rank {report.lost} (pid {slot.pid}) lost by rank {report.reporter}; stopping it")
                 slot.fence()
 
+    def standby_warm(self, standby_id: int) -> bool:
+        """True once standby ``standby_id`` finished its shadow steps and waits for an assignment."""
+        return core.standbys_ready(self._store, [standby_id])
+
     def _ready_standby(self) -> StandbyProcess | None:
         for member in self._pool.members:
             if member.process.poll() is None and core.standbys_ready(self._store, [member.index]):

@@ -9,6 +9,7 @@ restart the group as torchrun's would, and the standbys only stand ready).
 from __future__ import annotations
 
 import os
+import time
 import shutil
 import tempfile
 from typing import TYPE_CHECKING, Any
@@ -38,6 +39,8 @@ class LocalStandbyRole(AgentRole):
         self._pool = StandbyPool(settings.standby_workers, handler.get_run_id(), log_dir=settings.standby_log_dir)
         self._controller: ProcessReplacement | None = None
         self._group_starts = 0
+        self._warm: set[int] = set()  # standbys known to have finished their shadow steps
+        self._next_warm_check = 0.0
         self._progress_root = tempfile.mkdtemp(prefix="tmrun-progress-")  # workers' progress records
 
     def start(self, worker_group: WorkerGroup) -> dict[int, Any]:
@@ -98,7 +101,7 @@ class LocalStandbyRole(AgentRole):
         self.agent.wait_for_exit(0.05, controller.slots.pids())
         before = controller.replacements
         outcome = controller.step()
-        if controller.replacements != before or self._pool.changed():
+        if controller.replacements != before or self._pool.changed() or self._standbys_warmed(controller):
             pids = {slot.rank: slot.pid for slot in controller.slots.by_rank.values()}
             self.agent.publish(worker_group, pids, self.standby_members())
         if outcome.finished:
@@ -128,5 +131,24 @@ class LocalStandbyRole(AgentRole):
             self._controller.detection.close()
         shutil.rmtree(self._progress_root, ignore_errors=True)
 
+    WARM_CHECK_EVERY = 0.5  # seconds between looks at the standbys' "warm" keys (a store round trip)
+
+    def _standbys_warmed(self, controller: ProcessReplacement) -> bool:
+        """True once after a standby finished its shadow steps (so tmrun-ctl status and the
+        console can tell a warm standby from one that only imported torch)."""
+        now = time.monotonic()
+        if now < self._next_warm_check:
+            return False
+        self._next_warm_check = now + self.WARM_CHECK_EVERY
+        warm = {m.index for m in self._pool.members if controller.standby_warm(m.index)}
+        changed, self._warm = warm != self._warm, warm
+        return changed
+
     def standby_members(self) -> list[dict[str, object]]:
-        return [m.describe() for m in self._pool.members]
+        """The pool's members; state "warm" once a standby finished its shadow steps and waits
+        (before that "warming", then "ready" when it imported torch)."""
+        members = [m.describe() for m in self._pool.members]
+        for member in members:
+            if member["index"] in self._warm and member["state"] == "ready":
+                member["state"] = "warm"
+        return members
