@@ -25,6 +25,7 @@ from tmrun.protocol.messages import MigrateRequest, NodeInfo
 RUN = "ctl-test"
 
 
+@pytest.mark.e2e  # starts Python processes: not in the unit subset
 def test_ctl_does_not_import_torch() -> None:
     """tmrun-ctl and everything it imports start without torch (nor tmrun modules that load it)."""
     code = ("import sys, tmrun.cli.ctl; from tmrun.cli.ctl import app; "
@@ -39,6 +40,7 @@ def test_ctl_does_not_import_torch() -> None:
     assert not [m for m in imported if m == "torch" or m.startswith("torch.")]
 
 
+@pytest.mark.e2e  # starts Python processes: not in the unit subset
 def test_import_tmrun_still_registers_the_backend_when_torch_comes_later() -> None:
     code = ("import tmrun, sys, importlib.util; assert 'torch' not in sys.modules; "
             "assert importlib.util.find_spec('torch') is not None; "  # a library testing for torch
@@ -200,6 +202,7 @@ def test_drain_when_the_job_ends_first(job) -> None:  # type: ignore[no-untyped-
     assert result.exit_code == 0 and "node 1 drained: the job ended" in result.output, result.output
 
 
+@pytest.mark.e2e  # starts Python processes: not in the unit subset
 def test_usage_mistakes_are_one_line(tmp_path: Path) -> None:
     """typer's own usage errors (an unknown option, a value of the wrong type, an unknown
     command) are one line and exit code 2 too, not a box."""

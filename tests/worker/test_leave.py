@@ -3,6 +3,8 @@ the script's ``finally`` blocks run, the status is 0 (1 if the script fails whil
 
 from __future__ import annotations
 
+import pytest
+
 import subprocess
 import sys
 import textwrap
@@ -32,6 +34,7 @@ def _run(tmp_path: Path, mode: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.e2e  # starts processes that import torch: not in the unit subset
 def test_leave_runs_handlers_and_exits_zero(tmp_path: Path) -> None:
     result = _run(tmp_path, "ok")
     assert result.returncode == 0, result.stderr
@@ -40,6 +43,7 @@ def test_leave_runs_handlers_and_exits_zero(tmp_path: Path) -> None:
     assert "never here" not in result.stdout
 
 
+@pytest.mark.e2e  # starts processes that import torch: not in the unit subset
 def test_leave_reports_a_failure_while_unwinding(tmp_path: Path) -> None:
     result = _run(tmp_path, "fail")
     assert result.returncode == 1
