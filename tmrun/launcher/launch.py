@@ -109,6 +109,8 @@ def launch(config: LaunchConfig, entrypoint: str, args: list[Any], options: Tmru
         say(f"rendezvous store at {tmrun_handler.endpoint} (run id {config.run_id})")
         say(f"the job's events go to {rdzv_configs.get('event_log')}")
         if options.console == "live":
+            say(f"live console on; the workers' output goes to files under "
+                f"{getattr(config.logs_specs, 'root_log_dir', '') or 'the log directory'} (--console plain to see it here)")
             console = LiveConsole(ConsoleFeed(tmrun_handler))
             console.start()
     try:
