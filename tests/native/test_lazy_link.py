@@ -8,6 +8,8 @@ import socket
 import time
 
 import pytest
+
+pytestmark = pytest.mark.e2e  # waits out heartbeat intervals (seconds): not in the unit subset
 import torch
 
 from conftest import buf, close_all, run_ranks, tn

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 
 import pytest
+
+pytestmark = pytest.mark.e2e  # waits out heartbeat intervals (seconds): not in the unit subset
 import torch
 
 from conftest import buf, close_all, connect_all, dt, run_ranks, tn
