@@ -148,3 +148,21 @@ def test_a_damaged_event_does_not_stop_the_log(server, tmp_path: Path) -> None: 
     # a number taken but not written yet: the log waits for it, then goes on
     store.add(keys.EVENT_SEQ, 1)
     assert wire.ask(address, {"op": "events", "since": 3})["events"] == []
+
+
+def test_new_events_are_read_once_and_an_unwritten_one_is_waited_for() -> None:
+    import torch.distributed as dist
+
+    from tmrun.control.events import read_new_events, record_event
+    from tmrun.protocol import keys as job_keys
+
+    store = dist.HashStore()
+    record_event(store, "formed", 1, "a")
+    store.add(job_keys.EVENT_SEQ, 1)  # a writer took number 1 but has not written it yet
+    record_event(store, "replace", 1, "c")
+    events, next_seq = read_new_events(store, 0)
+    assert [e.kind for e in events] == ["formed"] and next_seq == 1
+    store.set(job_keys.event(1), "not json")  # written at last, but damaged: skipped for good
+    events, next_seq = read_new_events(store, next_seq)
+    assert [(e.seq, e.kind) for e in events] == [(2, "replace")] and next_seq == 3
+    assert read_new_events(store, next_seq) == ([], 3)

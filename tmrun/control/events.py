@@ -31,3 +31,21 @@ def read_events(store: Store, since: int = 0) -> list[Event]:
         except ProtocolMessageError:
             continue  # not ours to show: a foreign or damaged entry
     return events
+
+
+def read_new_events(store: Store, since: int) -> tuple[list[Event], int]:
+    """Events numbered ``since`` and later, and the number to ask from next time: stops at the
+    first one whose writer took its number but has not written it yet (read again later),
+    skips a damaged one for good. For readers that keep what they read (the live console)."""
+    events = []
+    count = store.add(keys.EVENT_SEQ, 0)
+    while since < count:
+        key = keys.event(since)
+        if not store.check([key]):
+            break
+        try:
+            events.append(Event.decode(key, store.get(key), since))
+        except ProtocolMessageError:
+            pass
+        since += 1
+    return events, since

@@ -227,7 +227,7 @@ class OpsServer:
         from tmrun.control.status import read_status
 
         with self._lock:
-            job = read_status(self._store, self._run_id, self._store_endpoint)
+            job = read_status(self._store, self._run_id, self._store_endpoint, with_events=False)  # the log has them
             self.log.sync(self._store)
             t = metrics.totals(self.log.events)
         data = asdict(job)

@@ -45,7 +45,9 @@ def connect(endpoint: Endpoint, run_id: str, timeout: float = 5.0) -> Store:
     return prefixed
 
 
-def read_status(store: Store, run_id: str, endpoint: str) -> JobStatus:
+def read_status(store: Store, run_id: str, endpoint: str, with_events: bool = True) -> JobStatus:
+    """The job's snapshot; ``with_events=False`` for readers that keep the events themselves
+    (one store read per event, every event since the job started)."""
     membership = Membership.from_json(store.get(keys.STATE))
     nodes = []
     for node_id in range(store.add(keys.NODE_SEQ, 0)):
@@ -69,4 +71,4 @@ def read_status(store: Store, run_id: str, endpoint: str) -> JobStatus:
                 standby_workers=list(workers.standby_workers),
             )
         )
-    return JobStatus(run_id, endpoint, membership, nodes, read_events(store))
+    return JobStatus(run_id, endpoint, membership, nodes, read_events(store) if with_events else [])

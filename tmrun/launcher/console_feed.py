@@ -19,9 +19,10 @@ from torch.distributed import PrefixStore
 
 from tmrun.console.live import ConsoleView, EventRow, MemberRow
 from tmrun.control import metrics
+from tmrun.control.events import read_new_events
 from tmrun.control.status import JobStatus, read_status
 from tmrun.protocol import keys
-from tmrun.protocol.messages import ClosedNotice, NodeProgress, ProtocolMessageError, RankProgress
+from tmrun.protocol.messages import ClosedNotice, Event, NodeProgress, ProtocolMessageError, RankProgress
 
 if TYPE_CHECKING:
     from tmrun.rendezvous.handler import TmrunRendezvousHandler
@@ -34,6 +35,8 @@ class ConsoleFeed:
         self._processes: dict[int, psutil.Process] = {}
         self._last_seen: tuple[int, float] | None = None  # rank 0's (step, completion time) at the last look
         self._intervals: deque[float] = deque(maxlen=64)  # seconds per step of rank 0, one per look
+        self._events: list[Event] = []  # every event so far, read once each
+        self._next_event = 0
 
     def _progress(self, status: JobStatus) -> dict[int, RankProgress]:
         """rank -> its last published progress (agents publish it about once a second)."""
@@ -99,12 +102,14 @@ class ConsoleFeed:
         return sorted(rows, key=lambda r: (r.rank is None, r.rank if r.rank is not None else 0, r.node))
 
     def __call__(self) -> ConsoleView:
-        status = read_status(self._store, self._handler.get_run_id(), str(self._handler.endpoint))
+        status = read_status(self._store, self._handler.get_run_id(), str(self._handler.endpoint), with_events=False)
+        new, self._next_event = read_new_events(self._store, self._next_event)
+        self._events.extend(new)
         now = time.time()
         progress = self._progress(status)
         self._record_history(progress)
         # ETTR as tmrun-ctl status and the end-of-job totals give it (docs/events.md)
-        ettr = metrics.totals([asdict(e) for e in status.events], now)["ettr"] if status.events else None
+        ettr = metrics.totals([asdict(e) for e in self._events], now)["ettr"] if self._events else None
         phase = status.membership.phase.value
         if self._store.check([keys.CLOSED]):  # the leader may not have published the closed membership yet
             phase = ClosedNotice.decode(keys.CLOSED, self._store.get(keys.CLOSED)).phase
@@ -113,6 +118,6 @@ class ConsoleFeed:
         return ConsoleView(
             run_id=status.run_id, phase=phase, epoch=status.membership.epoch,
             members=self._members(status, progress, now), step_history=list(self._intervals),
-            events=[EventRow(e.time, e.kind, e.detail) for e in status.events[-8:]],
+            events=[EventRow(e.time, e.kind, e.detail) for e in self._events[-8:]],
             ettr=ettr, elapsed=now - self._started, standby_summary=summary,
         )
