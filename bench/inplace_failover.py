@@ -206,7 +206,7 @@ def wall_time(stamp: str, near: float) -> float:
     return min(candidates, key=lambda t: abs(t - near))
 
 
-ENTRY = re.compile(r"\[tmrun (?:worker (\d+) )?(\d\d:\d\d:\d\d\.\d{3})\] ((?:(?!\[tmrun )[^\n])*)")
+ENTRY = re.compile(r"\[tmrun(?:@\S+)? (?:worker (\d+) )?(\d\d:\d\d:\d\d\.\d{3})\] ((?:(?!\[tmrun[ @])[^\n])*)")
 
 
 def log_entries(log: str) -> list[tuple[str, str, str]]:

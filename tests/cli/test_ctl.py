@@ -58,6 +58,7 @@ def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-unt
     store.set(keys.STATE, membership.to_json())
     for node_id in range(3):
         store.add(keys.NODE_SEQ, 1)
+        store.set(keys.node_order(node_id), str(node_id))
         store.set(keys.node_info(node_id), NodeInfo(host=f"h{node_id}", addr="", pid=100 + node_id).encode())
     record_event(store, "formed", 1, "formed with 2 active, 1 standby")
     ops = OpsServer(store, RUN, event_log=str(tmp_path / "events.jsonl"), request_timeout=0.5)

@@ -201,3 +201,26 @@ def test_a_node_failing_after_the_others_finished_closes_the_job(three_nodes: li
     phase, reason = a.handler.closed_reason()  # type: ignore[misc]
     assert phase is Phase.FAILED and "after every other rank had finished" in reason
     assert spare.handler.epoch == 0  # nobody was promoted
+
+
+def test_node_ids_and_group_ranks_follow_the_slurm_node_rank() -> None:
+    """Agents that join out of order (SLURM node 2, then 0, then 1) take their SLURM node rank as
+    their node id and group rank; an agent restarted on node 1 (same hint) gets a fresh id."""
+    port = free_port()
+    host = create_handler(_params(port, 3, 0, node_rank=2, last_call_timeout=0.5))
+    nodes = [Node(host), *(Node(create_handler(_params(port, 3, 0, node_rank=hint, last_call_timeout=0.5)))
+                           for hint in (0, 1))]
+    restarted = None
+    try:
+        for node in nodes:
+            node.rendezvous()
+            assert wait_until(lambda n=node: n.handler.node_id is not None, 5)
+        infos = [node.wait() for node in nodes]
+        assert [node.handler.node_id for node in nodes] == [2, 0, 1]
+        assert [info.rank for info in infos] == [2, 0, 1]
+        restarted = create_handler(_params(port, 3, 0, node_rank=1))
+        assert restarted._claim_node_id() == 3  # noqa: SLF001 - ids 0..2 are taken; the next ordinal is 3
+    finally:
+        host.close(Phase.SUCCEEDED, "test over")
+        for handler in ([restarted] if restarted else []) + [n.handler for n in reversed(nodes)]:
+            handler.leave()

@@ -14,8 +14,9 @@ import uuid
 from collections.abc import Sequence
 from typing import NoReturn
 
-from tmrun.cli.slurm import HostlistError, slurm_defaults
+from tmrun.cli.slurm import HostlistError, SlurmStepError, node_address, slurm_defaults
 from tmrun.console import fail
+from tmrun.protocol import environment
 
 
 class UsageError(Exception):
@@ -158,25 +159,56 @@ def _apply_slurm(args: argparse.Namespace, given: set[str]) -> None:
     try:
         defaults = slurm_defaults(os.environ)
     except (HostlistError, ValueError) as exc:
-        raise UsageError(f"cannot read the SLURM environment: {exc}") from None
+        raise UsageError(f"cannot use the SLURM environment: {exc}") from None
     if defaults is None:
         return
+    total = defaults.nnodes_total
     if "nnodes" not in given:
-        active = defaults.nnodes_total - args.standby
-        if active < 1:
+        if args.standalone and total > 1:
             raise UsageError(
-                f"the SLURM step has {defaults.nnodes_total} node(s): too few for --standby {args.standby} plus one active node"
+                f"--standalone runs a one-node job, but this SLURM step has {total} nodes: drop --standalone "
+                "(tmrun reads the nodes from SLURM) or run the step on one node (srun -N1)"
             )
-        args.nnodes = str(active)
+        if not defaults.in_step and total > 1:
+            raise UsageError(
+                f"tmrun was started outside an srun step of a {total}-node allocation, so it would train on this "
+                "node only: launch it as `srun --ntasks-per-node=1 tmrun ...` (or pass --nnodes 1)"
+            )
+        if total == 1:
+            args.nnodes = "1"  # one node: --standby N means N standby worker processes
+        else:
+            active = total - args.standby
+            if active < 1:
+                raise UsageError(
+                    f"this SLURM step has {total} nodes, too few for --standby {args.standby} standby nodes plus one "
+                    f"active node: run the step on at least {args.standby + 1} nodes (srun -N{args.standby + 1}), "
+                    f"or on one node, where --standby {args.standby} means standby worker processes"
+                )
+            args.nnodes = str(active)
     if "rdzv_endpoint" not in given and "standalone" not in given:
-        args.rdzv_endpoint = f"{defaults.first_host}:{defaults.rdzv_port}"
+        # one node: the store on this host, any free port (no name to resolve); several nodes: on
+        # the step's first node, at a port of this step's own
+        single = args.nnodes == "1" or total == 1
+        if single:
+            args.rdzv_endpoint = "localhost:0"
+        else:
+            try:
+                host = node_address(defaults.first_host, os.environ)
+            except SlurmStepError as exc:
+                raise UsageError(str(exc)) from None
+            args.rdzv_endpoint = f"{host}:{defaults.rdzv_port}"
+            if "is_host" not in args.rdzv_conf:  # only the step's first node hosts the store
+                args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf, f"is_host={int(defaults.node_rank == 0)}"]))
         args.ops_port = defaults.ops_port  # so that tmrun-ctl finds the job from any node of the allocation
     if "rdzv_id" not in given:
         args.rdzv_id = defaults.run_id
-    if "node_rank" not in given:
-        args.node_rank = defaults.node_rank
+    if "node_rank" not in given and "node_rank=" not in args.rdzv_conf:
+        # the tmrun leader's hint (group rank and node id follow SLURM_NODEID), 0 included
+        args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf, f"node_rank={defaults.node_rank}"]))
     if "master_addr" not in given:
         args.master_addr = defaults.first_host
+    if defaults.node_name:
+        os.environ.setdefault(environment.ENV_NODE_NAME, defaults.node_name)
 
 
 def _apply_defaults(args: argparse.Namespace, given: set[str]) -> None:
@@ -197,6 +229,8 @@ def _apply_defaults(args: argparse.Namespace, given: set[str]) -> None:
         args.max_restarts = 3  # a standby is only useful if a failure may be recovered
     if args.rdzv_backend == "tmrun" and args.node_rank:
         args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf, f"node_rank={args.node_rank}"]))
+    if args.rdzv_backend == "tmrun":
+        args.node_rank = 0  # a hint for the tmrun leader, in rdzv_conf; torch's node_rank is the static backend's
 
 
 def _max_nodes(nnodes: str) -> int:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import re
+import shutil
+import socket
+import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-RDZV_BASE_PORT = 29400
-OPS_BASE_PORT = 30400  # the leader's operations endpoint (tmrun-ctl): 30400 + job id mod 1000
+RDZV_BASE_PORT = 29400  # the store of a multi-node step: 29400 + step_port_offset(job, step)
+OPS_BASE_PORT = 30400  # the leader's operations endpoint (tmrun-ctl): 30400 + the same offset
 
 
 class HostlistError(ValueError):
@@ -71,6 +74,29 @@ def expand_hostlist(text: str) -> list[str]:
     return hosts
 
 
+class SlurmStepError(ValueError):
+    """A SLURM step tmrun cannot run in as launched (the message says what to do instead)."""
+
+
+def _tasks_per_node(text: str) -> list[int]:
+    """SLURM's compressed task counts: ``2(x3),1`` -> [2, 2, 2, 1]."""
+    counts: list[int] = []
+    for part in filter(None, text.split(",")):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not match:
+            raise SlurmStepError(f"cannot read the task counts {text!r}")
+        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
+    return counts
+
+
+def step_port_offset(job_id: str, step_id: str | None) -> int:
+    """0..999: the job's port offset, different for each of its first ten steps, so that
+    concurrent steps of one allocation never share a store (or an operations endpoint)."""
+    job = int(job_id) if job_id.isdigit() else 0
+    step = int(step_id) if step_id and step_id.isdigit() else 0
+    return (job + 101 * step) % 1000
+
+
 @dataclass(frozen=True)
 class SlurmDefaults:
     nnodes_total: int  # nodes in the step: actives plus standbys
@@ -79,20 +105,71 @@ class SlurmDefaults:
     run_id: str
     node_rank: int
     ops_port: int = 0  # where the leader's operations endpoint listens when that port is free
+    in_step: bool = True  # started by srun (False: in the batch script or an salloc shell)
+    node_name: str = ""  # SLURMD_NODENAME: this node's name in SLURM
+
+
+def _check_one_task_per_node(env: Mapping[str, str], nnodes: int) -> None:
+    counts_text = env.get("SLURM_STEP_TASKS_PER_NODE", "")
+    counts = _tasks_per_node(counts_text) if counts_text else []
+    tasks_text = env.get("SLURM_STEP_NUM_TASKS", "")
+    tasks = sum(counts) if counts else (int(tasks_text) if tasks_text.isdigit() else nnodes)
+    if tasks > nnodes or any(count > 1 for count in counts):
+        raise SlurmStepError(
+            f"this SLURM step runs {tasks} tasks on {nnodes} node(s) (SLURM_STEP_TASKS_PER_NODE={counts_text or '?'}), "
+            "but tmrun is one task per node that starts --nproc-per-node workers: "
+            "launch it with `srun --ntasks-per-node=1 tmrun ...`"
+        )
 
 
 def slurm_defaults(env: Mapping[str, str]) -> SlurmDefaults | None:
-    """The defaults a SLURM step implies, or None outside SLURM."""
+    """The defaults a SLURM step implies, or None outside SLURM.
+
+    Raises :class:`SlurmStepError` for a step tmrun cannot use as launched (several tasks on a
+    node) and :class:`HostlistError` for a host list it cannot read.
+    """
     job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
-    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    step = env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")
+    in_step = bool(step)
+    if in_step:
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        count_text = env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")
+    else:
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        count_text = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")
     if not job_id or not nodelist:
         return None
     hosts = expand_hostlist(nodelist)
-    count_text = env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")
     nnodes = int(count_text) if count_text and count_text.isdigit() else len(hosts)
-    step = env.get("SLURM_STEP_ID")
+    if in_step:
+        _check_one_task_per_node(env, nnodes)
     run_id = f"slurm-{job_id}" + (f".{step}" if step else "")
     node_rank_text = env.get("SLURM_NODEID", "0")
     node_rank = int(node_rank_text) if node_rank_text.isdigit() else 0
-    offset = int(job_id) % 1000 if job_id.isdigit() else 0
-    return SlurmDefaults(nnodes, hosts[0], RDZV_BASE_PORT + offset, run_id, node_rank, OPS_BASE_PORT + offset)
+    offset = step_port_offset(job_id, step)
+    return SlurmDefaults(nnodes, hosts[0], RDZV_BASE_PORT + offset, run_id, node_rank, OPS_BASE_PORT + offset,
+                         in_step=in_step, node_name=env.get("SLURMD_NODENAME", ""))
+
+
+def node_address(name: str, env: Mapping[str, str], timeout: float = 10.0) -> str:
+    """An address for the SLURM node ``name``: the name itself when it resolves, else the
+    NodeAddr SLURM has for it (clusters where node names are not in DNS)."""
+    try:
+        socket.getaddrinfo(name, None)
+        return name
+    except socket.gaierror:
+        pass
+    scontrol = shutil.which("scontrol")
+    if scontrol is None:
+        raise SlurmStepError(f"the step's first node {name!r} does not resolve and scontrol is not here to ask "
+                             "SLURM its address: pass --rdzv-endpoint HOST:PORT")
+    try:
+        shown = subprocess.run([scontrol, "show", "node", name], capture_output=True, text=True,
+                               timeout=timeout, env=dict(env), check=False).stdout
+    except subprocess.TimeoutExpired:
+        shown = ""
+    match = re.search(r"\bNodeAddr=(\S+)", shown)
+    if not match:
+        raise SlurmStepError(f"the step's first node {name!r} does not resolve and SLURM gave no address for it: "
+                             "pass --rdzv-endpoint HOST:PORT")
+    return match.group(1)

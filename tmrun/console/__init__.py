@@ -3,11 +3,13 @@
 * ``say(message)``: the launcher, agents, the controller: ``[tmrun HH:MM:SS.mmm] message``;
 * ``say(message, worker=True)``: a training process (the worker runtime, the "tmrun" backend):
   ``[tmrun worker PID HH:MM:SS.mmm] message``;
+* where the node has a name to show (``TMRUN_NODE_NAME``: under SLURM, the node's SLURM name, so
+  that a job log gathered from every node says where each line comes from): ``[tmrun@NAME ...]``;
 * ``say(..., error=exc)``: the same line followed by ``exc``'s traceback;
 * ``fail(message)``: a user mistake or a fatal condition: ``tmrun: error: message``.
 
-Tests and benches parse these lines (bench/inplace_failover.py's ``ENTRY``: the prefix, the
-optional ``worker PID`` and the stamp): keep the formats. Each line is one write to stderr (which
+Tests and benches parse these lines (bench/inplace_failover.py's ``ENTRY``: the prefix with its optional
+``@NAME``, the optional ``worker PID`` and the stamp): keep the formats. Each line is one write to stderr (which
 is write-through): ``print()`` writes the newline separately, so lines of processes sharing the
 file could be glued together.
 """
@@ -19,6 +21,8 @@ import sys
 import time
 import traceback
 
+NODE_NAME_VAR = "TMRUN_NODE_NAME"  # the same name as protocol.environment.ENV_NODE_NAME (a leaf imports neither)
+
 
 def _stamp() -> str:
     now = time.time()  # one reading: seconds and milliseconds of the same instant
@@ -27,7 +31,9 @@ def _stamp() -> str:
 
 def say(message: str, *, worker: bool = False, error: BaseException | None = None) -> None:
     """One line for the operator (see the module docstring)."""
-    who = f"tmrun worker {os.getpid()}" if worker else "tmrun"
+    node = os.environ.get(NODE_NAME_VAR, "")
+    tmrun = f"tmrun@{node}" if node else "tmrun"
+    who = f"{tmrun} worker {os.getpid()}" if worker else tmrun
     text = f"[{who} {_stamp()}] {message}\n"
     if error is not None:
         text += "".join(traceback.format_exception(type(error), error, error.__traceback__))

@@ -140,7 +140,10 @@ class Leader:
     def _admit_new_nodes(self) -> None:
         count = self._store.add(keys.NODE_SEQ, 0)
         while self._known_nodes < count:
-            node_id = self._known_nodes
+            ordinal = self._known_nodes
+            if not self._store.check([keys.node_order(ordinal)]):
+                return  # counted but has not claimed its id yet; next round
+            node_id = int(self._store.get(keys.node_order(ordinal)))
             if not self._store.check([keys.node_info(node_id)]):
                 return  # registered its id but not its info yet; next round
             info = NodeInfo.decode(keys.node_info(node_id), self._store.get(keys.node_info(node_id)))

@@ -50,7 +50,10 @@ def read_status(store: Store, run_id: str, endpoint: str, with_events: bool = Tr
     (one store read per event, every event since the job started)."""
     membership = Membership.from_json(store.get(keys.STATE))
     nodes = []
-    for node_id in range(store.add(keys.NODE_SEQ, 0)):
+    for ordinal in range(store.add(keys.NODE_SEQ, 0)):
+        if not store.check([keys.node_order(ordinal)]):
+            continue
+        node_id = int(store.get(keys.node_order(ordinal)))
         if not store.check([keys.node_info(node_id)]):
             continue
         try:

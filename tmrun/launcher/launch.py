@@ -150,10 +150,28 @@ def _say_totals(handler: TmrunRendezvousHandler) -> None:
         say(f"recovery totals unavailable: {exc}")
 
 
+def _serve_until_closed(handler: TmrunRendezvousHandler) -> int:
+    try:
+        phase, reason = handler.wait_closed()
+    except SignalException as exc:
+        say(f"received {exc.sigval.name} while serving the store; the job stops")
+        handler.close(Phase.FAILED, f"the store host received {exc.sigval.name}")
+        return 128 + int(exc.sigval)
+    except RendezvousClosedError as exc:
+        raise LaunchError(str(exc)) from None
+    say(f"the job {phase.value}: {reason}")
+    return 0
+
+
 def _run(agent: TmrunAgent, handler: TmrunRendezvousHandler | None) -> int:
     try:
         result = agent.run()
     except NodeRetiredError as exc:
+        if handler is not None and handler.is_host:
+            # the job's store (and its leader) live in this process: this node stops computing
+            # but serves the store until the job ends, or every other node would lose it
+            say(f"{exc}; this node runs no workers now and serves the job's store until the job ends")
+            return _serve_until_closed(handler)
         say(f"{exc}; this node leaves, the job goes on")
         return 0
     except RendezvousClosedError as exc:

@@ -28,13 +28,24 @@ def job_prefix(run_id: str) -> str:
 STATE = "state"  # Membership JSON, written by the leader only
 STATE_VERSION = "state_version"  # counter bumped after every write of STATE
 CLOSED = "closed"  # JSON ClosedNotice; set once, first writer wins
-NODE_SEQ = "node_seq"  # counter: node ids in join order
+NODE_SEQ = "node_seq"  # counter: nodes registered (ordinals in join order; node_order maps each to its id)
 FAIL_SEQ = "fail_seq"  # counter: failure reports
 EVENT_SEQ = "event_seq"  # counter: events
 LEFT = "left"  # counter: agents that have left after the job closed
 LIVENESS_ADDR = "leader/liveness"  # "host:port" of the leader's liveness listener
 LEADER_INFO = "leader/info"  # JSON LeaderInfo
 MIGRATE_SEQ = "migrate_seq"  # counter: migration requests (tmrun-ctl migrate, tm.migrate())
+
+
+def node_order(ordinal: int) -> str:
+    """The node id of the ``ordinal``-th node to register (its id may differ: a SLURM node
+    claims ``SLURM_NODEID`` as its id)."""
+    return f"node_order/{ordinal}"
+
+
+def node_claim(node_id: int) -> str:
+    """Set once by the agent that takes ``node_id`` (compare-and-set: ids are unique)."""
+    return f"node/{node_id}/claim"
 
 
 def node_info(node_id: int) -> str:

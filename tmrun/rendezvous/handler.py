@@ -226,6 +226,17 @@ class TmrunRendezvousHandler(RendezvousHandler):
         notice = ClosedNotice.decode(keys.CLOSED, self.store.get(keys.CLOSED))
         return Phase(notice.phase), notice.reason
 
+    def wait_closed(self, poll: float = 0.2) -> tuple[Phase, str]:
+        """Block until the job closes (its phase and reason); raises RendezvousClosedError if the
+        leader running here fails first. No timeout of its own: a store host that retired as a
+        compute node serves the store for as long as the job runs."""
+        while True:
+            closed = self.closed_reason()
+            if closed is not None:
+                return closed
+            self._check_leader()
+            time.sleep(poll)
+
     def check_retired(self) -> None:
         """Raise :class:`NodeRetiredError` once a standby node took this node's ranks in place."""
         membership = self._read_membership()
@@ -271,12 +282,24 @@ class TmrunRendezvousHandler(RendezvousHandler):
         self.store.set(keys.LEADER_INFO, info.encode())
 
     def _register(self) -> None:
-        self.node_id = self.store.add(keys.NODE_SEQ, 1) - 1
+        self.node_id = self._claim_node_id()
         info = NodeInfo(host=socket.gethostname(), addr=self.config.local_addr or socket.getfqdn(), pid=os.getpid(),
                         node_rank_hint=self.config.node_rank_hint, time=time.time())
         self.store.set(keys.node_info(self.node_id), info.encode())
         host, port = self.store.get(keys.LIVENESS_ADDR).decode().rsplit(":", 1)
         self._beacon = LivenessBeacon(host, int(port), self.config.run_id, self.node_id, self.config.heartbeat_interval)
+
+    def _claim_node_id(self) -> int:
+        """This node's id: its SLURM node rank when it has one and no other agent took it (a
+        restarted agent gets a fresh one), else the next free id from its join ordinal."""
+        ordinal = self.store.add(keys.NODE_SEQ, 1) - 1
+        token = f"{socket.gethostname()}:{os.getpid()}:{ordinal}"
+        hint = self.config.node_rank_hint
+        candidate = hint if hint >= 0 else ordinal
+        while self.store.compare_set(keys.node_claim(candidate), "", token).decode() != token:
+            candidate = ordinal if candidate == hint and hint != ordinal else candidate + 1
+        self.store.set(keys.node_order(ordinal), str(candidate))
+        return candidate
 
     def _read_membership(self) -> Membership:
         version = self.store.add(keys.STATE_VERSION, 0)
