@@ -199,3 +199,15 @@ def test_slurm_node_name_tags_log_lines(monkeypatch: pytest.MonkeyPatch, capsys:
     parse(["--standby", "1", SCRIPT])
     say("hello")
     assert "[tmrun@gpu03 " in capsys.readouterr().err
+
+
+def test_two_node_step_with_one_standby_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    """srun -N2 tmrun --standby 1: one active node and one standby node (not one node with a
+    standby process on each of two independent jobs)."""
+    from tmrun.cli.main import _across_nodes
+
+    _in_step(monkeypatch, SLURM_STEP_NUM_NODES="2", SLURM_STEP_NODELIST="gpu[01-02]", SLURM_NODEID="1")
+    args = parse(["--standby", "1", SCRIPT])
+    assert args.nnodes == "1" and args.rdzv_endpoint.startswith("gpu01:") and _across_nodes(args)
+    _in_step(monkeypatch, SLURM_STEP_NUM_NODES="1", SLURM_STEP_NODELIST="gpu01", SLURM_NODEID="0")
+    assert not _across_nodes(parse(["--standby", "1", SCRIPT]))

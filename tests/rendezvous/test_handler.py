@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -224,3 +225,27 @@ def test_node_ids_and_group_ranks_follow_the_slurm_node_rank() -> None:
         host.close(Phase.SUCCEEDED, "test over")
         for handler in ([restarted] if restarted else []) + [n.handler for n in reversed(nodes)]:
             handler.leave()
+
+
+def test_slurms_first_nodes_are_the_active_ones() -> None:
+    """--nnodes 2 --standby 1 under SLURM: nodes 2 and 0 join first, yet the group waits (up to
+    a grace) for node 1, so SLURM's first nodes are active and its last the standby."""
+    port = free_port()
+    first = Node(create_handler(_params(port, 2, 1, node_rank=2)))
+    nodes = [first, Node(create_handler(_params(port, 2, 1, node_rank=0)))]
+    try:
+        for node in nodes:
+            node.rendezvous()
+            assert wait_until(lambda n=node: n.handler.node_id is not None, 5)
+        time.sleep(1.0)
+        assert first.handler._read_membership().phase is Phase.FORMING  # noqa: SLF001
+        late = Node(create_handler(_params(port, 2, 1, node_rank=1)))
+        nodes.append(late)
+        late.rendezvous()
+        assert [nodes[1].wait().rank, late.wait().rank] == [0, 1]
+        membership = first.handler._read_membership()  # noqa: SLF001
+        assert (membership.active, membership.standby) == ([0, 1], [2])
+    finally:
+        first.handler.close(Phase.SUCCEEDED, "test over")
+        for node in reversed(nodes):
+            node.handler.leave()

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from tmrun.cli.slurm import HostlistError, SlurmStepError, node_address, slurm_defaults
-from tmrun.console import fail
+from tmrun.console import fail, warn
 from tmrun.protocol import environment
 
 
@@ -160,6 +160,7 @@ def _apply_slurm(args: argparse.Namespace, given: set[str]) -> None:
         defaults = slurm_defaults(os.environ)
     except (HostlistError, ValueError) as exc:
         raise UsageError(f"cannot use the SLURM environment: {exc}") from None
+    args.slurm = defaults
     if defaults is None:
         return
     total = defaults.nnodes_total
@@ -188,8 +189,7 @@ def _apply_slurm(args: argparse.Namespace, given: set[str]) -> None:
     if "rdzv_endpoint" not in given and "standalone" not in given:
         # one node: the store on this host, any free port (no name to resolve); several nodes: on
         # the step's first node, at a port of this step's own
-        single = args.nnodes == "1" or total == 1
-        if single:
+        if total == 1:
             args.rdzv_endpoint = "localhost:0"
         else:
             try:
@@ -304,8 +304,29 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
+def _across_nodes(args: argparse.Namespace) -> bool:
+    """Whether the job spans nodes (so --standby counts standby nodes): a SLURM step of several
+    nodes, or --nnodes above 1."""
+    slurm = getattr(args, "slurm", None)
+    if slurm is not None and slurm.nnodes_total > 1 and "localhost:0" != args.rdzv_endpoint:
+        return True
+    return _max_nodes(args.nnodes) > 1
+
+
+def _check_slurm_kill_settings(args: argparse.Namespace) -> None:
+    """On the first node of a multi-node SLURM step: would SLURM end the job with a node?"""
+    slurm = getattr(args, "slurm", None)
+    if slurm is None or not slurm.in_step or slurm.node_rank != 0 or not _across_nodes(args):
+        return
+    from tmrun.cli.slurm_check import read_kill_settings
+
+    for line in read_kill_settings(os.environ).warnings():
+        warn(line)
+
+
 def run(argv: Sequence[str]) -> int:
     args = parse(argv)
+    _check_slurm_kill_settings(args)
     from torch.distributed.run import config_from_args
 
     from tmrun.launcher.launch import TmrunOptions, launch
@@ -326,7 +347,8 @@ def run(argv: Sequence[str]) -> int:
     os.environ[environment.ENV_HANDOVER] = args.handover
     if args.inject_failure:
         os.environ[environment.ENV_INJECT_FAILURE] = ";".join(drill.encode() for drill in args.inject_failure)
-    return launch(config, entrypoint, entry_args, TmrunOptions(standby=args.standby, standby_wait=args.standby_wait,
+    return launch(config, entrypoint, entry_args, TmrunOptions(standby=args.standby,
+                                                             standby_nodes=_across_nodes(args), standby_wait=args.standby_wait,
                                                              refill_delay=args.standby_refill_delay,
                                                              console=console_mode,
                                                              log_dir=getattr(args, "log_dir", None) or None,
@@ -337,7 +359,24 @@ def run(argv: Sequence[str]) -> int:
                                                              gpu_health=args.gpu_health == "auto"))
 
 
+def _quiet_torch_cpp_warnings() -> None:
+    """In this launcher process only, torch's C++ warnings are off (``TORCH_CPP_LOG_LEVEL``, read
+    once when torch loads): a store connection that breaks would print C++ stack frames where
+    tmrun prints one line saying what happened. The workers keep the user's setting."""
+    if "torch" in sys.modules:
+        return
+    user_value = os.environ.get("TORCH_CPP_LOG_LEVEL")
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    import torch  # noqa: F401 - loads c10 with the level above
+
+    if user_value is None:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
+    else:
+        os.environ["TORCH_CPP_LOG_LEVEL"] = user_value
+
+
 def main(argv: Sequence[str] | None = None) -> NoReturn:
+    _quiet_torch_cpp_warnings()  # before anything imports torch
     from tmrun.launcher.launch import LaunchError
     from tmrun.rendezvous.endpoint import EndpointError
 

@@ -6,6 +6,7 @@
 * where the node has a name to show (``TMRUN_NODE_NAME``: under SLURM, the node's SLURM name, so
   that a job log gathered from every node says where each line comes from): ``[tmrun@NAME ...]``;
 * ``say(..., error=exc)``: the same line followed by ``exc``'s traceback;
+* ``warn(message)``: a setting that will hurt the job: ``tmrun: warning: message``;
 * ``fail(message)``: a user mistake or a fatal condition: ``tmrun: error: message``.
 
 Tests and benches parse these lines (bench/inplace_failover.py's ``ENTRY``: the prefix with its optional
@@ -39,6 +40,11 @@ def say(message: str, *, worker: bool = False, error: BaseException | None = Non
         text += "".join(traceback.format_exception(type(error), error, error.__traceback__))
     sys.stderr.write(text)
     sys.stderr.flush()
+
+
+def warn(message: str) -> None:
+    """One line for a setting that will hurt the job but does not stop it."""
+    print(f"tmrun: warning: {message}", file=sys.stderr, flush=True)
 
 
 def fail(message: str) -> None:

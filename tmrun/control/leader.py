@@ -24,6 +24,9 @@ from tmrun.protocol.messages import ClosedNotice, FailureReport, NodeInfo, Proto
 from tmrun.rendezvous.liveness import LivenessMonitor
 
 
+HINT_GRACE = 10.0  # seconds forming waits for SLURM's first nodes before taking later ones as actives
+
+
 @dataclass(frozen=True)
 class LeaderConfig:
     run_id: str
@@ -160,6 +163,14 @@ class Leader:
                 self._publish(admitted)
                 self._event("join", admitted.reason)
 
+    def _preferred_missing(self, joined: list[int]) -> bool:
+        """Every joined node has a node rank hint (SLURM) and one of the first max_nodes hints
+        has not joined yet: the active nodes should be SLURM's first nodes, the standbys its last."""
+        hints = {self._hints.get(n, -1) for n in joined}
+        if -1 in hints:
+            return False
+        return any(rank not in hints for rank in range(self._config.limits.max_nodes))
+
     def _maybe_form(self) -> None:
         limits = self._config.limits
         now = time.monotonic()
@@ -167,9 +178,11 @@ class Leader:
         if len(joined) >= limits.min_nodes:
             if self._enough_since is None:
                 self._enough_since = now
+            waited = now - self._enough_since
             ready = (
-                len(joined) >= limits.max_nodes
-                or now - self._enough_since >= self._config.last_call_timeout
+                (len(joined) >= limits.max_nodes
+                 and (not self._preferred_missing(joined) or waited >= min(self._config.last_call_timeout, HINT_GRACE)))
+                or waited >= self._config.last_call_timeout
             )
             if ready:
                 formed = planner.form_group(self._membership, joined, limits)

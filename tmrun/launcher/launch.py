@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 from dataclasses import dataclass
 from typing import Any
 
+from torch.distributed import DistError
 from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousError, RendezvousParameters
@@ -32,6 +34,7 @@ class LaunchError(RuntimeError):
 @dataclass(frozen=True)
 class TmrunOptions:
     standby: int  # spare members: nodes when the job spans nodes, worker processes on one node
+    standby_nodes: bool | None = None  # the standbys are nodes (None: when --nnodes is above 1)
     standby_wait: float = 60.0  # in-place: how long a failure waits for a warm standby
     refill_delay: float = 5.0  # one node: seconds after a recovery before the replacement standby starts
     console: str = "plain"  # "live": a live view on the store host's terminal (see tmrun.console.live)
@@ -43,10 +46,27 @@ class TmrunOptions:
     gpu_health: bool = True  # NVML health monitor (off by itself without a GPU)
 
 
+def handle_stop_signals(signals: str) -> None:
+    """From the start, the signals torch's agent handles (``--signals-to-handle``) raise its
+    SignalException in this process: a standby node waiting in the rendezvous, or a node serving
+    the store, stops with its line in the log and the job closed, as an active node does
+    (torch installs the same handler, but only once it starts workers)."""
+    for name in filter(None, (part.strip() for part in signals.split(","))):
+        sig = getattr(signal, name, None)
+        if isinstance(sig, signal.Signals):
+            signal.signal(sig, _raise_signal_exception)
+
+
+def _raise_signal_exception(signum: int, frame: object) -> None:
+    sigval = signal.Signals(signum)
+    raise SignalException(f"process {os.getpid()} got signal {sigval.name}", sigval=sigval)
+
+
 def launch(config: LaunchConfig, entrypoint: str, args: list[Any], options: TmrunOptions) -> int:
     """Run the job on this node; return the process exit code."""
     register_tmrun_backend()
-    single_node = config.max_nodes == 1
+    handle_stop_signals(getattr(config, "signals_to_handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT"))
+    single_node = config.max_nodes == 1 if options.standby_nodes is None else not options.standby_nodes
     rdzv_configs = dict(config.rdzv_configs)
     if config.rdzv_backend == "tmrun":
         rdzv_configs["standby"] = 0 if single_node else options.standby
@@ -181,12 +201,19 @@ def _run(agent: TmrunAgent, handler: TmrunRendezvousHandler | None) -> int:
             return 0
         raise LaunchError(str(exc)) from None
     except SignalException as exc:
+        if handler is not None and handler.is_standing_by():
+            say(f"received {exc.sigval.name} while standing by; this standby leaves, the job goes on")
+            return 128 + int(exc.sigval)
         say(f"received {exc.sigval.name}; workers stopped")
         if handler is not None:
             handler.close(Phase.FAILED, f"an agent received {exc.sigval.name}")
         return 128 + int(exc.sigval)
     except RendezvousError as exc:
         raise LaunchError(f"rendezvous failed: {exc}") from None
+    except DistError as exc:  # the store's connection failed: its host (the leader's node) is gone
+        where = f" at {handler.endpoint}" if handler is not None else ""
+        raise LaunchError(f"lost the job's store{where}: its host is gone ({type(exc).__name__}); "
+                          "this node stops (surviving that needs a store outside the job)") from None
     if result.is_failed():
         failures = result.failures or {}
         summary = "; ".join(

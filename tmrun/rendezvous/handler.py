@@ -226,6 +226,13 @@ class TmrunRendezvousHandler(RendezvousHandler):
         notice = ClosedNotice.decode(keys.CLOSED, self.store.get(keys.CLOSED))
         return Phase(notice.phase), notice.reason
 
+    def is_standing_by(self) -> bool:
+        """True while this node is one of the job's standbys (not yet given a group rank)."""
+        try:
+            return self.node_id is not None and self.node_id in self._read_membership().standby
+        except Exception:  # noqa: BLE001 - the store is gone: no longer anyone's standby
+            return False
+
     def wait_closed(self, poll: float = 0.2) -> tuple[Phase, str]:
         """Block until the job closes (its phase and reason); raises RendezvousClosedError if the
         leader running here fails first. No timeout of its own: a store host that retired as a

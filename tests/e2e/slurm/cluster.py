@@ -100,7 +100,7 @@ def _config(root: Path, ctld_port: int, node_ports: Sequence[int], slurmd_timeou
 @dataclass
 class SlurmCluster:
     root: Path
-    slurmd_timeout: int = 10
+    slurmd_timeout: int = 10  # a node that stops answering is marked down some 20 s later
     daemons: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     @property
@@ -215,12 +215,17 @@ class SlurmCluster:
 
     # --- SLURM commands ---------------------------------------------------------------------
 
-    def sbatch(self, script: str, cwd: Path, extra_env: dict[str, str] | None = None) -> int:
+    def sbatch(self, script: str, cwd: Path, extra_env: dict[str, str] | None = None,
+               args: Sequence[str] = ()) -> int:
+        """Submit ``script`` (written under ``cwd``) with ``args``; its job id."""
         path = cwd / f"job-{secrets.token_hex(4)}.sh"
         path.write_text(script)
-        result = subprocess.run(["sbatch", "--parsable", str(path)], env=self.env(**(extra_env or {})), cwd=cwd,
-                                capture_output=True, text=True, timeout=30, check=True)
+        result = subprocess.run(["sbatch", "--parsable", str(path), *args], env=self.env(**(extra_env or {})),
+                                cwd=cwd, capture_output=True, text=True, timeout=30, check=True)
         return int(result.stdout.strip().split(";")[0])
+
+    def scancel(self, job_id: int) -> None:
+        subprocess.run(["scancel", str(job_id)], env=self.env(), timeout=15, check=True)
 
     def scontrol(self, *args: str) -> str:
         return subprocess.run(["scontrol", *args], env=self.env(), capture_output=True, text=True,
