@@ -118,7 +118,7 @@ class NodeReplacement:
 
     def _publish(self, store: Store, membership: Membership, ranks: list[list[int]], moves: dict[int, int],
                  standby_ids: dict[int, list[int]], dead: set[int], planned: bool,
-                 started: float) -> tuple[Membership, str]:
+                 started: float, asked: float = 0.0) -> tuple[Membership, str]:
         """Generation gen+1 of the epoch: each node in ``moves`` is replaced by its standby node."""
         world_size = sum(len(r) for r in ranks)
         replaced: dict[int, int] = {}
@@ -128,7 +128,7 @@ class NodeReplacement:
             store.set(keys.node_ranks(group_rank), proto.NodeRanks(node_id, ranks[group_rank]).encode())
         swapped = planner.replace_in_place(membership, moves, dead)
         gen = core.Generations(store).publish(world_size, replaced, swapped.reason, planned)
-        self._recoveries.begin(store, gen, world_size, started)
+        self._recoveries.begin(store, gen, world_size, started, asked=asked)
         ranks_moved = ", ".join(f"{rank}->standby {sid}" for rank, sid in sorted(replaced.items()))
         return swapped, f"generation {gen}: {swapped.reason} (ranks {ranks_moved})"
 
@@ -161,14 +161,17 @@ class NodeReplacement:
                 continue
             node_id, ids = standby[0]
             swapped, why = self._publish(store, membership, ranks, {membership.active[group_rank]: node_id},
-                                         {node_id: ids}, set(), planned=True, started=time.monotonic())
+                                         {node_id: ids}, set(), planned=True, started=time.monotonic(),
+                                         asked=request.time)
             events.append(("migrate", f"{why}: {request.reason}"))
             return swapped, events
         return None, events
 
-    def recovered(self) -> list[str]:
-        """Lines for the event log: generations whose every rank finished recovering."""
-        return [recovered.describe() for recovered in self._recoveries.poll()]
+    def recovered(self, final: bool = False) -> list[core.Recovered]:
+        """Generations whose every rank finished recovering, for the event log, with their phases:
+        each once its ranks completed their first step after it (or ``final``: the job ends)."""
+        self._recoveries.poll()
+        return self._recoveries.completed(final=final)
 
 
 @dataclass
