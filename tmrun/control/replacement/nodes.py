@@ -197,6 +197,7 @@ class NodeWatch:
         self._gen = -1
         self.slots = core.Slots()
         self.failed = False
+        self._waiting_for_standby: set[int] = set()  # ranks to migrate once a standby node is warm
         self._mirror_gen()
 
     def adopt(self, processes: dict[int, subprocess.Popen[bytes]], promoted: bool) -> None:
@@ -240,9 +241,32 @@ class NodeWatch:
         for rank, kind, why in findings.migrate:
             if self._job is None:
                 continue
+            if busy or not self._standby_node_warm():  # the leader would refuse: ask once one is
+                if rank not in self._waiting_for_standby:
+                    self._waiting_for_standby.add(rank)
+                    say(f"rank {rank}: {why}; this node moves once a standby node is warm")
+                detection.retry(rank) if kind == "straggler" else detection.gpu_retry(rank, why)
+                continue
+            self._waiting_for_standby.discard(rank)
             say(f"rank {rank}: {why}; asking for a migration of this node")
             record_event(self._job, kind, self._gen, f"rank {rank}: {why}")
             proto.request_migration(self._job, rank, why)
+        return False
+
+    def _standby_node_warm(self) -> bool:
+        """True when a standby node of this node's size has every standby worker warm (what
+        the leader's migration needs), read from the membership and the epoch's store."""
+        assert self._job is not None
+        if not self._job.check([keys.STATE]):
+            return False
+        membership = Membership.from_json(self._job.get(keys.STATE))
+        for node_id in membership.standby:
+            key = keys.standby_node(node_id)
+            if not self._store.check([key]):
+                continue
+            ids = proto.StandbyNode.decode(key, self._store.get(key)).ids
+            if len(ids) == len(self.slots.ranks()) and core.standbys_ready(self._store, ids):
+                return True
         return False
 
     def _mirror_gen(self) -> None:
