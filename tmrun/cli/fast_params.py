@@ -12,6 +12,7 @@ parameter of any other type, or a typer without these internals, keeps typer's o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -88,10 +89,8 @@ def plain_coercion(command: Any) -> int:
     for sub in getattr(command, "commands", {}).values():
         count += plain_coercion(sub)
     params = list(getattr(command, "params", []))
-    try:  # the --help flag: made on first use and kept by the command
-        params.append(command.get_help_option(Context(command)))
-    except Exception:  # noqa: BLE001 - not the typer this knows: its own coercion stays
-        pass
+    with contextlib.suppress(Exception):  # not the typer this knows: --help keeps typer's coercion
+        params.append(command.get_help_option(Context(command)))  # made on first use, then kept
     for param in params:
         descriptor = getattr(param, "type_descriptor", None)
         if descriptor is None or not hasattr(param, "_runtime_param") or getattr(param, "multiple", False):
