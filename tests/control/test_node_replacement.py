@@ -61,8 +61,20 @@ def test_a_dead_node_is_replaced_in_place(store: dist.Store) -> None:
     assert json.loads(ip.get(keys.node_ranks(1)))["node_id"] == 2
     assert "ranks 2->standby 2000, 3->standby 2001" in why
     assert coordinator.recovered() == []
+    now = time.time()
+    for rank in range(4):
+        ip.set(keys.timing(1, rank), proto.RecoveryTiming(rank, 1, connected=now, healed=now + 0.1).encode())
     ip.add(keys.recovered(1), 4)
-    assert [line.startswith("generation 1: all 4 ranks back in") for line in coordinator.recovered()] == [True]
+    assert coordinator.recovered() == []  # the event waits for every rank's first step after it
+    for rank in range(4):
+        ip.set(keys.timing(1, rank), proto.RecoveryTiming(rank, 1, connected=now, healed=now + 0.1,
+                                                          first_step=now + 0.5 + rank).encode())
+    ip.add(keys.first_steps(1), 4)
+    (recovered,) = coordinator.recovered()
+    assert recovered.describe().startswith("generation 1: all 4 ranks back in")
+    fields = recovered.fields()
+    assert fields["marks"]["first_step"] == round(now + 3.5, 6) and fields["phases"]["first_step"] == 3.4
+    assert fields["phases"]["transfer"] == 0.1 and fields["phases"]["total"] == fields["seconds"]
 
 
 def test_waits_for_a_warm_standby_node_then_falls_back(store: dist.Store) -> None:

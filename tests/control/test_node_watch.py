@@ -114,10 +114,22 @@ def test_a_straggler_asks_the_leader_to_migrate_its_node(tmp_path: Path, procs) 
     store, job, watch, reports, files = _watched(tmp_path, straggler_factor=2.0, straggler_steps=2)
     a, b = _start(procs, SLEEP), _start(procs, SLEEP)
     watch.adopt({2: a, 3: b}, promoted=False)
-    for step in range(4):
-        files[2].write(ProgressRecord(step=step, busy_seconds=0.1, pid=a.pid, role="active"))
-        files[3].write(ProgressRecord(step=step, busy_seconds=0.6, pid=b.pid, role="active"))
-        assert not watch.step().failed
+    from tmrun.protocol.membership import Membership
+
+    def slow_steps(steps: range) -> None:
+        for step in steps:
+            files[2].write(ProgressRecord(step=step, busy_seconds=0.1, pid=a.pid, role="active"))
+            files[3].write(ProgressRecord(step=step, busy_seconds=0.6, pid=b.pid, role="active"))
+            assert not watch.step().failed
+
+    # no standby node warm yet: the leader would refuse, so the node waits (and asks later)
+    job.set(keys.STATE, Membership(epoch=1, active=[0, 1], standby=[2]).to_json())
+    store.set(keys.standby_node(2), proto.StandbyNode([2000, 2001]).encode())
+    store.set(keys.standby_ready(2000), "{}")
+    slow_steps(range(4))
+    assert job.add(keys.MIGRATE_SEQ, 0) == 0
+    store.set(keys.standby_ready(2001), "{}")  # the standby node is warm: asked after K more slow steps
+    slow_steps(range(4, 8))
     assert job.add(keys.MIGRATE_SEQ, 0) == 1  # once
     request = proto.MigrateRequest.decode("m", job.get(keys.migrate_request(0)))
     assert request.rank == 3 and request.reason.startswith("straggler") and reports == []

@@ -48,6 +48,17 @@ def test_status_events_log_and_totals(tmp_path: Path) -> None:
     phases = recovered["phases"]
     assert phases["recover"] is not None and phases["plan"] is not None
     assert abs(phases["plan"] + phases["recover"] - recovered["seconds"]) < 0.01 or phases["plan"] == 0.0
+    # the workers' phases reached the event (their RecoveryTiming records): every phase measured,
+    # none negative, on one timeline in order, the first step after the recovery included
+    names = ["detect", "plan", "connect", "transfer", "first_step"]
+    assert all(isinstance(phases[n], float) and phases[n] >= 0 for n in names), phases
+    marks = recovered["marks"]
+    instants = [marks[n] for n in ["failed", "seen", "published", "connected", "healed", "first_step"]]
+    assert all(isinstance(m, float) for m in instants) and instants == sorted(instants), marks
+    assert abs(sum(phases[n] for n in names) - (marks["first_step"] - marks["failed"])) < 0.001
+    assert phases["first_step"] >= 0.1, phases  # the example's step takes --step-time 0.15 s
+    replaced = rows[kinds.index("replace")]
+    assert marks["seen"] <= replaced["time"] <= recovered["time"] and marks["first_step"] <= recovered["time"]
     assert rows[kinds.index("replace")]["ranks"] == [1]
     # the totals at the end of the job
     totals = re.search(r"recovery totals: downtime ([\d.]+)s over ([\d.]+)s, ETTR ([\d.]+)%, 1 in-place recoveries "

@@ -10,6 +10,7 @@ node, tmrun falls back to restarting the group (logged) and the job still finish
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -194,3 +195,45 @@ def test_node_whose_rank_hangs_is_fenced_and_replaced(tmp_path: Path, reference:
     assert re.search(r"this node failed \(rank 3 \(pid \d+\) hangs \(no step completed for [\d.]+s, outside any "
                      r"collective while rank\(s\) 2 wait in one\)\)", logs[1]), logs[1]
     _check_in_place(tmp_path / "hang", logs, final, reference)
+
+
+def test_straggler_node_is_migrated_while_training_goes_on(tmp_path: Path, reference: str) -> None:
+    """rank=3,slow=3x: rank 3 (node 1) does three times its peers' own work per step. Node 1's
+    agent sees it over 2x the others' median for 3 steps and asks for a migration; the leader
+    moves node 1 to the standby node at a step boundary while training goes on. No step is lost
+    or redone, and the result equals a run without the straggler. The recovered event carries
+    every phase, across the agents' processes, in order."""
+    work = tmp_path / "straggler"
+    codes, logs, final = _run_nodes(work, 3, "--straggler-factor", "2", "--straggler-steps", "3",
+                                    "--inject-failure", "rank=3,slow=3x", script_args=["--step-time", "1.0"])
+    everything = "\n".join(logs)
+    assert codes == [0, 0, 0], everything
+    found = re.search(r"rank 3: straggler: its own work took ([\d.]+)s per step, over 2x the others' median "
+                      r"([\d.]+)s for 3 consecutive steps \(up to step (\d+)\); asking for a migration of this node",
+                      logs[1])
+    assert found, logs[1]
+    assert re.search(r"migrate: generation 1: node 2 replaces node 1 at group rank 1 in place "
+                     r"\(ranks 2->standby 2000, 3->standby 2001\): straggler", logs[0]), everything
+    assert "this node leaves, the job goes on" in logs[1], logs[1]
+    assert final == reference, "final state differs from the run without a straggler\n" + everything
+    steps = _steps(work)
+    for rank in range(WORLD):
+        assert [s for s, _ in steps[rank]] == list(range(STEPS)), (rank, steps[rank])  # none lost or redone
+    for rank in (0, 1):
+        assert len({pid for _, pid in steps[rank]}) == 1
+    detected = int(found.group(3))
+    for rank in (2, 3):
+        old_pid = steps[rank][0][1]
+        switched = next(step for step, pid in steps[rank] if pid != old_pid)  # the joiner's first step
+        # training went on: the group completed steps after the detection before the switch
+        assert switched >= detected + 2, (rank, detected, switched)
+    # the event log: the migration's recovered event with every phase, from the request on
+    (events,) = (work / "state" / "runs").glob("*.events.jsonl")
+    rows = [json.loads(line) for line in events.read_text().splitlines()]
+    (recovered,) = [r for r in rows if r["kind"] == "recovered"]
+    names = ["detect", "plan", "connect", "transfer", "first_step"]
+    assert all(isinstance(recovered["phases"][n], float) and recovered["phases"][n] >= 0 for n in names), recovered
+    marks = [recovered["marks"][n] for n in ["failed", "seen", "published", "connected", "healed", "first_step"]]
+    assert marks == sorted(marks), recovered
+    # the survivors trained on until the switch step: connecting spans at least a step
+    assert recovered["phases"]["connect"] >= 1.0, recovered

@@ -141,3 +141,26 @@ def test_bad_messages_of_agents_are_one_line_errors(cls: type, raw: bytes, match
     with pytest.raises(proto.ProtocolMessageError, match=match) as caught:
         cls.decode("some/key", raw)  # type: ignore[attr-defined]
     assert str(caught.value).startswith("some/key: ") and "\n" not in str(caught.value)
+
+
+def test_recovery_timing_round_trip_and_bad_input() -> None:
+    timing = proto.RecoveryTiming(rank=1, gen=2, connected=10.5, healed=10.75, noticed=10.0)
+    assert proto.RecoveryTiming.decode("t", timing.encode()) == timing
+    later = proto.RecoveryTiming(rank=1, gen=2, connected=10.5, healed=10.75, first_step=11.5)
+    assert proto.RecoveryTiming.decode("t", later.encode()).first_step == 11.5
+    for raw, match in [('{"rank": 1, "gen": 0, "connected": 1, "healed": 1}', "gen"),
+                       ('{"rank": 1, "gen": 1, "connected": -1, "healed": 1}', "connected"),
+                       ('{"rank": 1, "gen": 1, "connected": 1, "healed": "x"}', "healed"),
+                       ('{"rank": 1, "gen": 1, "connected": 1, "healed": 1, "first_step": true}', "first_step"),
+                       ('{"rank": 1, "gen": 1, "connected": 1, "healed": 1, "noticed": NaN}', "noticed")]:
+        with pytest.raises(proto.ProtocolMessageError, match=match) as info:
+            proto.RecoveryTiming.decode("timing/1/1", raw)
+        assert str(info.value).startswith("timing/1/1: ") and "\n" not in str(info.value)
+
+
+def test_a_migration_request_carries_when_it_was_asked() -> None:
+    asked = proto.MigrateRequest.decode("m", proto.MigrateRequest(1, "slow", time=12.5).encode())
+    assert asked.time == 12.5 and asked == proto.MigrateRequest(1, "slow")  # the time is not its identity
+    assert proto.MigrateRequest.decode("m", '{"rank": 1}').time == 0.0  # an older writer
+    with pytest.raises(proto.ProtocolMessageError, match="time"):
+        proto.MigrateRequest.decode("m", '{"rank": 1, "time": -3}')

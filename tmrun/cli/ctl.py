@@ -300,8 +300,14 @@ def main() -> None:
     """Run tmrun-ctl; a usage mistake is one line (``tmrun: error: ...``) and exit code 2."""
     import sys
 
+    from typer.main import get_command
+
+    from tmrun.cli.fast_params import plain_coercion
+
+    command = get_command(app)
+    plain_coercion(command)  # no pydantic: a third of the start-up (docs/benchmarks.md)
     try:
-        code = app(standalone_mode=False)
+        code = command(standalone_mode=False)
     except KeyboardInterrupt:
         sys.exit(130)
     except Exception as exc:  # click's (vendored by typer) usage errors: one line, not a box

@@ -117,8 +117,8 @@ class Leader:
                 else:
                     self._maybe_replace()
                     self._check_hole()
-                    for line in self._inplace.recovered():
-                        self._event("recovered", line)
+                    for recovered in self._inplace.recovered():
+                        self._event("recovered", recovered.describe(), **recovered.fields())
                     if self._pending is None and self._config.limits.max_nodes > 1:
                         self._maybe_migrate()  # (on one node the agent's controller migrates ranks)
         except Exception as exc:  # the store went away or a bug: the job cannot continue
@@ -295,5 +295,7 @@ class Leader:
     def _close_from_store(self) -> None:
         notice = ClosedNotice.decode(keys.CLOSED, self._store.get(keys.CLOSED))
         closed = planner.close(self._membership, Phase(notice.phase), notice.reason)
+        for recovered in self._inplace.recovered(final=True):  # nobody steps any more
+            self._event("recovered", recovered.describe(), **recovered.fields())
         self._publish(closed)
         self._event("closed", f"{closed.phase.value}: {closed.reason}")

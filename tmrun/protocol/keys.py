@@ -149,6 +149,18 @@ def recovered(gen: int) -> str:
     return f"recovered/{gen}"
 
 
+def timing(gen: int, rank: int) -> str:
+    """JSON RecoveryTiming: ``rank``'s instants of its recovery into ``gen`` (written when it
+    counted itself recovered, rewritten once its first step after it ended)."""
+    return f"timing/{gen}/{rank}"
+
+
+def first_steps(gen: int) -> str:
+    """Counter: members whose first step after recovering into ``gen`` ended (its
+    ``timing`` record then has ``first_step``)."""
+    return f"first_steps/{gen}"
+
+
 def node_ranks(group_rank: int) -> str:
     """JSON NodeRanks of the node at ``group_rank`` (its agent writes it; several nodes)."""
     return f"node/{group_rank}/ranks"

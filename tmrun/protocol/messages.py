@@ -8,13 +8,14 @@ names the key, instead of a traceback deep in training. Where a message lives: :
 * the in-place protocol (one controller per prefix writes generations and plans; workers
   write only reports about themselves or a peer they lost): :class:`ReplacementPlan`,
   :class:`Assignment`, :class:`WorkerReport`, :class:`AbortNotice`, :class:`StandbyReady`,
-  :class:`NodeRanks`, :class:`StandbyNode`;
+  :class:`NodeRanks`, :class:`StandbyNode`, :class:`RecoveryTiming`;
 * operators: :class:`MigrateRequest`.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -129,6 +130,7 @@ class MigrateRequest:
     rank: int = -1
     reason: str = "operator request"
     node: int = -1
+    time: float = field(default=0.0, compare=False)  # when it was asked (Unix time; 0: unknown)
 
     def encode(self) -> str:
         return json.dumps(asdict(self))
@@ -137,9 +139,11 @@ class MigrateRequest:
     def decode(cls, key: str, raw: bytes | str) -> MigrateRequest:
         data = _load(key, raw)
         node = data.get("node", -1)
+        reason = str(data.get("reason", "operator request"))
+        asked = _number(key, data, "time") if "time" in data else 0.0
         if node == -1:
-            return cls(rank=_int(key, data, "rank"), reason=str(data.get("reason", "operator request")))
-        return cls(node=_int(key, data, "node"), reason=str(data.get("reason", "operator request")))
+            return cls(rank=_int(key, data, "rank"), reason=reason, time=asked)
+        return cls(node=_int(key, data, "node"), reason=reason, time=asked)
 
     def describe(self) -> str:
         return f"node at group rank {self.node}" if self.node >= 0 else f"rank {self.rank}"
@@ -149,7 +153,7 @@ def request_migration(job_store: Any, rank: int = -1, reason: str = "operator re
     """Ask the controller of the job behind ``job_store`` (prefix ``tmrun/<run>/``) to migrate
     ``rank`` (or the node at group rank ``node``) to a warm standby. Returns the request's number."""
     seq = job_store.add(keys.MIGRATE_SEQ, 1) - 1
-    job_store.set(keys.migrate_request(seq), MigrateRequest(rank, reason, node).encode())
+    job_store.set(keys.migrate_request(seq), MigrateRequest(rank, reason, node, time=time.time()).encode())
     return seq
 
 
@@ -344,6 +348,36 @@ class StandbyReady(_Json):
                    finite=bool(data.get("finite")), local_ops=_int(key, data, "local_ops"),
                    network_ops=_int(key, data, "network_ops"),
                    bytes_sent=_int(key, data, "bytes_sent"), bytes_recv=_int(key, data, "bytes_recv"))
+
+
+@dataclass(frozen=True)
+class RecoveryTiming(_Json):
+    """One rank's instants of its recovery into generation ``gen`` (key ``timing/<gen>/<rank>``),
+    in Unix time (``time.time()`` on the rank's host: the one clock of docs/events.md).
+
+    ``noticed``: when a collective of this rank lost a peer (None: the rank learned of the
+    change from the plan, or is the joiner); ``connected``: its links to the new generation are
+    up (a survivor's commit, a joiner's connection); ``healed``: the state agreed and moved,
+    just before it counted itself recovered; ``first_step``: the end of its first step after
+    the recovery (None until then)."""
+
+    rank: int
+    gen: int
+    connected: float
+    healed: float
+    noticed: float | None = None
+    first_step: float | None = None
+
+    @classmethod
+    def decode(cls, key: str, raw: bytes | str) -> RecoveryTiming:
+        data = _load(key, raw)
+
+        def optional(name: str) -> float | None:
+            return None if data.get(name) is None else _number(key, data, name)
+
+        return cls(rank=_int(key, data, "rank"), gen=_int(key, data, "gen", 1),
+                   connected=_number(key, data, "connected"), healed=_number(key, data, "healed"),
+                   noticed=optional("noticed"), first_step=optional("first_step"))
 
 
 # ---- events -----------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -63,6 +64,8 @@ class Context:
         self.stop_requested = False  # SIGTERM to a standby
         self.ddp_used = False
         self.recoveries: list[dict[str, float | int]] = []
+        self.loss_noticed: float | None = None  # Unix time a collective lost a peer (the change under way)
+        self.first_step_due: proto.RecoveryTiming | None = None  # published when healed; first_step follows
         self.drills = DrillRunner.from_environ(-1 if standby else self.rank, promoted=False)
         self.progress = ProgressWriter(env.progress_dir if env.mode is not Mode.PLAIN else "")
 
@@ -115,6 +118,25 @@ class Context:
             store.set(keys.JOB_ID, group.comm().job_id)
         store.set(keys.API, "1")
         store.add(keys.MEMBERS, 1)
+
+    # -- the recovery's instants (docs/events.md; one clock: time.time()) ----------------------------
+
+    def publish_healed(self, connected: float) -> None:
+        """This rank's instants of its recovery into ``gen`` (before it counts itself recovered)."""
+        timing = proto.RecoveryTiming(rank=self.rank, gen=self.gen, connected=connected, healed=time.time(),
+                                      noticed=self.loss_noticed)
+        self.require_store().set(keys.timing(self.gen, self.rank), timing.encode())
+        self.loss_noticed = None
+        self.first_step_due = timing
+
+    def publish_first_step(self) -> None:
+        """After the first step committed since a recovery: its end, then the counter."""
+        timing, self.first_step_due = self.first_step_due, None
+        if timing is None or timing.gen != self.gen:
+            return  # a later change came first: its record is the one that counts
+        store = self.require_store()
+        store.set(keys.timing(timing.gen, self.rank), replace(timing, first_step=time.time()).encode())
+        store.add(keys.first_steps(timing.gen), 1)
 
     # -- waiting for the controller ---------------------------------------------------------------
 

@@ -54,6 +54,8 @@ class StepLoop:
                 continue
             ctx.committed_step = step
             self._progress(step)
+            if ctx.first_step_due is not None:
+                ctx.publish_first_step()  # the recovery's last phase (docs/events.md)
             plan = self._recovery.pending_plan()
             if plan is not None and not plan.planned:
                 step = self._recovery.recover()  # a failure elsewhere: this rank's step went through

@@ -62,7 +62,7 @@ class Migration:
         ctx.life.to(Role.SWITCHING)
         group.comm().commit()  # phase 2, at the step boundary
         ctx.gen = plan.gen
-        return heal(ctx, started=started, aborted_step=-1)
+        return heal(ctx, started=started, aborted_step=-1, connected=time.time())
 
     def _handoff_comm(self, plan_gen: int, rank: int) -> Any:
         """A 2-member link between this rank's leaver (0) and joiner (1), made for generation

@@ -43,6 +43,7 @@ class Recovery:
         ctx = self._ctx
         lost = getattr(exc, "peer", -1)
         if ctx.aborted_by is None:
+            ctx.loss_noticed = time.time()
             ctx.aborted_by = lost if isinstance(lost, int) else -1
             self._report(ctx.aborted_by, f"{type(exc).__name__}: {exc}")
         return True  # absorbed: the step is aborted, not the program
@@ -101,10 +102,11 @@ class Recovery:
                 # the native communicator's "epoch" is the generation
                 native.prepare_replacement(ctx.comm_store(), comm, plan.replaced.keys(), plan.gen)
                 comm.commit()
+                connected = time.time()
                 ctx.gen = plan.gen
                 group.clear_aborted()
                 ctx.aborted_by = None
-                return heal(ctx, started=started, aborted_step=aborted_step)
+                return heal(ctx, started=started, aborted_step=aborted_step, connected=connected)
             except native.CommError as exc:
                 ctx.gen = max(ctx.gen, plan.gen)
                 ctx.aborted_by = None
@@ -112,9 +114,11 @@ class Recovery:
                 log(f"rank {ctx.rank}: lost a member again during recovery ({exc}); waiting for the next plan")
 
 
-def heal(ctx: Context, started: float, aborted_step: int) -> int:
+def heal(ctx: Context, started: float, aborted_step: int, connected: float) -> int:
     """Agree on the last committed step, move the state to whoever is behind, restore the random
-    state the resumed step needs; the rank is ACTIVE afterwards. Returns the step to resume at."""
+    state the resumed step needs; the rank is ACTIVE afterwards. Returns the step to resume at.
+    ``started`` (monotonic) is for the log; ``connected`` (Unix time) is when this rank's links
+    to the new generation were up, published with the other instants of its recovery."""
     store = ctx.require_store()
     comm = group.comm()
     plan = agree(comm, ctx.committed_step, ctx.tracked.layout_digest(), ctx.fresh)
@@ -128,6 +132,7 @@ def heal(ctx: Context, started: float, aborted_step: int) -> int:
     comm.barrier()
     ctx.fresh = False
     ctx.committed_step = plan.target_step
+    ctx.publish_healed(connected)
     store.add(keys.recovered(ctx.gen), 1)
     elapsed = time.monotonic() - started
     ctx.recoveries.append({"gen": ctx.gen, "seconds": elapsed, "resume": resume, "bytes": moved})

@@ -104,6 +104,7 @@ class Standby:
             ctx.comm_store(), assignment.rank, ctx.world_size, job_id, assignment.gen, timeout=ctx.env.comm_timeout,
             connect_timeout=ctx.env.recovery_timeout,
         )
+        connected = time.time()
         group.attach(comm)
         group.set_failure_handler(self._recovery.on_comm_failure)
         ctx.rank = assignment.rank
@@ -116,7 +117,7 @@ class Standby:
         try:
             if assignment.planned:
                 self._migration.take_over(assignment.gen)
-            return heal(ctx, started=started, aborted_step=-1)
+            return heal(ctx, started=started, aborted_step=-1, connected=connected)
         except native.CommError as exc:
             self._recovery.on_comm_failure(exc)
             log(f"rank {ctx.rank}: lost a member while joining ({exc}); waiting for the next plan")

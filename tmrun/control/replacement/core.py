@@ -21,11 +21,13 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from torch.distributed import Store
 
 from tmrun.console import say
+from tmrun.control import phases as recovery_phases
 from tmrun.protocol import keys
 from tmrun.protocol import messages as proto
 
@@ -138,12 +140,21 @@ class Generations:
         return self._store.check([keys.ABORT])
 
 
+FIRST_STEP_WAIT = 60.0  # seconds a recovery's event waits for every rank's first step after it
+
+
 @dataclass
 class _Recovery:
     store: Store
     gen: int
     world_size: int
-    started: float
+    started: float  # monotonic: the failure seen (or the migration request taken)
+    seen: float  # the same instant in Unix time
+    published: float  # Unix time: the plan was in the store
+    asked: float | None  # Unix time of a migration's request
+    seconds: float | None = None  # once every rank recovered: started -> then
+    recovered_at: float = 0.0  # Unix time, idem
+    recovered_mono: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -151,35 +162,83 @@ class Recovered:
     gen: int
     world_size: int
     seconds: float  # from the failure (or the migration request) to the last rank's recovery
+    phases: dict[str, Any] = field(default_factory=dict)  # control.phases: seconds per phase
+    marks: dict[str, float | None] = field(default_factory=dict)  # control.phases: the instants
 
     def describe(self) -> str:
         return f"generation {self.gen}: all {self.world_size} ranks back in {self.seconds:.3f}s"
 
+    def fields(self) -> dict[str, Any]:
+        """The ``recovered`` event's structured fields (docs/events.md)."""
+        return {"gen": self.gen, "seconds": round(self.seconds, 6), "phases": self.phases, "marks": self.marks}
+
 
 class Recoveries:
-    """Published generations whose ranks are still recovering."""
+    """Published generations whose ranks are still recovering, then (the event's phases) whose
+    ranks have not all completed their first step after it."""
 
-    def __init__(self) -> None:
+    def __init__(self, first_step_wait: float = FIRST_STEP_WAIT) -> None:
         self._awaiting: list[_Recovery] = []
+        self._finishing: list[_Recovery] = []
+        self._first_step_wait = first_step_wait
 
-    def begin(self, store: Store, gen: int, world_size: int, started: float) -> None:
-        self._awaiting.append(_Recovery(store, gen, world_size, started))
+    def begin(self, store: Store, gen: int, world_size: int, started: float, asked: float | None = None) -> None:
+        """Generation ``gen`` was just published; ``started`` (monotonic) is when the failure was
+        seen or the migration request taken, ``asked`` (Unix time) when a migration was asked."""
+        now = time.time()
+        seen = now - max(0.0, time.monotonic() - started)
+        self._awaiting.append(_Recovery(store, gen, world_size, started, seen, now, asked or None))
 
     def __bool__(self) -> bool:
+        """True while a published generation's ranks are still recovering."""
         return bool(self._awaiting)
 
     def poll(self) -> list[Recovered]:
-        """Generations whose every rank recovered since the last call; drops those superseded
-        by a later generation or abandoned."""
+        """Generations whose every rank recovered since the last call (their phases follow from
+        :meth:`completed`); drops those superseded by a later generation or abandoned."""
         finished = []
         for recovery in list(self._awaiting):
             store = recovery.store
             if store.add(keys.recovered(recovery.gen), 0) >= recovery.world_size:
                 self._awaiting.remove(recovery)
-                finished.append(Recovered(recovery.gen, recovery.world_size, time.monotonic() - recovery.started))
+                recovery.recovered_mono = time.monotonic()
+                recovery.recovered_at = time.time()
+                recovery.seconds = recovery.recovered_mono - recovery.started
+                self._finishing.append(recovery)
+                finished.append(Recovered(recovery.gen, recovery.world_size, recovery.seconds))
             elif proto.read_gen(store) > recovery.gen or store.check([keys.ABORT]):
                 self._awaiting.remove(recovery)
         return finished
+
+    def completed(self, final: bool = False) -> list[Recovered]:
+        """Recovered generations with their phases, once every rank completed its first step
+        after the recovery, a later generation or an abandonment came first, the wait ran out, or
+        ``final`` (the job is ending: nobody steps any more)."""
+        done = []
+        for recovery in list(self._finishing):
+            store = recovery.store
+            if not (final or store.add(keys.first_steps(recovery.gen), 0) >= recovery.world_size
+                    or time.monotonic() - recovery.recovered_mono > self._first_step_wait
+                    or proto.read_gen(store) > recovery.gen or store.check([keys.ABORT])):
+                continue
+            self._finishing.remove(recovery)
+            done.append(self._with_phases(recovery))
+        return done
+
+    @staticmethod
+    def _with_phases(recovery: _Recovery) -> Recovered:
+        timings = []
+        for rank in range(recovery.world_size):
+            key = keys.timing(recovery.gen, rank)
+            try:
+                if recovery.store.check([key]):
+                    timings.append(proto.RecoveryTiming.decode(key, recovery.store.get(key)))
+            except proto.ProtocolMessageError as exc:
+                say(f"ignored a malformed recovery timing: {exc}")
+        seconds = recovery.seconds or 0.0
+        at = recovery_phases.marks(timings, recovery.world_size, recovery.seen, recovery.published, recovery.asked)
+        return Recovered(recovery.gen, recovery.world_size, seconds,
+                         recovery_phases.phases(at, recovery.recovered_at, seconds), at)
 
 
 # ---- inboxes --------------------------------------------------------------------------------------------

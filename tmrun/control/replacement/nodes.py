@@ -118,7 +118,7 @@ class NodeReplacement:
 
     def _publish(self, store: Store, membership: Membership, ranks: list[list[int]], moves: dict[int, int],
                  standby_ids: dict[int, list[int]], dead: set[int], planned: bool,
-                 started: float) -> tuple[Membership, str]:
+                 started: float, asked: float = 0.0) -> tuple[Membership, str]:
         """Generation gen+1 of the epoch: each node in ``moves`` is replaced by its standby node."""
         world_size = sum(len(r) for r in ranks)
         replaced: dict[int, int] = {}
@@ -128,7 +128,7 @@ class NodeReplacement:
             store.set(keys.node_ranks(group_rank), proto.NodeRanks(node_id, ranks[group_rank]).encode())
         swapped = planner.replace_in_place(membership, moves, dead)
         gen = core.Generations(store).publish(world_size, replaced, swapped.reason, planned)
-        self._recoveries.begin(store, gen, world_size, started)
+        self._recoveries.begin(store, gen, world_size, started, asked=asked)
         ranks_moved = ", ".join(f"{rank}->standby {sid}" for rank, sid in sorted(replaced.items()))
         return swapped, f"generation {gen}: {swapped.reason} (ranks {ranks_moved})"
 
@@ -161,14 +161,17 @@ class NodeReplacement:
                 continue
             node_id, ids = standby[0]
             swapped, why = self._publish(store, membership, ranks, {membership.active[group_rank]: node_id},
-                                         {node_id: ids}, set(), planned=True, started=time.monotonic())
+                                         {node_id: ids}, set(), planned=True, started=time.monotonic(),
+                                         asked=request.time)
             events.append(("migrate", f"{why}: {request.reason}"))
             return swapped, events
         return None, events
 
-    def recovered(self) -> list[str]:
-        """Lines for the event log: generations whose every rank finished recovering."""
-        return [recovered.describe() for recovered in self._recoveries.poll()]
+    def recovered(self, final: bool = False) -> list[core.Recovered]:
+        """Generations whose every rank finished recovering, for the event log, with their phases:
+        each once its ranks completed their first step after it (or ``final``: the job ends)."""
+        self._recoveries.poll()
+        return self._recoveries.completed(final=final)
 
 
 @dataclass
@@ -194,6 +197,7 @@ class NodeWatch:
         self._gen = -1
         self.slots = core.Slots()
         self.failed = False
+        self._waiting_for_standby: set[int] = set()  # ranks to migrate once a standby node is warm
         self._mirror_gen()
 
     def adopt(self, processes: dict[int, subprocess.Popen[bytes]], promoted: bool) -> None:
@@ -237,9 +241,32 @@ class NodeWatch:
         for rank, kind, why in findings.migrate:
             if self._job is None:
                 continue
+            if busy or not self._standby_node_warm():  # the leader would refuse: ask once one is
+                if rank not in self._waiting_for_standby:
+                    self._waiting_for_standby.add(rank)
+                    say(f"rank {rank}: {why}; this node moves once a standby node is warm")
+                detection.retry(rank) if kind == "straggler" else detection.gpu_retry(rank, why)
+                continue
+            self._waiting_for_standby.discard(rank)
             say(f"rank {rank}: {why}; asking for a migration of this node")
             record_event(self._job, kind, self._gen, f"rank {rank}: {why}")
             proto.request_migration(self._job, rank, why)
+        return False
+
+    def _standby_node_warm(self) -> bool:
+        """True when a standby node of this node's size has every standby worker warm (what
+        the leader's migration needs), read from the membership and the epoch's store."""
+        assert self._job is not None
+        if not self._job.check([keys.STATE]):
+            return False
+        membership = Membership.from_json(self._job.get(keys.STATE))
+        for node_id in membership.standby:
+            key = keys.standby_node(node_id)
+            if not self._store.check([key]):
+                continue
+            ids = proto.StandbyNode.decode(key, self._store.get(key)).ids
+            if len(ids) == len(self.slots.ranks()) and core.standbys_ready(self._store, ids):
+                return True
         return False
 
     def _mirror_gen(self) -> None:

@@ -89,12 +89,7 @@ class ProcessReplacement:
             self._pool.fill()
         self._fence_reported()
         self._detect()
-        for recovered in self._recoveries.poll():
-            self._refill_at = time.monotonic() + self._refill_delay
-            say(f"generation {recovered.gen}: all {recovered.world_size} ranks recovered, "
-                f"{recovered.seconds:.3f}s after the change began")
-            record_event(self._events, "recovered", recovered.gen,
-                         f"{recovered.world_size} ranks back in {recovered.seconds:.3f}s")
+        self._recovered(final=False)
         self.slots.reap_leavers()
         for request in self._migrations.requests(lambda: bool(self._recoveries) or not self.enabled()):
             if isinstance(request, proto.ProtocolMessageError):
@@ -104,8 +99,23 @@ class ProcessReplacement:
         for rank, code in self.slots.failed().items():
             outcome = self._replace(rank, code)
             if outcome is not None:
+                self._recovered(final=True)
                 return outcome
-        return Outcome(finished=self.slots.all_succeeded())
+        finished = self.slots.all_succeeded()
+        if finished:
+            self._recovered(final=True)  # every rank is done: no first step is coming
+        return Outcome(finished=finished)
+
+    def _recovered(self, final: bool) -> None:
+        """Say when every rank recovered; record the ``recovered`` event, with its phases, once
+        every rank completed its first step after it (core.Recoveries.completed)."""
+        for recovered in self._recoveries.poll():
+            self._refill_at = time.monotonic() + self._refill_delay
+            say(f"generation {recovered.gen}: all {recovered.world_size} ranks recovered, "
+                f"{recovered.seconds:.3f}s after the change began")
+        for recovered in self._recoveries.completed(final=final):
+            record_event(self._events, "recovered", recovered.gen,
+                         f"{recovered.world_size} ranks back in {recovered.seconds:.3f}s", **recovered.fields())
 
     def _detect(self) -> None:
         """Hung ranks are fenced (and replaced below, as failed ranks); stragglers and ranks on an
@@ -154,7 +164,7 @@ class ProcessReplacement:
         if member is None:
             return self._refuse(f"rank {request.rank}", "no warm standby")
         detail = f"rank {request.rank} (pid {slot.pid}) -> standby {member.index} (pid {member.process.pid}): {request.reason}"
-        self._promote(request.rank, member, time.monotonic(), request.reason, planned=True)
+        self._promote(request.rank, member, time.monotonic(), request.reason, planned=True, asked=request.time)
         say(f"planned migration, generation {self.gen}: {detail}")
         record_event(self._events, "migrate", self.gen, detail)
         return True
@@ -212,10 +222,11 @@ class ProcessReplacement:
         record_event(self._events, "replace", self.gen, detail)
         return None
 
-    def _promote(self, rank: int, member: StandbyProcess, started: float, reason: str, planned: bool) -> None:
+    def _promote(self, rank: int, member: StandbyProcess, started: float, reason: str, planned: bool,
+                 asked: float = 0.0) -> None:
         """Publish a generation in which ``member`` plays ``rank``, and take it from the pool."""
         self.gen = self._generations.publish(self._world_size, {rank: member.index}, reason, planned)
-        self._recoveries.begin(self._store, self.gen, self._world_size, started)
+        self._recoveries.begin(self._store, self.gen, self._world_size, started, asked=asked)
         self._pool.take(member)
         self.slots.replace(rank, member.process, leaving=planned)
 
