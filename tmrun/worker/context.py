@@ -143,6 +143,15 @@ class Context:
     def await_key(self, key: str, deadline: float, poll: float = POLL) -> bytes:
         """Wait for ``key`` (polled: a timed-out store wait would log a warning each time),
         watching for the controller's abort, SIGTERM, the agent's death and ``deadline``."""
+        try:
+            return self._await_key(key, deadline, poll)
+        except dist.DistError as exc:  # the store's host (the leader's node) is gone
+            if self.env.mode is Mode.STANDBY:
+                log(f"the job's store is gone ({type(exc).__name__}); this standby exits")
+                raise SystemExit(1) from None
+            raise RecoveryError(f"lost the job's store while waiting for {key} ({type(exc).__name__})") from None
+
+    def _await_key(self, key: str, deadline: float, poll: float) -> bytes:
         store = self.require_store()
         polls = 0
         while True:

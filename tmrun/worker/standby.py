@@ -37,6 +37,8 @@ class Standby:
 
     def on_term(self, signum: int, frame: object) -> None:
         """SIGTERM: a standby stops at its next check; a promoted one exits at once."""
+        if self._ctx.stop_requested:
+            return  # already stopping (SLURM signals every process of a step, the agent its workers)
         self._ctx.stop_requested = True
         if not self._ctx.life.is_(Role.STANDBY):
             raise SystemExit(128 + signum)

@@ -142,6 +142,8 @@ def test_store_host_lost_every_other_node_stops_with_one_line(slurm: SlurmCluste
     tasks = [tmp_path / f"task-{task}.out" for task in range(3)]
     assert wait_until(lambda: any("warm after" in t.read_text() for t in tasks if t.exists()), 150), out.read_text()
     slurm.lose_node("n0")
+    said = "tmrun: error: lost the job's store at"
+    assert wait_until(lambda: all(said in t.read_text() for t in tasks[1:]), 60), [t.read_text() for t in tasks[1:]]
     assert wait_until(lambda: not slurm.job_processes("n1") and not slurm.job_processes("n2"), 60), (
         [t.read_text() for t in tasks[1:]])
     for task in tasks[1:]:
