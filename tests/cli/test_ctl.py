@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
+import os
 from pathlib import Path
 
 import pytest
@@ -215,3 +216,17 @@ def test_usage_mistakes_are_one_line(tmp_path: Path) -> None:
         lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
         assert result.returncode == 2 and len(lines) == 1 and needle in lines[0], (args, lines)
         assert lines[0].startswith("tmrun: error: ")
+
+
+def test_located_in_a_slurm_allocation_by_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No job on this host, inside a SLURM allocation: the leader's endpoint is on the first node,
+    at the port of the step the run id names (step 0 by default)."""
+    from tmrun.cli.ctl import _locate
+
+    monkeypatch.setenv("TMRUN_STATE_DIR", str(tmp_path / "empty"))
+    for key in [k for k in os.environ if k.startswith("SLURM")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "localhost")
+    assert _locate(None, None) == ("localhost", 30400 + 242)
+    assert _locate("slurm-4242.1", None) == ("localhost", 30400 + (4242 + 101) % 1000)

@@ -39,14 +39,9 @@ def _locate(run_id: str | None, endpoint: str | None) -> tuple[str, int]:
 
     runs = [r for r in live_runs() if run_id is None or r.get("run_id") == run_id]
     if not runs:
-        from tmrun.cli.slurm import HostlistError, slurm_defaults
-
-        try:
-            slurm = slurm_defaults(os.environ)
-        except (HostlistError, ValueError):
-            slurm = None
-        if slurm is not None:  # inside the job's SLURM allocation: the leader runs on its first node
-            return slurm.first_host, slurm.ops_port
+        located = _locate_in_slurm(run_id)
+        if located is not None:
+            return located
         which = f"with run id {run_id!r} " if run_id else ""
         raise wire.OpsError(f"no running tmrun job {which}found on this host; pass --endpoint HOST:PORT "
                             "(tmrun prints it at start: 'operations endpoint at ...')")
@@ -54,6 +49,30 @@ def _locate(run_id: str | None, endpoint: str | None) -> tuple[str, int]:
     if not ops:
         raise wire.OpsError(f"job {runs[0].get('run_id')} was started by a tmrun without an operations endpoint")
     return wire.parse_address(ops)
+
+
+def _locate_in_slurm(run_id: str | None) -> tuple[str, int] | None:
+    """Inside the job's SLURM allocation: the leader's endpoint on the step's first node, for the
+    step that ``run_id`` (``slurm-JOB.STEP``) names, else step 0."""
+    import re
+
+    from tmrun.cli.slurm import OPS_BASE_PORT, HostlistError, node_address, slurm_defaults, step_port_offset
+
+    try:
+        slurm = slurm_defaults(os.environ)
+    except (HostlistError, ValueError):
+        return None
+    if slurm is None:
+        return None
+    port = slurm.ops_port
+    named = re.fullmatch(r"slurm-(\d+)\.(\d+)", run_id or "")
+    if named:
+        port = OPS_BASE_PORT + step_port_offset(named.group(1), named.group(2))
+    try:
+        host = node_address(slurm.first_host, os.environ)
+    except ValueError:
+        host = slurm.first_host
+    return host, port
 
 
 def _ask(run_id: str | None, endpoint: str | None, request: dict[str, Any], timeout: float) -> dict[str, Any]:
