@@ -167,15 +167,22 @@ class SlurmCluster:
     # --- processes --------------------------------------------------------------------------
 
     def started_processes(self) -> list[psutil.Process]:
-        """Every live process that carries this cluster's marker (daemons, step daemons, jobs)."""
+        """Every live process this cluster started: the daemons and jobs carry its marker; a step
+        daemon overwrites its environment with its title (``slurmstepd: [1.0]``), so it is known
+        by its socket in this cluster's spool directory."""
         found = []
-        for process in psutil.process_iter(["pid"]):
+        for process in psutil.process_iter(["pid", "name"]):
             try:
-                if process.environ().get(MARKER) == str(self.root):
+                if process.environ().get(MARKER) == str(self.root) or self._own_step_daemon(process):
                     found.append(process)
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue
         return found
+
+    def _own_step_daemon(self, process: psutil.Process) -> bool:
+        if not str(process.info.get("name") or "").startswith("slurmstepd"):
+            return False
+        return any(str(c.laddr).startswith(str(self.root)) for c in process.net_connections(kind="unix"))
 
     def job_processes(self, node: str | None = None) -> list[psutil.Process]:
         """Processes of jobs (anything with SLURM_JOB_ID), optionally those on one node."""

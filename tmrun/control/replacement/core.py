@@ -244,6 +244,32 @@ class Recoveries:
 # ---- inboxes --------------------------------------------------------------------------------------------
 
 
+class MigrationsWaiting:
+    """Ranks that detection wants moved while no warm standby can take them (or a recovery is
+    under way): each is said once, and detection asks again later."""
+
+    def __init__(self, moves: str) -> None:
+        self._moves = moves  # what the line says happens: "it moves", "this node moves"
+        self._ranks: set[int] = set()
+
+    def wait(self, detection: Any, rank: int, kind: str, why: str, standby: str) -> None:
+        if rank not in self._ranks:
+            self._ranks.add(rank)
+            say(f"rank {rank}: {why}; {self._moves} once a {standby} is warm")
+        ask_again(detection, rank, kind, why)
+
+    def done(self, rank: int) -> None:
+        self._ranks.discard(rank)
+
+
+def ask_again(detection: Any, rank: int, kind: str, why: str) -> None:
+    """Detection reports ``rank`` again later (a straggler, or a GPU found unhealthy)."""
+    if kind == "straggler":
+        detection.retry(rank)
+    else:
+        detection.gpu_retry(rank, why)
+
+
 class MigrationInbox:
     """Operators' migration requests (job level: ``tmrun-ctl migrate``, ``tm.migrate()``)."""
 

@@ -197,7 +197,7 @@ class NodeWatch:
         self._gen = -1
         self.slots = core.Slots()
         self.failed = False
-        self._waiting_for_standby: set[int] = set()  # ranks to migrate once a standby node is warm
+        self._waiting_for_standby = core.MigrationsWaiting("this node moves")  # ranks to move once a standby node is warm
         self._mirror_gen()
 
     def adopt(self, processes: dict[int, subprocess.Popen[bytes]], promoted: bool) -> None:
@@ -242,12 +242,9 @@ class NodeWatch:
             if self._job is None:
                 continue
             if busy or not self._standby_node_warm():  # the leader would refuse: ask once one is
-                if rank not in self._waiting_for_standby:
-                    self._waiting_for_standby.add(rank)
-                    say(f"rank {rank}: {why}; this node moves once a standby node is warm")
-                detection.retry(rank) if kind == "straggler" else detection.gpu_retry(rank, why)
+                self._waiting_for_standby.wait(detection, rank, kind, why, "standby node")
                 continue
-            self._waiting_for_standby.discard(rank)
+            self._waiting_for_standby.done(rank)
             say(f"rank {rank}: {why}; asking for a migration of this node")
             record_event(self._job, kind, self._gen, f"rank {rank}: {why}")
             proto.request_migration(self._job, rank, why)

@@ -73,7 +73,7 @@ class ProcessReplacement:
         self.gen = 0
         self.replacements = 0
         self.detection = detection  # hangs, stragglers, unhealthy GPUs (control.detection)
-        self._waiting_for_standby: set[int] = set()  # ranks to migrate once a standby is warm
+        self._waiting_for_standby = core.MigrationsWaiting("it moves")  # ranks to move once a standby is warm
 
     def adopt(self, processes: dict[int, subprocess.Popen[bytes]]) -> None:
         """The worker group just started: ``processes`` rank -> its process."""
@@ -136,16 +136,13 @@ class ProcessReplacement:
             slot.fence()
         for rank, kind, why in findings.migrate:
             if self._recoveries or self._ready_standby() is None:  # ask again once a standby is warm
-                if rank not in self._waiting_for_standby:
-                    self._waiting_for_standby.add(rank)
-                    say(f"rank {rank}: {why}; it moves once a standby is warm")
-                detection.retry(rank) if kind == "straggler" else detection.gpu_retry(rank, why)
+                self._waiting_for_standby.wait(detection, rank, kind, why, "standby")
                 continue
-            self._waiting_for_standby.discard(rank)
+            self._waiting_for_standby.done(rank)
             say(f"rank {rank}: {why}; migrating it to a standby")
             record_event(self._events, kind, self.gen, f"rank {rank}: {why}")
             if not self._migrate(proto.MigrateRequest(rank=rank, reason=why)):
-                detection.retry(rank) if kind == "straggler" else detection.gpu_retry(rank, why)
+                core.ask_again(detection, rank, kind, why)
 
     def _refuse(self, what: str, why: str) -> bool:
         say(f"migration of {what} refused: {why}")
