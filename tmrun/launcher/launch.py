@@ -212,6 +212,8 @@ def _run(agent: TmrunAgent, handler: TmrunRendezvousHandler | None) -> int:
         raise LaunchError(f"rendezvous failed: {exc}") from None
     except DistError as exc:  # the store's connection failed: its host (the leader's node) is gone
         where = f" at {handler.endpoint}" if handler is not None else ""
+        if handler is not None:
+            handler.store_lost = True  # nothing to say goodbye to
         raise LaunchError(f"lost the job's store{where}: its host is gone ({type(exc).__name__}); "
                           "this node stops (surviving that needs a store outside the job)") from None
     if result.is_failed():

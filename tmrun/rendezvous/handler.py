@@ -136,6 +136,7 @@ class TmrunRendezvousHandler(RendezvousHandler):
         self._start_leader_with = start_leader
         self._beacon: LivenessBeacon | None = None
         self._left = False
+        self.store_lost = False  # set when the store's connection failed (its host is gone)
         # called while this node stands by, with the current membership (the agent keeps its
         # standby workers warm for the active group's epoch)
         self.on_standby: Callable[[Membership], None] | None = None
@@ -268,6 +269,8 @@ class TmrunRendezvousHandler(RendezvousHandler):
         self._left = True
         if self._beacon is not None:
             self._beacon.close()
+        if self.store_lost:
+            return  # the store's host is gone: nobody to tell, and each store call could wait
         try:
             if self.node_id is not None:
                 self.store.add(keys.LEFT, 1)

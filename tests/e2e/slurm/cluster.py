@@ -1,5 +1,5 @@
-"""A real SLURM cluster on loopback for the tests: munged, slurmctld and three slurmd
-(``slurmd -N n0|n1|n2``) on this host, every file under one temporary directory, every port free
+"""A real SLURM cluster on loopback for the tests: munged, slurmctld and nine slurmd
+(``slurmd -N n0 ... n8``) on this host, every file under one temporary directory, every port free
 when chosen. Nothing here fakes SLURM: jobs are submitted with the real ``sbatch``/``srun``.
 
 Every daemon is started with a marker in its environment (``TMRUN_TEST_SLURM=<root>``); the step
@@ -16,6 +16,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import psutil
 
-NODES = ("n0", "n1", "n2")
+NODES = tuple(f"n{i}" for i in range(9))  # three groups of three: scenarios run side by side
 MARKER = "TMRUN_TEST_SLURM"
 _BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel")
 
@@ -102,6 +103,7 @@ class SlurmCluster:
     root: Path
     slurmd_timeout: int = 10  # a node that stops answering is marked down some 20 s later
     daemons: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    submitted: list[tuple[int, int]] = field(default_factory=list)  # (thread, job id) of every sbatch
 
     @property
     def conf(self) -> Path:
@@ -142,6 +144,26 @@ class SlurmCluster:
         self.daemons[key] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                              stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
+
+    def cancel(self, job_ids: Sequence[int], timeout: float = 30) -> None:
+        """Cancel these jobs and wait until none of their processes is left (a job on a lost node
+        stays COMPLETING in SLURM until the node is down: its processes are what matter)."""
+        if not job_ids:
+            return
+        subprocess.run(["scancel", *map(str, job_ids)], env=self.env(), timeout=15, check=False,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        ids = {str(job_id) for job_id in job_ids}
+
+        def gone() -> bool:
+            for process in self.job_processes():
+                try:
+                    if process.environ().get("SLURM_JOB_ID") in ids:
+                        return False
+                except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                    continue
+            return True
+
+        self._wait(gone, timeout, None)
 
     def cancel_all(self, timeout: float = 30) -> None:
         """Cancel every job of this cluster and wait until their processes are gone."""
@@ -229,7 +251,9 @@ class SlurmCluster:
         path.write_text(script)
         result = subprocess.run(["sbatch", "--parsable", str(path), *args], env=self.env(**(extra_env or {})),
                                 cwd=cwd, capture_output=True, text=True, timeout=30, check=True)
-        return int(result.stdout.strip().split(";")[0])
+        job_id = int(result.stdout.strip().split(";")[0])
+        self.submitted.append((threading.get_ident(), job_id))
+        return job_id
 
     def scancel(self, job_id: int) -> None:
         subprocess.run(["scancel", str(job_id)], env=self.env(), timeout=15, check=True)
@@ -257,16 +281,16 @@ class SlurmCluster:
         match = re.search(r"\bState=(\S+)", self.scontrol("show", "node", node))
         return match.group(1) if match else ""
 
-    def _all_idle(self) -> bool:
-        return all(self.node_state(name).startswith("IDLE") for name in NODES)
+    def _all_idle(self, nodes: Sequence[str] = NODES) -> bool:
+        return all(self.node_state(name).startswith("IDLE") for name in nodes)
 
-    def wait_idle(self, timeout: float = 60) -> None:
-        """Every node back in service and idle (a lost node's slurmd restarted first)."""
-        for name in NODES:
+    def wait_idle(self, nodes: Sequence[str] = NODES, timeout: float = 60) -> None:
+        """These nodes back in service and idle (a lost node's slurmd restarted first)."""
+        for name in nodes:
             daemon = self.daemons.get(f"slurmd-{name}")
             if daemon is None or daemon.poll() is not None:
                 self.start_node(name)
-        self._wait(self._all_idle, timeout, "the nodes did not return to idle")
+        self._wait(lambda: self._all_idle(nodes), timeout, f"nodes {','.join(nodes)} did not return to idle")
 
     @staticmethod
     def _wait(condition, timeout: float, message: str | None) -> None:  # type: ignore[no-untyped-def]
@@ -287,3 +311,6 @@ def running(root: Path) -> Iterator[SlurmCluster]:
         yield cluster
     finally:
         cluster.stop()
+    left = cluster.started_processes()
+    if left:
+        raise AssertionError(f"processes of the SLURM cluster left behind: {[p.pid for p in left]}")

@@ -3,6 +3,7 @@ loopback), skipped with the reason where this machine cannot run one."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +26,9 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmClu
 
 @pytest.fixture
 def slurm(slurm_cluster: SlurmCluster) -> Iterator[SlurmCluster]:
-    """The cluster with every node idle at the start of the test; the test's jobs cancelled after."""
-    slurm_cluster.wait_idle()
+    """The cluster; the jobs the test submits (``slurm.sbatch`` on its thread: not those of the
+    module's background scenarios) are cancelled after it."""
+    first = len(slurm_cluster.submitted)
     yield slurm_cluster
-    slurm_cluster.cancel_all()
+    me = threading.get_ident()
+    slurm_cluster.cancel([job for thread, job in slurm_cluster.submitted[first:] if thread == me])
