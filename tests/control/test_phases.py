@@ -22,8 +22,8 @@ def _t(rank: int, connected: float, healed: float, noticed: float | None = None,
 def test_a_failure_s_timeline_and_phases() -> None:
     timings = [_t(0, 100.30, 100.50, noticed=99.95, first_step=101.50), _t(1, 100.35, 100.52, first_step=101.60)]
     at = phases.marks(timings, 2, seen=100.0, published=100.10)
-    assert at == {"failed": 99.95, "seen": 100.0, "published": 100.1, "connected": 100.35, "healed": 100.52,
-                  "first_step": 101.6}
+    assert at == {"failed": 99.95, "seen": 100.0, "published": 100.1, "switch": None, "connected": 100.35,
+                  "healed": 100.52, "first_step": 101.6}
     got = phases.phases(at, recovered=100.6, seconds=0.6)
     assert got == pytest.approx({"detect": 0.05, "plan": 0.1, "connect": 0.25, "transfer": 0.17,
                                  "first_step": 1.08, "recover": 0.5, "total": 0.6})
@@ -39,10 +39,24 @@ def test_a_migration_starts_at_its_request_and_a_missing_first_step_is_null() ->
     assert got["detect"] == 0.5 and got["first_step"] is None and got["transfer"] == pytest.approx(0.3)
 
 
+def test_a_migration_s_downtime_counts_from_its_switch() -> None:
+    """Training goes on from the plan to the switch step: the downtime (the event's seconds) and
+    the connect phase count from the switch, the time trained meanwhile is the overlap."""
+    timings = [_t(0, 52.05, 52.10, noticed=52.0), _t(1, 52.06, 52.12)]  # rank 1: the joiner
+    at = phases.marks(timings, 2, seen=49.0, published=49.1, asked=48.5)
+    assert (at["failed"], at["switch"]) == (48.5, 52.0)
+    got = phases.phases(at, recovered=52.2, seconds=3.2)
+    assert got["overlap"] == pytest.approx(2.9) and got["connect"] == pytest.approx(0.06)
+    assert phases.downtime(at, recovered=52.2, seconds=3.2) == pytest.approx(0.2)
+    failure = phases.marks([_t(0, 10.2, 10.3, noticed=9.9)], 1, seen=10.0, published=10.1)
+    assert failure["switch"] is None and phases.downtime(failure, 10.4, 0.4) == 0.4  # a failure: unchanged
+    assert "overlap" not in phases.phases(failure, 10.4, 0.4)
+
+
 def test_skewed_clocks_are_clamped_into_order() -> None:
     # another host's clock is 0.2 s behind: its instants would come before the plan
     at = phases.marks([_t(0, 9.9, 10.4, first_step=10.3)], 1, seen=10.0, published=10.05)
-    values = [at[name] for name in phases.ORDER]
+    values = [at[name] for name in phases.ORDER if at[name] is not None]
     assert values == sorted(values) and at["connected"] == 10.05 and at["first_step"] == 10.4
     assert all(v is not None and v >= 0 for v in phases.phases(at, 10.5, 0.5).values())
 

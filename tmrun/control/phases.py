@@ -8,6 +8,9 @@ The timeline of one recovery, each instant no earlier than the one before it:
   peer, the controller seeing the failure, and (a migration) the request's time;
 * ``seen``: the controller saw the failure (or took the migration request);
 * ``published``: the plan of the new generation was in the store;
+* ``switch`` (a migration only): the first rank stopped at the switch step; training went on
+  from ``published`` to here, so a migration's downtime (the event's ``seconds``) counts from
+  here, and its ``connect`` phase too (``overlap`` = switch - published: trained meanwhile);
 * ``connected``: the last rank's links to the new generation were up;
 * ``healed``: the last rank had agreed and received the state (then counted itself recovered);
 * ``first_step``: the last rank's first step after the recovery ended (None: not every rank
@@ -28,7 +31,7 @@ from typing import Any
 
 from tmrun.protocol.messages import RecoveryTiming
 
-ORDER = ("failed", "seen", "published", "connected", "healed", "first_step")
+ORDER = ("failed", "seen", "published", "switch", "connected", "healed", "first_step")
 PHASES = (("detect", "failed", "seen"), ("plan", "seen", "published"), ("connect", "published", "connected"),
           ("transfer", "connected", "healed"), ("first_step", "healed", "first_step"))
 
@@ -43,12 +46,16 @@ def marks(timings: list[RecoveryTiming], world_size: int, seen: float, published
     """The recovery's instants (see the module's docstring), ordered; None where unknown.
     ``first_step`` is known only when every one of ``world_size`` ranks reported it."""
     noticed = [t.noticed for t in timings if t.noticed is not None]
-    failed = min([seen, *noticed, *([asked] if asked else [])])
+    if asked:  # a migration: a rank's "noticed" is when it stopped at the switch step
+        failed, switch = min(seen, asked), (min(noticed) if noticed else None)
+    else:
+        failed, switch = min([seen, *noticed]), None
     firsts = [t.first_step for t in timings if t.first_step is not None]
     raw: dict[str, float | None] = {
         "failed": failed,
         "seen": seen,
         "published": published,
+        "switch": switch,
         "connected": _latest(t.connected for t in timings),
         "healed": _latest(t.healed for t in timings),
         "first_step": max(firsts) if firsts and len(firsts) >= world_size else None,
@@ -64,14 +71,25 @@ def marks(timings: list[RecoveryTiming], world_size: int, seen: float, published
     return ordered
 
 
+def downtime(at: dict[str, float | None], recovered: float, seconds: float) -> float:
+    """The recovery's downtime: ``seconds`` (failure seen -> every rank recovered), except for a
+    migration whose switch is known: switch -> every rank recovered (training went on before)."""
+    switch = at.get("switch")
+    return round(max(0.0, recovered - switch), 6) if switch is not None else seconds
+
+
 def phases(at: dict[str, float | None], recovered: float, seconds: float) -> dict[str, Any]:
     """The phases in seconds from the instants ``at`` (``marks``), the time the controller saw
     every rank recovered and the recovery's ``seconds``; None where an end is unknown."""
     out: dict[str, Any] = {}
     for name, start, end in PHASES:
+        if name == "connect" and at.get("switch") is not None:
+            start = "switch"  # a migration's links are committed at the switch, not at the plan
         a, b = at.get(start), at.get(end)
         out[name] = None if a is None or b is None else round(max(0.0, b - a), 6)
-    published = at.get("published")
+    switch, published = at.get("switch"), at.get("published")
+    if switch is not None and published is not None:
+        out["overlap"] = round(max(0.0, switch - published), 6)
     out["recover"] = None if published is None else round(max(0.0, recovered - published), 6)
     out["total"] = round(seconds, 6)
     return out

@@ -356,7 +356,7 @@ class RecoveryTiming(_Json):
     in Unix time (``time.time()`` on the rank's host: the one clock of docs/events.md).
 
     ``noticed``: when a collective of this rank lost a peer (None: the rank learned of the
-    change from the plan, or is the joiner); ``connected``: its links to the new generation are
+    change from the plan, or is the joiner); in a migration, when it stopped at the switch step; ``connected``: its links to the new generation are
     up (a survivor's commit, a joiner's connection); ``healed``: the state agreed and moved,
     just before it counted itself recovered; ``first_step``: the end of its first step after
     the recovery (None until then)."""

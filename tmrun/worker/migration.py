@@ -59,6 +59,7 @@ class Migration:
         started = time.monotonic()
         if leaving:
             self._hand_over(plan, switch_at)
+        ctx.loss_noticed = time.time()  # a migration's "noticed": training stopped at the switch
         ctx.life.to(Role.SWITCHING)
         group.comm().commit()  # phase 2, at the step boundary
         ctx.gen = plan.gen

@@ -235,8 +235,8 @@ class Recoveries:
                     timings.append(proto.RecoveryTiming.decode(key, recovery.store.get(key)))
             except proto.ProtocolMessageError as exc:
                 say(f"ignored a malformed recovery timing: {exc}")
-        seconds = recovery.seconds or 0.0
         at = recovery_phases.marks(timings, recovery.world_size, recovery.seen, recovery.published, recovery.asked)
+        seconds = recovery_phases.downtime(at, recovery.recovered_at, recovery.seconds or 0.0)
         return Recovered(recovery.gen, recovery.world_size, seconds,
                          recovery_phases.phases(at, recovery.recovered_at, seconds), at)
 
