@@ -104,14 +104,19 @@ def test_migrate_writes_the_request(job) -> None:  # type: ignore[no-untyped-def
     assert MigrateRequest.decode("m", store.get(keys.migrate_request(0))) == MigrateRequest(1, "slow GPU")
 
 
+def _first_migrate_request(store) -> MigrateRequest:  # type: ignore[no-untyped-def]
+    """The first migration request tmrun-ctl writes (waited for up to 10 s)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not store.check([keys.migrate_request(0)]):
+        time.sleep(0.05)
+    return MigrateRequest.decode("m", store.get(keys.migrate_request(0)))
+
+
 def test_drain_reports_when_the_agent_left(job) -> None:  # type: ignore[no-untyped-def]
     store, _ = job
 
     def leader() -> None:  # plays the leader: moves the node, then its agent leaves
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not store.check([keys.migrate_request(0)]):
-            time.sleep(0.05)
-        request = MigrateRequest.decode("m", store.get(keys.migrate_request(0)))
+        request = _first_migrate_request(store)
         record_event(store, "migrate", 1, f"generation 1: node 2 took group rank 1 of node 1: {request.reason}")
         record_event(store, "recovered", 1, "generation 1: all 4 ranks back in 0.500s")
         record_event(store, "left", 1, "node 1 (retired): its agent left", nodes=[1])
@@ -192,10 +197,7 @@ def test_drain_when_the_job_ends_first(job) -> None:  # type: ignore[no-untyped-
     store, _ = job
 
     def leader() -> None:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not store.check([keys.migrate_request(0)]):
-            time.sleep(0.05)
-        request = MigrateRequest.decode("m", store.get(keys.migrate_request(0)))
+        request = _first_migrate_request(store)
         record_event(store, "migrate", 1, f"generation 1: node 2 replaces node 1: {request.reason}")
         record_event(store, "closed", 1, "succeeded: workers finished")
 

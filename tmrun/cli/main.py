@@ -155,6 +155,11 @@ def explicit_dests(argv: Sequence[str]) -> set[str]:
     return {dest for dest, value in parsed.items() if value is not _UNSET and value is not None}
 
 
+def _add_rdzv_conf(args: argparse.Namespace, setting: str) -> None:
+    """Append ``key=value`` to --rdzv-conf."""
+    args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf, setting]))
+
+
 def _apply_slurm(args: argparse.Namespace, given: set[str]) -> None:
     try:
         defaults = slurm_defaults(os.environ)
@@ -198,13 +203,13 @@ def _apply_slurm(args: argparse.Namespace, given: set[str]) -> None:
                 raise UsageError(str(exc)) from None
             args.rdzv_endpoint = f"{host}:{defaults.rdzv_port}"
             if "is_host" not in args.rdzv_conf:  # only the step's first node hosts the store
-                args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf, f"is_host={int(defaults.node_rank == 0)}"]))
+                _add_rdzv_conf(args, f"is_host={int(defaults.node_rank == 0)}")
         args.ops_port = defaults.ops_port  # so that tmrun-ctl finds the job from any node of the allocation
     if "rdzv_id" not in given:
         args.rdzv_id = defaults.run_id
     if "node_rank" not in given and "node_rank=" not in args.rdzv_conf:
         # the tmrun leader's hint (group rank and node id follow SLURM_NODEID), 0 included
-        args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf, f"node_rank={defaults.node_rank}"]))
+        _add_rdzv_conf(args, f"node_rank={defaults.node_rank}")
     if "master_addr" not in given:
         args.master_addr = defaults.first_host
     if defaults.node_name:
@@ -228,7 +233,7 @@ def _apply_defaults(args: argparse.Namespace, given: set[str]) -> None:
     if args.standby and "max_restarts" not in given:
         args.max_restarts = 3  # a standby is only useful if a failure may be recovered
     if args.rdzv_backend == "tmrun" and args.node_rank:
-        args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf, f"node_rank={args.node_rank}"]))
+        _add_rdzv_conf(args, f"node_rank={args.node_rank}")
     if args.rdzv_backend == "tmrun":
         args.node_rank = 0  # a hint for the tmrun leader, in rdzv_conf; torch's node_rank is the static backend's
 
@@ -365,14 +370,15 @@ def _quiet_torch_cpp_warnings() -> None:
     tmrun prints one line saying what happened. The workers keep the user's setting."""
     if "torch" in sys.modules:
         return
-    user_value = os.environ.get("TORCH_CPP_LOG_LEVEL")
-    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    name = environment.ENV_TORCH_CPP_LOG_LEVEL
+    user_value = os.environ.get(name)
+    os.environ[name] = "ERROR"
     import torch  # noqa: F401 - loads c10 with the level above
 
     if user_value is None:
-        del os.environ["TORCH_CPP_LOG_LEVEL"]
+        del os.environ[name]
     else:
-        os.environ["TORCH_CPP_LOG_LEVEL"] = user_value
+        os.environ[name] = user_value
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:

@@ -151,6 +151,20 @@ def slurm_defaults(env: Mapping[str, str]) -> SlurmDefaults | None:
                          in_step=in_step, node_name=env.get("SLURMD_NODENAME", ""))
 
 
+def scontrol(*args: str, env: Mapping[str, str] | None = None, timeout: float = 10.0) -> str | None:
+    """``scontrol ARGS``'s output, or None: no scontrol here, it failed, or it did not answer
+    within ``timeout``."""
+    path = shutil.which("scontrol")
+    if path is None:
+        return None
+    try:
+        result = subprocess.run([path, *args], capture_output=True, text=True, timeout=timeout, check=False,
+                                env=None if env is None else dict(env))
+    except (subprocess.TimeoutExpired, OSError):
+        return None
+    return result.stdout if result.returncode == 0 else None
+
+
 def node_address(name: str, env: Mapping[str, str], timeout: float = 10.0) -> str:
     """An address for the SLURM node ``name``: the name itself when it resolves, else the
     NodeAddr SLURM has for it (clusters where node names are not in DNS)."""
@@ -159,16 +173,10 @@ def node_address(name: str, env: Mapping[str, str], timeout: float = 10.0) -> st
         return name
     except socket.gaierror:
         pass
-    scontrol = shutil.which("scontrol")
-    if scontrol is None:
+    if shutil.which("scontrol") is None:
         raise SlurmStepError(f"the step's first node {name!r} does not resolve and scontrol is not here to ask "
                              "SLURM its address: pass --rdzv-endpoint HOST:PORT")
-    try:
-        shown = subprocess.run([scontrol, "show", "node", name], capture_output=True, text=True,
-                               timeout=timeout, env=dict(env), check=False).stdout
-    except subprocess.TimeoutExpired:
-        shown = ""
-    match = re.search(r"\bNodeAddr=(\S+)", shown)
+    match = re.search(r"\bNodeAddr=(\S+)", scontrol("show", "node", name, env=env, timeout=timeout) or "")
     if not match:
         raise SlurmStepError(f"the step's first node {name!r} does not resolve and SLURM gave no address for it: "
                              "pass --rdzv-endpoint HOST:PORT")

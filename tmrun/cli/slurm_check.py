@@ -14,12 +14,12 @@ when it runs on this host, as it does from a batch script) and the site configur
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import psutil
+
+from tmrun.cli.slurm import scontrol
 
 SCONTROL_TIMEOUT = 10.0
 DOCS = "docs/slurm.md"
@@ -91,22 +91,10 @@ def batch_script_no_kill(script: str) -> bool:
     return False
 
 
-def _scontrol(*args: str) -> str | None:
-    scontrol = shutil.which("scontrol")
-    if scontrol is None:
-        return None
-    try:
-        result = subprocess.run([scontrol, *args], capture_output=True, text=True, timeout=SCONTROL_TIMEOUT,
-                                check=False)
-    except (subprocess.TimeoutExpired, OSError):
-        return None
-    return result.stdout if result.returncode == 0 else None
-
-
 def _job_no_kill(job_id: str, env: Mapping[str, str]) -> bool:
     if env.get("SBATCH_NO_KILL", "") not in ("", "0"):
         return True
-    script = _scontrol("write", "batch_script", job_id, "-")  # None: not a batch job (salloc)
+    script = scontrol("write", "batch_script", job_id, "-", timeout=SCONTROL_TIMEOUT)  # None: not a batch job (salloc)
     return script is not None and batch_script_no_kill(script)
 
 
@@ -137,6 +125,6 @@ def read_kill_settings(env: Mapping[str, str]) -> KillSettings:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             step = None
     job_no_kill = _job_no_kill(job_id, env)
-    config = _scontrol("show", "config") or ""
+    config = scontrol("show", "config", timeout=SCONTROL_TIMEOUT) or ""
     match = re.search(r"^KillOnBadExit\s*=\s*(\d+)", config, re.MULTILINE)
     return KillSettings(job_no_kill, step, (match.group(1) != "0") if match else None)

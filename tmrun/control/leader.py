@@ -20,7 +20,7 @@ from tmrun.control.ops import OpsServer
 from tmrun.control.replacement.nodes import Decision, NodeReplacement
 from tmrun.protocol import keys
 from tmrun.protocol.membership import GroupLimits, Membership, Phase
-from tmrun.protocol.messages import ClosedNotice, FailureReport, NodeInfo, ProtocolMessageError
+from tmrun.protocol.messages import ClosedNotice, FailureReport, ProtocolMessageError, registered_node
 from tmrun.rendezvous.liveness import LivenessMonitor
 
 
@@ -143,13 +143,10 @@ class Leader:
     def _admit_new_nodes(self) -> None:
         count = self._store.add(keys.NODE_SEQ, 0)
         while self._known_nodes < count:
-            ordinal = self._known_nodes
-            if not self._store.check([keys.node_order(ordinal)]):
-                return  # counted but has not claimed its id yet; next round
-            node_id = int(self._store.get(keys.node_order(ordinal)))
-            if not self._store.check([keys.node_info(node_id)]):
-                return  # registered its id but not its info yet; next round
-            info = NodeInfo.decode(keys.node_info(node_id), self._store.get(keys.node_info(node_id)))
+            registered = registered_node(self._store, self._known_nodes)
+            if registered is None:
+                return  # counted but has not written its id and info yet; next round
+            node_id, info = registered
             self._known_nodes += 1
             if info.node_rank_hint >= 0:
                 self._hints[node_id] = info.node_rank_hint

@@ -11,7 +11,7 @@ from tmrun.control.events import read_events
 from tmrun.protocol import keys
 from tmrun.rendezvous.endpoint import Endpoint, EndpointError
 from tmrun.protocol.membership import Membership
-from tmrun.protocol.messages import Event, NodeInfo, ProtocolMessageError, WorkersInfo
+from tmrun.protocol.messages import Event, ProtocolMessageError, WorkersInfo, registered_node
 
 
 @dataclass(frozen=True)
@@ -51,13 +51,11 @@ def read_status(store: Store, run_id: str, endpoint: str, with_events: bool = Tr
     membership = Membership.from_json(store.get(keys.STATE))
     nodes = []
     for ordinal in range(store.add(keys.NODE_SEQ, 0)):
-        if not store.check([keys.node_order(ordinal)]):
-            continue
-        node_id = int(store.get(keys.node_order(ordinal)))
-        if not store.check([keys.node_info(node_id)]):
-            continue
         try:
-            info = NodeInfo.decode(keys.node_info(node_id), store.get(keys.node_info(node_id)))
+            registered = registered_node(store, ordinal)
+            if registered is None:
+                continue
+            node_id, info = registered
             workers = WorkersInfo(epoch=0, group_rank=None, agent_pid=info.pid)
             if store.check([keys.node_workers(node_id)]):
                 workers = WorkersInfo.decode(keys.node_workers(node_id), store.get(keys.node_workers(node_id)))

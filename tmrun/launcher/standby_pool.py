@@ -111,7 +111,7 @@ class StandbyPool:
         env = dict(os.environ)
         # a standby waits on the job's store: if its host is lost, the standby says so in one line
         # and exits, without torch's C++ warning (stack frames) first; the user's level wins
-        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        env.setdefault(environment.ENV_TORCH_CPP_LOG_LEVEL, "ERROR")
         env.update(self.worker_env)
         env.update(
             {

@@ -255,6 +255,18 @@ class NodeInfo(_Json):
                    node_rank_hint=_int(key, data, "node_rank_hint", -1), time=float(data.get("time", 0.0)))
 
 
+def registered_node(store: Any, ordinal: int) -> tuple[int, NodeInfo] | None:
+    """The ``ordinal``-th node to register: its id (``keys.node_order``) and its NodeInfo, or None
+    while it has not written both yet. A damaged NodeInfo raises ProtocolMessageError."""
+    if not store.check([keys.node_order(ordinal)]):
+        return None
+    node_id = int(store.get(keys.node_order(ordinal)))
+    key = keys.node_info(node_id)
+    if not store.check([key]):
+        return None
+    return node_id, NodeInfo.decode(key, store.get(key))
+
+
 @dataclass(frozen=True)
 class LeaderInfo(_Json):
     host: str
