@@ -28,6 +28,7 @@ from tmrun.protocol import keys, messages as proto
 from tmrun.protocol.environment import LaunchEnv, Mode
 from tmrun.worker import group
 from tmrun.worker.drills import DrillRunner
+from tmrun.worker.interrupt import StepInterrupter
 from tmrun.worker.progress import ProgressWriter
 from tmrun.worker.roles import Lifecycle, Role
 from tmrun.worker.tracked import TrackedState
@@ -62,6 +63,8 @@ class Context:
         self.step_rng: dict[str, Any] | None = None  # random state at the start of the current step
         self.fresh = False  # a joiner that has not received the state yet
         self.stop_requested = False  # SIGTERM to a standby
+        self.loop_finished = False  # steps() ran its last step (a peer's exit is no loss then)
+        self.interrupter = StepInterrupter(doomed=lambda: self.aborted_by is not None)
         self.ddp_used = False
         self.recoveries: list[dict[str, float | int]] = []
         self.loss_noticed: float | None = None  # Unix time a collective lost a peer (the change under way)

@@ -32,6 +32,7 @@ class StepLoop:
         self._standby = standby
         self._rng_published: dict[str, Any] | None = None
         self._rng_recorded_for = -1
+        self._stateful_at_start: dict[str, Any] = {}  # tracked schedulers, scalers, loaders
 
     def steps(self, total: int) -> Iterator[int]:
         ctx = self._ctx
@@ -50,6 +51,8 @@ class StepLoop:
             self._standby.end_of_step()
             self._migration.finish_handover()
             if ctx.aborted_by is not None:
+                if ctx.committed_step < step:  # undo what the aborted step advanced
+                    ctx.tracked.restore_stateful(self._stateful_at_start)
                 step = self._recovery.recover()
                 continue
             ctx.committed_step = step
@@ -64,6 +67,7 @@ class StepLoop:
             self._record_rng(step)
             if plan is not None:
                 step = self._migration.at_boundary(plan, done_step=step - 1)
+        ctx.loop_finished = True
         if ctx.in_place and not ctx.life.is_(Role.STANDBY):
             ctx.require_store().set(keys.done(ctx.rank), str(ctx.committed_step))
 
@@ -75,6 +79,8 @@ class StepLoop:
         ctx.progress.begin_step()
         ctx.fire("step")
         ctx.step_rng = rng.capture()
+        if ctx.in_place and not ctx.life.is_(Role.STANDBY):
+            self._stateful_at_start = ctx.tracked.snapshot_stateful()
         if self._rng_recorded_for != step:
             self._record_rng(step)
 

@@ -17,6 +17,7 @@ behind, and the rank resumes ACTIVE at the first step not committed everywhere.
 from __future__ import annotations
 
 import pickle
+import threading
 import time
 
 from tmrun.comm import native
@@ -31,6 +32,9 @@ class Recovery:
     def __init__(self, ctx: Context) -> None:
         self._ctx = ctx
         self._cached_plan: proto.ReplacementPlan | None = None
+        # (generation, aborted_by) change together: a loss seen by the watcher thread for the
+        # generation being left must not abort the first step of the next one
+        self._lock = threading.Lock()
 
     # -- failures (any thread) ----------------------------------------------------------------
 
@@ -40,13 +44,33 @@ class Recovery:
             # Not a lost peer: two live ranks disagree (different collectives, a foreign frame).
             # That is a bug to report, not a member to replace: it raises into the script.
             return False
-        ctx = self._ctx
         lost = getattr(exc, "peer", -1)
-        if ctx.aborted_by is None:
-            ctx.loss_noticed = time.time()
-            ctx.aborted_by = lost if isinstance(lost, int) else -1
-            self._report(ctx.aborted_by, f"{type(exc).__name__}: {exc}")
+        self._abort(lost if isinstance(lost, int) else -1, f"{type(exc).__name__}: {exc}", gen=None)
         return True  # absorbed: the step is aborted, not the program
+
+    def on_loss_seen(self, epoch: int, lost: int, protocol: bool, message: str) -> None:
+        """The loss watcher (:mod:`tmrun.worker.loss_watch`): the communicator recorded a loss
+        in generation ``epoch`` while this rank computed. Dooms the step at once (its compute
+        stops, :mod:`tmrun.worker.interrupt`) and reports the loss, unless the rank is not
+        training (recovering or joining handle their losses themselves, a finished loop has
+        none) or the peer simply finished its steps and exited."""
+        ctx = self._ctx
+        if protocol or ctx.loop_finished or not ctx.life.is_(Role.ACTIVE):
+            return
+        if lost >= 0 and ctx.require_store().check([keys.done(lost)]):
+            return  # the peer's loop ended: its process exiting is no failure
+        self._abort(lost, f"PeerLostError: {message}", gen=epoch)
+
+    def _abort(self, lost: int, detail: str, gen: int | None) -> None:
+        """Mark the current step aborted by ``lost`` (once) and report it; ``gen``: only if
+        the loss belongs to this generation."""
+        ctx = self._ctx
+        with self._lock:
+            if ctx.aborted_by is not None or (gen is not None and gen != ctx.gen):
+                return
+            ctx.loss_noticed = time.time()
+            ctx.aborted_by = max(lost, -1)
+        self._report(max(lost, -1), detail)
 
     def _report(self, lost: int, detail: str) -> None:
         ctx = self._ctx
@@ -103,13 +127,15 @@ class Recovery:
                 native.prepare_replacement(ctx.comm_store(), comm, plan.replaced.keys(), plan.gen)
                 comm.commit()
                 connected = time.time()
-                ctx.gen = plan.gen
-                group.clear_aborted()
-                ctx.aborted_by = None
+                group.clear_aborted()  # (not under _lock: the backend calls on_comm_failure under its own)
+                with self._lock:
+                    ctx.gen = plan.gen
+                    ctx.aborted_by = None
                 return heal(ctx, started=started, aborted_step=aborted_step, connected=connected)
             except native.CommError as exc:
-                ctx.gen = max(ctx.gen, plan.gen)
-                ctx.aborted_by = None
+                with self._lock:
+                    ctx.gen = max(ctx.gen, plan.gen)
+                    ctx.aborted_by = None
                 self.on_comm_failure(exc)
                 log(f"rank {ctx.rank}: lost a member again during recovery ({exc}); waiting for the next plan")
 
@@ -124,6 +150,7 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float) -> i
     plan = agree(comm, ctx.committed_step, ctx.tracked.layout_digest(), ctx.fresh)
     step_meta = {"committed_step": ctx.committed_step}
     moved, _ = transfer_state(comm, ctx.tracked, plan, step_meta, on_donate=lambda: ctx.fire("transfer"))
+    ctx.interrupter.reset_models()  # every member, every change: DDP rebuilds its buckets together
     resume = plan.target_step + 1
     if ctx.fresh:
         _adopt_rng_of(ctx, ctx.rank, resume)

@@ -34,6 +34,7 @@ from tmrun.protocol.environment import LaunchEnv
 from tmrun.worker import drills, group, optimizer as guarded
 from tmrun.worker.context import Context, RecoveryError
 from tmrun.worker.loop import StepLoop
+from tmrun.worker.loss_watch import LossWatcher
 from tmrun.worker.migration import Migration
 from tmrun.worker.recovery import Recovery
 from tmrun.worker.roles import Role
@@ -52,6 +53,8 @@ class Runtime:
         self._standby = Standby(ctx, self._recovery, self._migration)
         self._loop = StepLoop(ctx, self._recovery, self._migration, self._standby)
         ctx.connect(on_comm_failure=self._recovery.on_comm_failure, on_term=self._standby.on_term)
+        if ctx.in_place:  # a loss dooms the step at once (tmrun.worker.interrupt)
+            LossWatcher(group.comm, self._recovery.on_loss_seen).start()
 
     # -- public API -----------------------------------------------------------------------
 
@@ -110,7 +113,10 @@ class Runtime:
         "forward" and "backward" failure drills."""
         drills.install_hooks(module, self._ctx.fire)
         self._ctx.ddp_used = True
-        return tmrun_ddp.wrap(module, group.process_group(), **kwargs)
+        model = tmrun_ddp.wrap(module, group.process_group(), **kwargs)
+        if self._ctx.in_place:
+            self._ctx.interrupter.install(model)  # a doomed step stops at the next layer
+        return model
 
     def track(self, **objects: Any) -> None:
         """What a joiner receives: modules, optimizers, objects with ``state_dict`` /

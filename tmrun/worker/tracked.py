@@ -8,6 +8,7 @@ applied after. Both sides walk the objects in the same order, so a tensor's inde
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import io
 import pickle
@@ -110,6 +111,35 @@ class TrackedState:
             elif isinstance(obj, torch.optim.Optimizer):
                 found += _optimizer_tensors(name, obj)
         return found
+
+    def _stateful(self) -> dict[str, Any]:
+        return {name: obj for name, obj in self._objects.items()
+                if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer))}
+
+    def _optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        return {name: obj for name, obj in self._objects.items() if isinstance(obj, torch.optim.Optimizer)}
+
+    def snapshot_stateful(self) -> dict[str, Any]:
+        """A copy of what a step may change besides tensors: the state of every tracked object
+        that is neither a module nor an optimizer (LR schedulers, gradient scalers, data loaders,
+        samplers) and the optimizers' hyper-parameters (an LR scheduler writes ``lr`` into
+        them). Taken when a step starts, so that a step a failure aborts can be undone
+        (:meth:`restore_stateful`); the optimizers' tensors need no copy (an aborted step never
+        applies its update)."""
+        snapshot: dict[str, Any] = {name: copy.deepcopy(obj.state_dict()) for name, obj in self._stateful().items()}
+        for name, optimizer in self._optimizers().items():
+            snapshot[name] = copy.deepcopy(_optimizer_rest(optimizer)["groups"])
+        return snapshot
+
+    def restore_stateful(self, snapshot: dict[str, Any]) -> None:
+        """Put those back as :meth:`snapshot_stateful` found them (a scheduler stepped, an LR
+        changed, a scaler updated or a loader advanced by the aborted step goes back)."""
+        for name, obj in self._stateful().items():
+            if name in snapshot:
+                obj.load_state_dict(copy.deepcopy(snapshot[name]))
+        for name, optimizer in self._optimizers().items():
+            for group, values in zip(optimizer.param_groups, snapshot.get(name, [])):
+                group.update(copy.deepcopy(values))
 
     def deferrable(self) -> set[str]:
         """Names of the tensors a joiner needs only when the optimizer steps (optimizer state):

@@ -404,6 +404,22 @@ a Work. Operations run in submission order on the communicator's worker thread.)
              return d;
            })
       .def("failure", &Comm::failure, "Sticky failure of the current epoch ('' when healthy).")
+      .def(
+          "wait_failure",
+          [](const Comm& c, double timeout, int64_t ignore_epoch) -> py::object {
+            if (!(timeout >= 0.0) || timeout > 86400.0) throw std::invalid_argument("timeout must be in [0, 86400] s");
+            tmrun::tcp::FailureInfo info;
+            bool found;
+            {
+              py::gil_scoped_release r;
+              found = c.wait_failure(timeout, ignore_epoch, &info);
+            }
+            if (!found) return py::none();
+            return py::make_tuple(info.epoch, info.peer, info.protocol, info.message);
+          },
+          py::arg("timeout"), py::arg("ignore_epoch") = -1,
+          "Waits up to timeout s for a failure recorded in an epoch other than ignore_epoch (-1: any): "
+          "(epoch, lost rank or -1, protocol error, message), or None (timeout, closed).")
       .def("close", &Comm::close, py::call_guard<py::gil_scoped_release>())
       .def("__enter__", [](py::object self) { return self; })
       .def("__exit__", [](Comm& c, py::args) {

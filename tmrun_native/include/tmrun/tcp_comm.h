@@ -76,6 +76,13 @@ struct Counters {
   std::string last_reject_reason;
 };
 
+struct FailureInfo {  // a recorded failure: the epoch it poisoned, the lost rank (-1 unknown)
+  uint64_t epoch = 0;
+  int peer = -1;
+  bool protocol = false;
+  std::string message;
+};
+
 class Communicator {
  public:
   using Op = std::shared_ptr<OpState>;
@@ -125,6 +132,10 @@ class Communicator {
   std::vector<LinkInfo> links() const;
   Counters counters() const;
   std::string failure() const;  // sticky failure of this epoch ("" when healthy)
+  // Blocks (up to timeout_s) until a failure is recorded in an epoch other than ignore_epoch
+  // (-1: any); returns false on timeout or close. Lets a watcher thread learn of a loss at once,
+  // without polling, while the owner computes.
+  bool wait_failure(double timeout_s, int64_t ignore_epoch, FailureInfo* out) const;
 
   void close();  // idempotent; fails the operations still queued
   // Test hook: writes raw bytes on the link to `peer`, bypassing framing.

@@ -12,13 +12,25 @@
 namespace tmrun {
 namespace tcp {
 
+// Besides the listening socket and pending handshakes, the loop watches every open link for its
+// peer's end (POLLRDHUP: a peer process that died closes its sockets): a loss while this rank
+// computes is recorded and announced at once, not at the next heartbeat tick, so a watcher
+// (wait_failure) can stop the doomed step. Data arriving on a link is left to the operation that
+// reads it (only hang-ups wake the loop).
 void Communicator::Impl::service_loop() {
   std::vector<PendingConn> pend;
   auto next_tick = Clock::now();
+  auto links_quiet_until = Clock::now();  // an operation owns the links: let it see the hang-up
   while (!stop_) {
     std::vector<pollfd> pf;
     pf.push_back(pollfd{listen_fd_.get(), POLLIN, 0});
     for (auto& p : pend) pf.push_back(pollfd{p.fd.get(), POLLIN, 0});
+    size_t first_link = pf.size();
+    if (Clock::now() >= links_quiet_until) {
+      std::lock_guard<std::mutex> t(table_mu_);
+      for (auto& kv : links_)
+        if (!kv.second->broken && kv.second->fd.valid()) pf.push_back(pollfd{kv.second->fd.get(), POLLRDHUP, 0});
+    }
     int wait_ms = std::min(50, std::max(1, int(hb_interval_ * 1000 / 2)));
     ::poll(pf.data(), pf.size(), wait_ms);
     if (stop_) break;
@@ -30,10 +42,15 @@ void Communicator::Impl::service_loop() {
       else
         ++i;
     }
-    if (now >= next_tick) {
+    bool hung_up = false;
+    for (size_t i = first_link; i < pf.size(); ++i) hung_up = hung_up || pf[i].revents != 0;
+    if (hung_up || now >= next_tick) {
       next_tick = now + secs(hb_interval_ / 2);
       std::unique_lock<std::mutex> g(op_mu_, std::try_to_lock);
-      if (g.owns_lock()) idle_tick({});
+      if (g.owns_lock())
+        idle_tick({});
+      else if (hung_up)
+        links_quiet_until = now + std::chrono::milliseconds(5);  // the running operation will see it
     }
   }
 }

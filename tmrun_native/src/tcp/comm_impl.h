@@ -242,6 +242,7 @@ struct Communicator::Impl {
   [[noreturn]] void raise_failure();
   void check_healthy();
   std::string failure() const;
+  bool wait_failure(double timeout_s, int64_t ignore_epoch, FailureInfo* out) const;
 
   // ---- link table and dialling (links.cpp)
   void connect(const std::vector<std::string>& addresses);
@@ -308,7 +309,9 @@ struct Communicator::Impl {
   // op_mu_ *and* fail_mu_: code under op_mu_ may read it freely, failure() (any thread, no op_mu_:
   // an operation may hold that for minutes) reads it under fail_mu_.
   mutable std::mutex fail_mu_;
+  mutable std::condition_variable fail_cv_;  // notified when a failure is recorded, and on close
   bool failed_ = false;
+  uint64_t failed_epoch_ = 0;
   int failed_peer_ = -1;  // -1: unknown (an operation timed out)
   int failed_reporter_ = -1;
   bool failed_protocol_ = false;

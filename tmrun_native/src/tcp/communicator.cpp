@@ -107,6 +107,9 @@ Communicator::Op Communicator::commit_async() {
 std::vector<LinkInfo> Communicator::links() const { return impl_->links(); }
 Counters Communicator::counters() const { return impl_->counters(); }
 std::string Communicator::failure() const { return impl_->failure(); }
+bool Communicator::wait_failure(double timeout_s, int64_t ignore_epoch, FailureInfo* out) const {
+  return impl_->wait_failure(timeout_s, ignore_epoch, out);
+}
 void Communicator::close() { impl_->close(); }
 void Communicator::debug_send_raw(int peer, const std::string& bytes) { impl_->debug_send_raw(peer, bytes); }
 
@@ -140,6 +143,10 @@ void Communicator::Impl::close() {
   }
   q_cv_.notify_all();
   accept_cv_.notify_all();
+  {
+    std::lock_guard<std::mutex> f(fail_mu_);  // wake wait_failure() callers
+    fail_cv_.notify_all();
+  }
   if (worker_.joinable()) worker_.join();
   if (service_.joinable()) service_.join();
   if (prepare_thread_.joinable()) prepare_thread_.join();

@@ -59,10 +59,12 @@ void Communicator::Impl::record_failure(int peer, int reporter, bool protocol, s
   std::lock_guard<std::mutex> g(fail_mu_);  // callers hold op_mu_ too (see failed_ in comm_impl.h)
   if (failed_) return;  // sticky: the first failure of the epoch is the one reported
   failed_ = true;
+  failed_epoch_ = epoch_.load();
   failed_peer_ = peer;
   failed_reporter_ = reporter;
   failed_protocol_ = protocol;
   failed_msg_ = std::move(msg);
+  fail_cv_.notify_all();
 }
 
 // Called from any thread, without op_mu_ (an operation holds it while it runs): fail_mu_ makes the
@@ -70,6 +72,17 @@ void Communicator::Impl::record_failure(int peer, int reporter, bool protocol, s
 std::string Communicator::Impl::failure() const {
   std::lock_guard<std::mutex> g(fail_mu_);
   return failed_ ? failed_msg_ : std::string();
+}
+
+bool Communicator::Impl::wait_failure(double timeout_s, int64_t ignore_epoch, FailureInfo* out) const {
+  std::unique_lock<std::mutex> g(fail_mu_);
+  auto wanted = [&] { return stop_.load() || (failed_ && int64_t(failed_epoch_) != ignore_epoch); };
+  if (!fail_cv_.wait_for(g, secs(std::max(0.0, timeout_s)), wanted) || stop_) return false;
+  out->epoch = failed_epoch_;
+  out->peer = failed_peer_;
+  out->protocol = failed_protocol_;
+  out->message = failed_msg_;
+  return true;
 }
 
 // The failure recorded for an abort notice about `lost` (-1: an operation timed out somewhere)

@@ -1,0 +1,72 @@
+"""A failure stops the survivors' step in flight at once (tmrun.worker.interrupt), end to end.
+
+tests/scripts/interrupt_train.py has steps of seconds: each of its layers sleeps in forward and
+in backward and counts its runs, and its loop carries a data loader position, an LR schedule
+and a gradient scaler. Rank 1 is SIGKILLed at the start of its forward (or of its backward) of
+step 2; the survivor, rank 0, must stop that step within a few layers instead of finishing it
+(counted, not timed), run the loop body's ``finally`` and context manager exactly once per
+attempt, redo only that step, keep its process, and end bitwise equal to a run without the
+failure, scheduler, scaler and loader position included.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import SCRIPTS, kill_tree, leftovers, start, tmrun_cmd
+
+pytestmark = pytest.mark.e2e
+
+LAYERS = 12
+STEPS = 5
+FAIL_STEP = 2
+JOB_TIMEOUT = 240
+
+
+def _run(work: Path, *tmrun_args: str) -> tuple[str, list[list[str]]]:
+    work.mkdir()
+    cmd = tmrun_cmd("--standalone", "--nproc-per-node", "2", "--standby", "1", *tmrun_args,
+                    str(SCRIPTS / "interrupt_train.py"), "--steps", str(STEPS), "--layers", str(LAYERS),
+                    "--slow", "0.05", "--log", str(work / "log-{rank}"), "--final", str(work / "final-{rank}"))
+    agent = start(cmd, log=work / "agent.log", env={"TMRUN_STATE_DIR": str(work / "state")})
+    try:
+        code = agent.wait(timeout=JOB_TIMEOUT)
+    finally:
+        kill_tree(agent)
+        assert leftovers(agent) == []
+    log = (work / "agent.log").read_text()
+    assert code == 0, log
+    finals = {(work / f"final-{rank}").read_text() for rank in (0, 1)}
+    assert len(finals) == 1, "the ranks ended with different states\n" + log
+    rows = [line.split() for line in (work / "log-0").read_text().splitlines()]
+    return finals.pop(), rows
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    final, rows = _run(tmp_path_factory.mktemp("interrupt") / "ref")
+    assert [int(r[0]) for r in rows] == list(range(STEPS))
+    return final
+
+
+@pytest.mark.parametrize("point", ["forward", "backward"])
+def test_the_survivor_stops_the_doomed_step_at_once(tmp_path: Path, reference: str, point: str) -> None:
+    final, rows = _run(tmp_path / point, "--inject-failure", f"rank=1,step={FAIL_STEP},at={point}")
+    assert final == reference, "final state (model, optimizer, scheduler, scaler, loader) differs"
+    steps = [int(r[0]) for r in rows]
+    assert steps == [0, 1, FAIL_STEP, *range(FAIL_STEP, STEPS)], steps  # only the step in flight redone
+    assert len({r[1] for r in rows}) == 1, "the survivor changed process"
+    aborted, redone = rows[FAIL_STEP], rows[FAIL_STEP + 1]
+    forwards, backwards = int(aborted[3]), int(aborted[4])
+    assert aborted[2] == "1" and redone[2] == "0"
+    if point == "forward":
+        assert forwards <= LAYERS // 2 and backwards == 0, aborted  # stopped, not finished
+    else:
+        assert forwards == LAYERS and backwards <= LAYERS // 2, aborted
+    assert (int(redone[3]), int(redone[4])) == (LAYERS, LAYERS)
+    for row in rows:  # the loop body's finally and context manager ran once per attempt
+        assert (row[5], row[6]) == ("1", "1"), row
+    # what the aborted attempt advanced was undone: the redone step saw the same position
+    assert aborted[9] == redone[9] == str(FAIL_STEP + 1)

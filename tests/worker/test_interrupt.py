@@ -1,0 +1,142 @@
+"""The step interrupter (tmrun.worker.interrupt): a doomed step's forward and backward stop at
+the next layer, tmrun catches the stop, the script sees an ordinary step."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from tmrun.worker.interrupt import StepInterrupted, StepInterrupter, remove_backward_guard
+
+LAYERS = 6
+
+
+class Reducer:
+    def __init__(self) -> None:
+        self.resets = 0
+
+    def _reset_state(self) -> None:
+        self.resets += 1
+
+
+class Wrapped(torch.nn.Module):
+    """What the interrupter needs of a DDP model: ``module``, ``reducer``, a forward."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self.reducer = Reducer()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+
+class Job:
+    """A model of LAYERS linear layers, a doom flag, and what ran."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.layers = [torch.nn.Linear(4, 4) for _ in range(LAYERS)]
+        self.model = Wrapped(torch.nn.Sequential(*self.layers))
+        self.doomed = False
+        self.forwards = 0
+        self.grads = 0
+        self.doom_at_forward = -1
+        self.doom_at_grad = -1
+        for layer in self.layers:
+            layer.register_forward_hook(self._forward_ran)
+            layer.weight.register_post_accumulate_grad_hook(self._grad_ran)
+        self.interrupter = StepInterrupter(doomed=lambda: self.doomed)
+        self.interrupter.install(self.model)  # type: ignore[arg-type]
+
+    def _forward_ran(self, *_: Any) -> None:
+        self.forwards += 1
+        if self.forwards == self.doom_at_forward:
+            self.doomed = True
+
+    def _grad_ran(self, _: Any) -> None:
+        self.grads += 1
+        if self.grads == self.doom_at_grad:
+            self.doomed = True
+
+    def step(self) -> torch.Tensor:
+        self.forwards = self.grads = 0
+        out = self.model(torch.ones(2, 4))
+        out.sum().backward()  # never raises: tmrun catches the stop
+        return out
+
+
+@pytest.fixture
+def job() -> Iterator[Job]:
+    made = Job()
+    made.step()  # the first forward gives the placeholder its shape
+    yield made
+    remove_backward_guard()
+
+
+def test_a_forward_doomed_midway_stops_at_the_next_layer(job: Job) -> None:
+    job.doom_at_forward = 2
+    out = job.step()
+    assert job.forwards == 2  # layers 3.. never ran
+    assert job.interrupter.counts.forwards_stopped == 1
+    assert torch.equal(out, torch.zeros(2, 4))  # the placeholder: zeros shaped like the output
+    assert job.interrupter.counts.backwards_skipped == 1 and job.grads == 0
+
+
+def test_a_backward_doomed_midway_stops_and_returns(job: Job) -> None:
+    for layer in job.layers:
+        layer.weight.grad = None
+        layer.bias.grad = None
+    job.doom_at_grad = 2
+    job.step()
+    assert job.forwards == LAYERS
+    assert job.grads == 2  # backward did not reach the first layers
+    assert job.interrupter.counts.backwards_stopped == 1
+    # every parameter has a gradient afterwards (zeros where backward did not come)
+    assert all(p.grad is not None for p in job.model.module.parameters())
+    assert torch.equal(job.layers[0].weight.grad, torch.zeros(4, 4))
+
+
+def test_a_step_doomed_before_it_starts_runs_nothing(job: Job) -> None:
+    job.doomed = True
+    out = job.step()
+    assert (job.forwards, job.grads) == (0, 0)
+    assert torch.equal(out, torch.zeros(2, 4))
+    assert job.interrupter.counts.forwards_skipped == 1 and job.interrupter.counts.backwards_skipped == 1
+
+
+def test_the_stop_is_never_raised_outside_tmrun_wrappers(job: Job) -> None:
+    job.doomed = True
+    job.forwards = 0
+    job.model.module(torch.ones(2, 4))  # the inner module, called by the script directly
+    assert job.forwards == LAYERS
+    with pytest.raises(StepInterrupted):  # inside the wrappers it is, and they catch it
+        job.interrupter._armed += 1
+        try:
+            job.interrupter.checkpoint()
+        finally:
+            job.interrupter._armed -= 1
+
+
+def test_a_healthy_step_is_untouched_and_reducers_reset(job: Job) -> None:
+    reference = Job()  # same seed, no interrupter involvement beyond install
+    out = job.step()
+    expected = reference.step()
+    assert torch.equal(out, expected) and job.forwards == LAYERS and job.grads == LAYERS
+    assert job.interrupter.counts.as_dict() == dict.fromkeys(job.interrupter.counts.as_dict(), 0)
+    job.interrupter.reset_models()
+    assert job.model.reducer.resets == 1
+
+
+def test_the_first_forward_runs_whole_even_when_doomed() -> None:
+    made = Job()
+    made.doomed = True
+    try:
+        made.forwards = 0
+        made.model(torch.ones(2, 4))  # no placeholder shape yet
+        assert made.forwards == LAYERS
+    finally:
+        remove_backward_guard()
