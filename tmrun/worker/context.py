@@ -156,9 +156,12 @@ class Context:
 
     def _await_key(self, key: str, deadline: float, poll: float) -> bytes:
         store = self.require_store()
+        wake = GenerationFile(self.env.gen_file)
+        if wake.usable:
+            poll = min(poll, FAST_POLL)  # a file read per poll; the store only when it changed
         polls = 0
         while True:
-            if store.check([key]):
+            if (not wake.usable or wake.changed() or polls % 10 == 0) and store.check([key]):
                 return store.get(key)
             polls += 1
             if polls % 10 and poll < POLL:
@@ -174,3 +177,27 @@ class Context:
             if time.monotonic() > deadline:
                 raise RecoveryError(f"no replacement plan within {self.env.recovery_timeout:.0f}s ({key})")
             time.sleep(poll)
+
+
+class GenerationFile:
+    """The controller's generation file on this node (written after the plan and the
+    assignments are in the store): a waiting worker reads it every few milliseconds, which
+    costs a small file read, and asks the store only when it changed (and every tenth poll,
+    in case it is stale). Not usable when there is none or it cannot be read."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._last: bytes | None = None
+        self.usable = bool(path) and self._read() is not None
+
+    def _read(self) -> bytes | None:
+        try:
+            with open(self._path, "rb") as flag:
+                self._last = flag.read()
+                return self._last
+        except OSError:
+            return None
+
+    def changed(self) -> bool:
+        previous = self._last
+        return self._read() != previous

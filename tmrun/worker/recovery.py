@@ -53,12 +53,17 @@ class Recovery:
         in generation ``epoch`` while this rank computed. Dooms the step at once (its compute
         stops, :mod:`tmrun.worker.interrupt`) and reports the loss, unless the rank is not
         training (recovering or joining handle their losses themselves, a finished loop has
-        none) or the peer simply finished its steps and exited."""
+        none), the peer simply finished its steps and exited, or a migration is under way (the
+        survivors retire their links to its leaver when they switch, which the leaver sees as
+        a loss before it reaches the switch step itself)."""
         ctx = self._ctx
         if protocol or ctx.loop_finished or not ctx.life.is_(Role.ACTIVE):
             return
         if lost >= 0 and ctx.require_store().check([keys.done(lost)]):
             return  # the peer's loop ended: its process exiting is no failure
+        plan = self.pending_plan()
+        if plan is not None and plan.planned:
+            return  # a migration under way retires links on purpose; its boundary handles losses
         self._abort(lost, f"PeerLostError: {message}", gen=epoch)
 
     def _abort(self, lost: int, detail: str, gen: int | None) -> None:
