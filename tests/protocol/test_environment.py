@@ -12,7 +12,7 @@ from tmrun.protocol.environment import LaunchEnv, LaunchEnvError, Mode
 def test_round_trip_of_every_mode() -> None:
     active = LaunchEnv(mode=Mode.ACTIVE, store_host="10.0.0.1", store_port=29400, store_prefix="tmrun/r/ip/3/",
                        gen_file="/tmp/gen-3", run_id="r", agent_pid=42, shadow_steps=0, recovery_timeout=7.5,
-                       comm_timeout=2.0, same_host_reads=False, entrypoint=("python", "-u", "train.py", "--x"))
+                       comm_timeout=2.0, same_host_reads=False, heal_reads=False, entrypoint=("python", "-u", "train.py", "--x"))
     standby = LaunchEnv(mode=Mode.STANDBY, store_host="h", store_port=1, standby_id=1003, ready_file="/tmp/r")
     for env in (active, standby, LaunchEnv()):
         assert LaunchEnv.from_environ(env.to_environ()) == env
@@ -33,6 +33,7 @@ def test_only_tmrun_variables_are_written() -> None:
     ({environment.ENV_SHADOW_STEPS: "many"}, "is not a number"),
     ({environment.ENV_COMM_TIMEOUT: "-1"}, "must not be negative"),
     ({environment.ENV_HANDOVER: "pigeon"}, "must be auto or socket"),
+    ({environment.ENV_HEAL_PATH: "auto"}, "must be memory or socket"),
     ({environment.ENV_STANDBY_ID: "x"}, "is not an integer"),
     ({environment.ENV_ENTRYPOINT: "{}"}, "is not a JSON list"),
 ])

@@ -44,11 +44,15 @@ def staged(monkeypatch):
     monkeypatch.setattr(staging, "is_host_ready", lambda tensor: False)
 
 
-@pytest.mark.parametrize("n,needy,through_host", [
-    (2, [1], False), (3, [1], False), (4, [0, 3], False), (5, [2], False), (3, [0, 2], True),
+@pytest.mark.parametrize("n,needy,through_host,path", [
+    (2, [1], False, "memory"), (2, [1], False, "socket"), (3, [1], False, "memory"), (3, [1], False, "socket"),
+    (4, [0, 3], False, "memory"), (5, [2], False, "socket"), (3, [0, 2], True, "memory"),
+    (3, [0, 2], True, "socket"),
 ])
-def test_joiners_receive_the_state_bit_for_bit(n, needy, through_host, request):
-    if through_host:  # the path of CUDA tensors: loaded to host copies, sent, stored back
+def test_joiners_receive_the_state_bit_for_bit(n, needy, through_host, path, request):
+    """One host: the needy members read every donor's stripe out of its memory, unless the
+    members ask for the socket (TMRUN_HEAL_PATH=socket), as across hosts."""
+    if through_host:  # the path of CUDA tensors: loaded to host copies, moved, stored back
         request.getfixturevalue("staged")
     comms = make_group(n, job=f"heal{n}")
     try:
@@ -63,9 +67,8 @@ def test_joiners_receive_the_state_bit_for_bit(n, needy, through_host, request):
         def body(comm):
             state = members[comm.rank][0]
             fresh = comm.rank in needy
-            plan = agree(comm, -1 if fresh else 3, state.layout_digest(), fresh)
-            moved, meta = heal(comm, state, plan, {"committed_step": 3})
-            return plan, moved, meta
+            plan = agree(comm, -1 if fresh else 3, state.layout_digest(), fresh, same_host_reads=path == "memory")
+            return plan, heal(comm, state, plan, {"committed_step": 3})
 
         results, _ = run_ranks(comms, body, timeout=60)
         plans = [r[0] for r in results]
@@ -78,12 +81,98 @@ def test_joiners_receive_the_state_bit_for_bit(n, needy, through_host, request):
             assert state.values["epoch"] == 30
             assert opt.param_groups[0]["lr"] == members[plans[0].donors[0]][2].param_groups[0]["lr"]
         for rank in needy:
-            assert results[rank][1] == sum(len(b) for b in reference)  # every byte arrived here
-            assert results[rank][2] == {"committed_step": 3}
+            healed = results[rank][1]
+            assert healed.nbytes == sum(len(b) for b in reference)  # every byte arrived here
+            assert healed.meta == {"committed_step": 3} and healed.received
+            assert list(healed.paths) == [path] and len(healed.paths[path]) == len(plans[0].donors)  # striped
+        for rank in plans[0].donors:
+            assert list(results[rank][1].paths) == [path] and len(results[rank][1].paths[path]) == len(needy)
         for rank, ptrs in params_before.items():
             assert [p.data_ptr() for p in members[rank][1].parameters()] == ptrs
     finally:
         close_all(comms)
+
+
+def _heal_three(reads_on=(True, True, True)):
+    """Rank 1 (new) heals from donors 0 and 2 on this host; returns (results, errors, states)."""
+    comms = make_group(3, job="heal-paths")
+    try:
+        members = {0: make_member(1, 3), 1: make_member(100, 0), 2: make_member(1, 3)}
+
+        def body(comm):
+            state = members[comm.rank][0]
+            plan = agree(comm, -1 if comm.rank == 1 else 3, state.layout_digest(), comm.rank == 1,
+                         same_host_reads=reads_on[comm.rank])
+            return heal(comm, state, plan, {"committed_step": 3})
+
+        results, errors = run_ranks(comms, body, timeout=60, raise_errors=False)
+        return results, errors, {r: snapshot(m[0]) for r, m in members.items()}
+    finally:
+        close_all(comms)
+
+
+def test_each_pair_takes_its_own_path():
+    """Donor 2 allows no same-host reads: its stripe goes over the socket, donor 0's is read."""
+    results, errors, states = _heal_three(reads_on=(True, True, False))
+    assert errors == [None, None, None] and states[1] == states[0]
+    healed = results[1]
+    assert sorted(healed.paths) == ["memory", "socket"] and healed.nbytes == sum(len(b) for b in states[0])
+    assert list(results[0].paths) == ["memory"] and list(results[2].paths) == ["socket"]
+    assert healed.describe().startswith("memory ") and "from 1 donor, socket " in healed.describe()
+
+
+@pytest.mark.parametrize("how", ["refused", "gone"])
+def test_a_donor_whose_memory_cannot_be_read_sends_its_stripe_over_the_socket(monkeypatch, how):
+    from tmrun.worker import peer_read
+
+    original = peer_read.read_part
+
+    def unreadable(pid, remote, views, what):  # rank 2's memory only
+        if "rank 2" not in what:
+            return original(pid, remote, views, what)
+        if how == "gone":  # its pid no longer exists
+            return original(2**22 + 12345, remote, views, what)
+        raise peer_read.PeerReadError(f"could not read {what} (pid {pid}): Operation not permitted")
+
+    monkeypatch.setattr(peer_read, "read_part", unreadable)
+    results, errors, states = _heal_three()
+    assert errors == [None, None, None] and states[1] == states[0]
+    assert sorted(results[1].paths) == ["memory", "socket"]
+    assert list(results[0].paths) == ["memory"] and list(results[2].paths) == ["socket"]
+    assert "rank 2" in results[1].describe()  # the log says why the socket took it
+
+
+def test_a_damaged_copy_fails_on_both_sides(monkeypatch):
+    """A stripe read out of donor 2's memory that does not match its CRC: the needy member and
+    donor 2 raise TransferError (neither goes on with it); donor 0's stripe was fine."""
+    from tmrun.worker import peer_read
+
+    original = peer_read.read_part
+
+    def flip_a_byte(pid, remote, views, what):
+        moved = original(pid, remote, views, what)
+        if "rank 2" in what:
+            views[-1][-1] ^= 0xFF
+        return moved
+
+    monkeypatch.setattr(peer_read, "read_part", flip_a_byte)
+    results, errors, _ = _heal_three()
+    assert isinstance(errors[1], TransferError) and "checksum mismatch in the stripe of rank 2" in str(errors[1])
+    assert isinstance(errors[2], TransferError) and "rank 1 could not take the state" in str(errors[2])
+    assert errors[0] is None and list(results[0].paths) == ["memory"]
+
+
+def test_the_log_says_which_path_moved_the_bytes():
+    from tmrun.worker.transfer import Healed
+
+    healed = Healed({}, received=True)
+    healed.add("memory", 302_000_000)
+    assert healed.describe() == "memory 302 MB from 1 donor"
+    donor = Healed({})
+    donor.add("socket", 1_500_000)
+    donor.add("socket", 1_500_000)
+    assert donor.describe() == "socket 3.00 MB to 2 members"
+    assert Healed({}).describe() == "nothing moved here"
 
 
 def test_a_member_one_step_behind_heals_from_the_others():

@@ -160,9 +160,9 @@ def torch_dtype_to_native(dtype: Any) -> DType:
         raise TypeError(f"tmrun_native does not support {dtype}") from None
 
 
-def crc32c_of(tensors: Iterable[Any]) -> int:
-    """CRC-32C over the bytes of contiguous CPU tensors, in order (the GIL is released)."""
-    crc = 0
+def crc32c_of(tensors: Iterable[Any], crc: int = 0) -> int:
+    """CRC-32C over the bytes of contiguous CPU tensors, in order (the GIL is released); ``crc``:
+    the CRC of the bytes before them (continues it)."""
     for tensor in tensors:
         crc = crc32c(as_buffer(tensor)[0], crc)
     return crc

@@ -27,6 +27,7 @@ ENV_SHADOW_STEPS = "TMRUN_SHADOW_STEPS"
 ENV_RECOVERY_TIMEOUT = "TMRUN_RECOVERY_TIMEOUT"
 ENV_COMM_TIMEOUT = "TMRUN_COMM_TIMEOUT"
 ENV_HANDOVER = "TMRUN_HANDOVER"  # "auto" (same-host reads where possible) or "socket"
+ENV_HEAL_PATH = "TMRUN_HEAL_PATH"  # healing: "memory" (same-host reads where possible) or "socket"
 ENV_ENTRYPOINT = "TMRUN_ENTRYPOINT"  # JSON argv of the job's script (a standby runs the same)
 ENV_READY_FILE = "TMRUN_STANDBY_READY_FILE"  # a single-node standby writes its pid here once warm
 ENV_INJECT_FAILURE = "TMRUN_INJECT_FAILURE"  # failure drills (tmrun.worker.drills)
@@ -103,6 +104,7 @@ class LaunchEnv:
     recovery_timeout: float = 120.0
     comm_timeout: float = 5.0
     same_host_reads: bool = True  # a migration's joiner may read the leaver's memory (TMRUN_HANDOVER)
+    heal_reads: bool = True  # healing: a needy member may read same-host donors' memory (TMRUN_HEAL_PATH)
     entrypoint: tuple[str, ...] = ()  # argv of the job's script, for a standby to run the same
     ready_file: str = ""  # a single-node standby's "I am warm" file
     progress_dir: str = ""  # where this node's workers write their progress records ("" : none)
@@ -117,6 +119,7 @@ class LaunchEnv:
             ENV_RECOVERY_TIMEOUT: repr(self.recovery_timeout),
             ENV_COMM_TIMEOUT: repr(self.comm_timeout),
             ENV_HANDOVER: "auto" if self.same_host_reads else "socket",
+            ENV_HEAL_PATH: "memory" if self.heal_reads else "socket",
             ENV_PREFIX: self.store_prefix,
             ENV_GEN_FILE: self.gen_file,
             ENV_ENTRYPOINT: json.dumps(list(self.entrypoint)),
@@ -144,6 +147,9 @@ class LaunchEnv:
         handover = env.get(ENV_HANDOVER, "") or "auto"
         if handover not in ("auto", "socket"):
             raise LaunchEnvError(f"{ENV_HANDOVER}={handover!r} must be auto or socket")
+        heal_path = env.get(ENV_HEAL_PATH, "") or "memory"
+        if heal_path not in ("memory", "socket"):
+            raise LaunchEnvError(f"{ENV_HEAL_PATH}={heal_path!r} must be memory or socket")
         try:
             entrypoint = json.loads(env.get(ENV_ENTRYPOINT, "") or "[]")
         except ValueError:
@@ -166,6 +172,7 @@ class LaunchEnv:
             recovery_timeout=_number(env, ENV_RECOVERY_TIMEOUT, 120.0),
             comm_timeout=_number(env, ENV_COMM_TIMEOUT, 5.0),
             same_host_reads=handover == "auto",
+            heal_reads=heal_path == "memory",
             entrypoint=tuple(str(a) for a in entrypoint),
             ready_file=env.get(ENV_READY_FILE, ""),
             progress_dir=env.get(ENV_PROGRESS_DIR, ""),

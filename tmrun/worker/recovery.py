@@ -10,8 +10,9 @@ recovers as soon as it sees an unplanned plan (:meth:`Recovery.pending_plan`).
 
 :func:`heal` ends every change (recovery, a migration's switch, a standby's promotion): every
 member agrees on the last committed step from one allgather
-(:func:`tmrun.worker.transfer.agree`), the members that hold it stream the state to those
-behind, and the rank resumes ACTIVE at the first step not committed everywhere.
+(:func:`tmrun.worker.transfer.agree`), the members that hold it move the state to those
+behind (read out of their memory on one host, unless ``TMRUN_HEAL_PATH=socket``; else over the
+socket), and the rank resumes ACTIVE at the first step not committed everywhere.
 """
 
 from __future__ import annotations
@@ -152,9 +153,9 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float) -> i
     to the new generation were up, published with the other instants of its recovery."""
     store = ctx.require_store()
     comm = group.comm()
-    plan = agree(comm, ctx.committed_step, ctx.tracked.layout_digest(), ctx.fresh)
+    plan = agree(comm, ctx.committed_step, ctx.tracked.layout_digest(), ctx.fresh, ctx.env.heal_reads)
     step_meta = {"committed_step": ctx.committed_step}
-    moved, _ = transfer_state(comm, ctx.tracked, plan, step_meta, on_donate=lambda: ctx.fire("transfer"))
+    healed = transfer_state(comm, ctx.tracked, plan, step_meta, on_donate=lambda: ctx.fire("transfer"))
     ctx.interrupter.reset_models()  # every member, every change: DDP rebuilds its buckets together
     resume = plan.target_step + 1
     if ctx.fresh:
@@ -167,11 +168,11 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float) -> i
     ctx.publish_healed(connected)
     store.add(keys.recovered(ctx.gen), 1)
     elapsed = time.monotonic() - started
-    ctx.recoveries.append({"gen": ctx.gen, "seconds": elapsed, "resume": resume, "bytes": moved})
+    ctx.recoveries.append({"gen": ctx.gen, "seconds": elapsed, "resume": resume, "bytes": healed.nbytes})
     ctx.life.to(Role.ACTIVE)
     log(
         f"rank {ctx.rank}: recovered into generation {ctx.gen} in {elapsed:.3f}s; "
-        f"resume at step {resume} (donors {plan.donors}, healed {plan.needy}, {moved} bytes here)"
+        f"resume at step {resume} (donors {plan.donors}, healed {plan.needy}, {healed.describe()})"
     )
     return resume
 

@@ -1,8 +1,18 @@
-"""Heal members that are behind: agree on the last committed step, then stream the tracked state
+"""Heal members that are behind: agree on the last committed step, then move the tracked state
 from every member that holds it, striped, straight into the receivers' tensors, with CRC-32C.
 
 Runs on the native communicator right after a replacement was committed; every member calls
 :func:`heal` with the same arguments' shapes, so the sequence of operations matches everywhere.
+
+Each donor's stripe takes one of two paths to a needy member. Over the socket (the
+communicator), or, when both run on one host (:func:`tmrun.worker.peer_read.host_key` equal,
+from :func:`agree`'s allgather, so every member knows which pairs share a host), read by the
+needy member straight out of the donor's memory: the donor offers its stripe (its pid, the
+addresses of the stripe's host views) and its CRC-32C, the needy member reads the stripes of all
+its same-host donors at once (a thread each, checksummed as they arrive) while the other donors'
+stripes arrive over the socket, checks each CRC and answers each same-host donor: done
+(the donor may touch its tensors again), "socket" (the reads failed: the donor sends the stripe
+over the socket instead), or an error (a copy that does not match its CRC fails on both sides).
 """
 
 from __future__ import annotations
@@ -12,7 +22,7 @@ import os
 import pickle
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -26,9 +36,10 @@ from tmrun.worker.tracked import TensorSpec, TrackedState
 TAG_META = 0x7E01
 TAG_STRIPE = 0x7E02
 TAG_CRC = 0x7E03
-PATH_SOCKET = "socket"  # how a handover's part reaches the joiner
+PATH_SOCKET = "socket"  # how a part reaches the member that needs it
 PATH_MEMORY = "memory"
-READ_TIMEOUT = 120.0  # seconds for copying a part out of the leaver's memory (GB/s: never near)
+READ_TIMEOUT = 120.0  # seconds for copying a part out of a peer's memory (GB/s: never near)
+AGREED = 5  # values per member in agree()'s allgather
 
 
 class TransferError(RuntimeError):
@@ -40,17 +51,57 @@ class HealPlan:
     target_step: int  # last step every member will have committed
     donors: list[int]  # members at target_step (hold the state)
     needy: list[int]  # members behind (joiners, or a survivor that missed the last commit)
+    hosts: list[int] = field(default_factory=list)  # per member: its host key, 0 where it reads no peer
+    pids: list[int] = field(default_factory=list)  # per member: its process id
+
+    def same_host(self, donor: int, needy: int) -> bool:
+        """Whether ``needy`` reads ``donor``'s stripe out of its memory (both allow it, one host)."""
+        return bool(self.hosts) and self.hosts[donor] != 0 and self.hosts[donor] == self.hosts[needy]
 
 
-def agree(comm: tmrun_native.Communicator, committed_step: int, digest: int, fresh: bool) -> HealPlan:
-    """Allgather (committed step, layout digest, fresh) and derive the same plan on every member."""
-    mine = torch.tensor([committed_step, digest, 1 if fresh else 0], dtype=torch.int64)
-    every = torch.zeros(comm.world_size * 3, dtype=torch.int64)
+@dataclass
+class Healed:
+    """What :func:`heal` moved on this member: the step metadata (the donor's as received, or
+    this member's own), and per path the bytes of each peer's stripe."""
+
+    meta: dict[str, object]
+    received: bool = False  # this member was healed (else it donated, or took no part)
+    paths: dict[str, list[int]] = field(default_factory=dict)
+    fallbacks: list[str] = field(default_factory=list)  # why a same-host stripe took the socket
+
+    def add(self, path: str, nbytes: int) -> None:
+        self.paths.setdefault(path, []).append(nbytes)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(sum(sizes) for sizes in self.paths.values())
+
+    def describe(self) -> str:
+        """E.g. "memory 302 MB from 1 donor", "socket 151 MB to 1 member" (for the log)."""
+        if not self.paths:
+            return "nothing moved here"
+        direction, peer = ("from", "donor") if self.received else ("to", "member")
+        parts = [f"{path} {_megabytes(sum(sizes))} {direction} {len(sizes)} {peer}{'' if len(sizes) == 1 else 's'}"
+                 for path, sizes in sorted(self.paths.items())]
+        return ", ".join(parts) + "".join(f" ({reason})" for reason in self.fallbacks)
+
+
+def _megabytes(nbytes: int) -> str:
+    return f"{nbytes / 1e6:.0f} MB" if nbytes >= 10e6 else f"{nbytes / 1e6:.2f} MB"
+
+
+def agree(comm: tmrun_native.Communicator, committed_step: int, digest: int, fresh: bool,
+          same_host_reads: bool = True) -> HealPlan:
+    """Allgather (committed step, layout digest, fresh, host key, pid) and derive the same plan on
+    every member. ``same_host_reads=False``: no member reads this one's memory, nor it theirs."""
+    host = peer_read.host_key() if same_host_reads else 0
+    mine = torch.tensor([committed_step, digest, 1 if fresh else 0, host, os.getpid()], dtype=torch.int64)
+    every = torch.zeros(comm.world_size * AGREED, dtype=torch.int64)
     out, dtype = as_buffer(every)
     inp, _ = as_buffer(mine)
     comm.allgather(out, inp, dtype=dtype)
-    rows = every.view(comm.world_size, 3).tolist()
-    holders = [r for r, (step, _, is_fresh) in enumerate(rows) if not is_fresh]
+    rows = every.view(comm.world_size, AGREED).tolist()
+    holders = [r for r, row in enumerate(rows) if not row[2]]
     if not holders:
         raise TransferError("no member holds the training state (every member is new)")
     target = max(rows[r][0] for r in holders)
@@ -59,7 +110,7 @@ def agree(comm: tmrun_native.Communicator, committed_step: int, digest: int, fre
     if len(digests) != 1:
         raise TransferError("the members that hold the state track different objects or shapes")
     needy = [r for r in range(comm.world_size) if r not in donors]
-    return HealPlan(target, donors, needy)
+    return HealPlan(target, donors, needy, hosts=[row[3] for row in rows], pids=[row[4] for row in rows])
 
 
 def _stripe(views: list[torch.Tensor], index: int, count: int) -> list[torch.Tensor]:
@@ -99,18 +150,47 @@ def _recv_crc(comm: tmrun_native.Communicator, src: int) -> int:
     return int(struct.unpack("<I", raw)[0])
 
 
+def _send_json(comm: tmrun_native.Communicator, value: dict[str, Any], dst: int) -> None:
+    _send_blob(comm, json.dumps(value).encode(), dst)
+
+
+def _recv_json(comm: tmrun_native.Communicator, src: int, what: str) -> dict[str, Any]:
+    try:
+        value = json.loads(_recv_blob(comm, src))
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise TransferError(f"malformed {what} from rank {src}")
+    return value
+
+
+def _give_up(comm: tmrun_native.Communicator, owner: int, error: str) -> TransferError:
+    """Tell the member whose memory this one reads that it cannot take the state (so it does not
+    wait, and fails too); the error to raise."""
+    _send_json(comm, {"ok": False, "error": error}, owner)
+    return TransferError(error)
+
+
+def _receipt(comm: tmrun_native.Communicator, reader: int) -> dict[str, Any]:
+    """The reader's answer once it copied what this member offered (it may touch those tensors
+    again): ``{"ok": true, ...}``; an error (a damaged copy) raises here as well."""
+    done = _recv_json(comm, reader, "receipt")
+    if done.get("ok") is not True:
+        raise TransferError(f"rank {reader} could not take the state: {done.get('error', '?')}")
+    return done
+
+
 def heal(
     comm: tmrun_native.Communicator,
     state: TrackedState,
     plan: HealPlan,
     step_meta: dict[str, object],
     on_donate: Callable[[], None] | None = None,
-) -> tuple[int, dict[str, object]]:
-    """Move the state from ``plan.donors`` to ``plan.needy``. Returns (bytes moved here, the
-    donor's step metadata as received, or ``step_meta`` on a donor)."""
+) -> Healed:
+    """Move the state from ``plan.donors`` to ``plan.needy``. Returns what moved here, and the
+    donor's step metadata as received (``step_meta`` on a donor)."""
     me = comm.rank
-    moved = 0
-    received_meta: dict[str, object] = step_meta
+    healed = Healed(step_meta)
     donated: HostBytes | None = None  # a donor's bytes, loaded once for every member it heals
     for needy in plan.needy:
         if me in plan.donors:
@@ -118,10 +198,10 @@ def heal(
                 on_donate()
             if donated is None:
                 donated = HostBytes([t for _, t in state.tensors()], load=True)
-            moved += _donate(comm, state, donated, plan, needy, step_meta)
+            healed.add(*_donate(comm, state, donated, plan, needy, step_meta))
         elif me == needy:
-            moved, received_meta = _receive(comm, state, plan)
-    return moved, received_meta
+            healed = _receive(comm, state, plan)
+    return healed
 
 
 def _send_header(comm: tmrun_native.Communicator, state: TrackedState, step_meta: dict[str, object], dst: int,
@@ -179,24 +259,75 @@ class PendingTransfer:
 
 
 def _donate(comm: tmrun_native.Communicator, state: TrackedState, host: HostBytes, plan: HealPlan, needy: int,
-            step_meta: dict[str, object]) -> int:
+            step_meta: dict[str, object]) -> tuple[str, int]:
+    """Give ``needy`` this donor's stripe. Returns (the path it took, its bytes)."""
     index = plan.donors.index(comm.rank)
     if index == 0:
         _send_header(comm, state, step_meta, needy)
-    return _send_part(comm, _stripe(host.views, index, len(plan.donors)), needy)
+    stripe = _stripe(host.views, index, len(plan.donors))
+    if not plan.same_host(comm.rank, needy):
+        return PATH_SOCKET, _send_part(comm, stripe, needy)
+    _send_json(comm, peer_read.offer(plan.pids[needy], stripe=stripe), needy)
+    _send_crc(comm, crc32c_of(stripe), needy)  # computed while the needy member reads
+    if _receipt(comm, needy).get("path") == PATH_SOCKET:  # it could not read this process
+        return PATH_SOCKET, _send_part(comm, stripe, needy)
+    return PATH_MEMORY, sum(v.numel() for v in stripe)
 
 
-def _receive(comm: tmrun_native.Communicator, state: TrackedState, plan: HealPlan) -> tuple[int, dict[str, object]]:
+def _receive(comm: tmrun_native.Communicator, state: TrackedState, plan: HealPlan) -> Healed:
+    """The needy member's side: the header, then every donor's stripe (same-host donors' read at
+    once in the background while the others' arrive over the socket)."""
     header = _receive_header(comm, state, plan.donors[0])
     host = HostBytes([t for _, t in state.tensors()], load=False)
-    moved = 0
-    for index, donor in enumerate(plan.donors):
-        stripe = PendingTransfer(comm, _stripe(host.views, index, len(plan.donors)), donor, "the stripe")
-        stripe.finish()
-        moved += stripe.nbytes
+    stripes = {donor: _stripe(host.views, index, len(plan.donors)) for index, donor in enumerate(plan.donors)}
+    reads = {donor: _read_stripe(comm, donor, stripes[donor]) for donor in plan.donors
+             if plan.same_host(donor, comm.rank)}
+    healed = Healed(dict(header["meta"]), received=True)
+    for donor, views in stripes.items():
+        if donor not in reads:
+            healed.add(PATH_SOCKET, _receive_part(comm, views, donor))
+    failure: TransferError | None = None
+    for donor, read in reads.items():  # every same-host donor gets its answer, even after a failure
+        try:
+            healed.add(_finish_read(comm, donor, read, stripes[donor], healed.fallbacks), read.nbytes)
+        except TransferError as exc:
+            failure = failure or exc
+    if failure is not None:
+        raise failure
     host.store()
     state.apply_rest(header["rest"])
-    return moved, dict(header["meta"])
+    return healed
+
+
+def _read_stripe(comm: tmrun_native.Communicator, donor: int, views: list[torch.Tensor]) -> peer_read.BackgroundRead:
+    """Start copying ``donor``'s stripe out of its memory, as its offer says."""
+    where = _recv_json(comm, donor, "offer")
+    remote = where.get("stripe")
+    return peer_read.BackgroundRead(int(where.get("pid", 0)), list(remote) if isinstance(remote, list) else [],
+                                    views, f"the stripe of rank {donor}", timeout=READ_TIMEOUT)
+
+
+def _finish_read(comm: tmrun_native.Communicator, donor: int, read: peer_read.BackgroundRead,
+                 views: list[torch.Tensor], fallbacks: list[str]) -> str:
+    """Wait for a stripe's read, check it, answer its donor. Returns the path that delivered it."""
+    expected = _recv_crc(comm, donor)
+    try:
+        read.finish(expected)
+    except peer_read.CopyError as exc:
+        raise _give_up(comm, donor, str(exc)) from None
+    except peer_read.PeerReadError as exc:
+        fallbacks.append(f"{exc}: over the socket")
+        _send_json(comm, {"ok": True, "path": PATH_SOCKET}, donor)
+        _receive_part(comm, views, donor)
+        return PATH_SOCKET
+    _send_json(comm, {"ok": True, "path": PATH_MEMORY}, donor)
+    return PATH_MEMORY
+
+
+def _receive_part(comm: tmrun_native.Communicator, views: list[torch.Tensor], src: int) -> int:
+    part = PendingTransfer(comm, views, src, "the stripe")
+    part.finish()
+    return part.nbytes
 
 
 # -- planned migration: the leaver hands over to its joiner in two parts -----------------------
@@ -230,26 +361,6 @@ def _split(state: TrackedState, load: bool) -> tuple[HostBytes, HostBytes]:
     return HostBytes(now, load), HostBytes(later, load)
 
 
-def _send_json(comm: tmrun_native.Communicator, value: dict[str, Any], dst: int) -> None:
-    _send_blob(comm, json.dumps(value).encode(), dst)
-
-
-def _recv_json(comm: tmrun_native.Communicator, src: int, what: str) -> dict[str, Any]:
-    try:
-        value = json.loads(_recv_blob(comm, src))
-    except ValueError:
-        value = None
-    if not isinstance(value, dict):
-        raise TransferError(f"malformed {what} from rank {src}")
-    return value
-
-
-def _give_up(comm: tmrun_native.Communicator, leaver: int, error: str) -> TransferError:
-    """Tell the leaver that this joiner cannot take the state (so it does not wait); the error to raise."""
-    _send_json(comm, {"ok": False, "error": error}, leaver)
-    return TransferError(error)
-
-
 def hand_over(comm: tmrun_native.Communicator, state: TrackedState, step_meta: dict[str, object],
               joiner: int = 1, same_host_reads: bool = True) -> int:
     """The leaver's side. Returns the bytes handed over (sent, or read by the joiner)."""
@@ -258,17 +369,14 @@ def hand_over(comm: tmrun_native.Communicator, state: TrackedState, step_meta: d
     now, later = now_host.views, later_host.views
     offer = None
     if same_host_reads and hello.get("host") and hello.get("host") == peer_read.host_identity():
-        tmrun_native.allow_peer_reader(int(hello.get("pid", 0)))
-        offer = {"pid": os.getpid(), "now": peer_read.addresses(now), "later": peer_read.addresses(later)}
+        offer = peer_read.offer(int(hello.get("pid", 0)), now=now, later=later)
     _send_header(comm, state, step_meta, joiner, peer=offer)
     choice = _recv_json(comm, joiner, "choice").get("path")
     if choice != PATH_MEMORY or offer is None:
         return _send_part(comm, now, joiner) + _send_part(comm, later, joiner)
     for part in (now, later):  # the joiner reads meanwhile; the tensors stay as they are
         _send_crc(comm, crc32c_of(part), joiner)
-    done = _recv_json(comm, joiner, "receipt")  # the joiner has copied everything (or gave up)
-    if done.get("ok") is not True:
-        raise TransferError(f"the joiner could not take the state: {done.get('error', '?')}")
+    _receipt(comm, joiner)  # the joiner has copied everything (or gave up)
     return sum(v.numel() for v in now + later)
 
 
@@ -278,13 +386,14 @@ class _MemoryPart:
 
     path = PATH_MEMORY
 
-    def __init__(self, comm: tmrun_native.Communicator, read: peer_read.BackgroundRead, leaver: int) -> None:
-        self._comm, self._read, self._leaver = comm, read, leaver
+    def __init__(self, comm: tmrun_native.Communicator, read: peer_read.BackgroundRead, expected_crc: int,
+                 leaver: int) -> None:
+        self._comm, self._read, self._expected, self._leaver = comm, read, expected_crc, leaver
         self.nbytes = read.nbytes
 
     def finish(self) -> None:
         try:
-            self._read.finish()
+            self._read.finish(self._expected)
         except peer_read.PeerReadError as exc:
             raise _give_up(self._comm, self._leaver, str(exc)) from None
         _send_json(self._comm, {"ok": True}, self._leaver)
@@ -322,15 +431,14 @@ def take_over(comm: tmrun_native.Communicator, state: TrackedState, leaver: int 
         rest = _Stored(PendingTransfer(comm, later, leaver, "the optimizer state"), later_host)
         return dict(header["meta"]), rest, model.nbytes
     assert isinstance(offer, dict)
+    model = peer_read.BackgroundRead(pid, list(offer["now"]), now, "the model", timeout=READ_TIMEOUT)
+    expected_model, expected_rest = _recv_crc(comm, leaver), _recv_crc(comm, leaver)
     try:
-        received = peer_read.read_part(pid, list(offer["now"]), now, "the model")
+        model.finish(expected_model)
     except peer_read.PeerReadError as exc:
         raise _give_up(comm, leaver, str(exc)) from None
-    expected_model, expected_rest = _recv_crc(comm, leaver), _recv_crc(comm, leaver)
-    if crc32c_of(now) != expected_model:
-        raise _give_up(comm, leaver, f"checksum mismatch in the model read from rank {leaver}")
+    received = model.nbytes
     now_host.store()
     state.apply_rest(header["rest"])
-    read = peer_read.BackgroundRead(pid, list(offer["later"]), later, expected_rest, "the optimizer state",
-                                    timeout=READ_TIMEOUT)
-    return dict(header["meta"]), _Stored(_MemoryPart(comm, read, leaver), later_host), received
+    read = peer_read.BackgroundRead(pid, list(offer["later"]), later, "the optimizer state", timeout=READ_TIMEOUT)
+    return dict(header["meta"]), _Stored(_MemoryPart(comm, read, expected_rest, leaver), later_host), received

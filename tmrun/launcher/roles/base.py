@@ -60,6 +60,7 @@ def in_place_env(agent: TmrunAgent, handler: TmrunRendezvousHandler, prefix: str
         recovery_timeout=base.recovery_timeout,
         comm_timeout=base.comm_timeout,
         same_host_reads=base.same_host_reads,
+        heal_reads=base.heal_reads,
         entrypoint=tuple(entry),
         progress_dir=progress_dir,
     )
