@@ -2,8 +2,9 @@
 
 It runs unchanged under torchrun and tmrun. For drills it can kill one of its own ranks once
 (``--kill-rank R --kill-step S``; a marker file in the checkpoint folder makes it happen once).
-Each rank appends ``<step> <unix time> <loss>`` to ``--step-log`` (a path containing ``{rank}``)
-after every completed step, which is what the benchmarks measure.
+Each rank appends ``<step> <unix time> <loss> <pid>`` to ``--step-log`` (a path containing
+``{rank}``) after every completed step, which is what the benchmarks measure (the pid tells a
+restarted worker's lines apart; bench/random_kill.py kills the rank by it).
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def main() -> None:
             save_checkpoint(ckpt, done, model, opt)
         dist.barrier()  # everyone sees the checkpoint before anyone can fail past it
         if log:
-            log.write(f"{done} {time.time():.6f} {loss.item():.6f}\n")
+            log.write(f"{done} {time.time():.6f} {loss.item():.6f} {os.getpid()}\n")
             log.flush()
     if rank == 0:
         print(f"finished {args.steps} steps, world size {world}", flush=True)
