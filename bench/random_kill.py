@@ -7,7 +7,7 @@ outside. 2 CPU workers, batch 32, 6 x Linear(W) (25M: W=2048, 100M: W=4096).
   with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (its reliable setting), examples/train_checkpoint.py
   (DDP + Adam, checkpoint every ``--ckpt-every`` steps); each kill restarts the worker group
   from the last checkpoint.
-* tmrun: ``tmrun --standalone --nproc-per-node 2 --standby 1`` running examples/train_inplace.py
+* tmrun: ``tmrun --standalone --nproc-per-node 2 --standby 1 --max-restarts N+2`` running examples/train_inplace.py
   (DDP + AdamW over the worker API); each kill is absorbed in place by the warm standby.
 
 The kill: once the job is ready (tmrun: the previous recovery's ``recovered`` event is in the
@@ -270,6 +270,7 @@ class Driver:
         if self.tmrun:
             cmd = [
                 sys.executable, "-m", "tmrun.cli.main", "--standalone", "--nproc-per-node", "2", "--standby", "1",
+                "--max-restarts", str(a.kills + 2),  # each in-place replacement counts
                 str(INPLACE_SCRIPT), "--width", str(self.width), "--depth", str(self.depth), "--batch", str(a.batch),
                 "--steps", steps, "--step-log", str(self.work / "steps-{rank}.log"),
             ]  # fmt: skip
@@ -467,7 +468,7 @@ def report(args: argparse.Namespace, settings: list[Setting], total: float) -> N
           "standby warm). torchrun: `python -m torch.distributed.run --standalone --nproc-per-node 2 "
           f"--max-restarts {args.kills + 2}`, `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`, "
           f"examples/train_checkpoint.py (Adam, checkpoint every {args.ckpt_every} steps). tmrun: "
-          "`--standalone --nproc-per-node 2 --standby 1`, examples/train_inplace.py (AdamW). "
+          f"`--standalone --nproc-per-node 2 --standby 1 --max-restarts {args.kills + 2}`, examples/train_inplace.py (AdamW). "
           "Seconds; n = kills measured; p90 interpolated.")
     for size in dict.fromkeys(s.size for s in settings):
         here = [s for s in settings if s.size == size]
