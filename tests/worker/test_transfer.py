@@ -343,3 +343,111 @@ def test_a_malformed_hello_is_a_one_line_transfer_error():
         assert isinstance(errors[0], TransferError) and str(errors[0]) == "malformed hello from rank 1"
     finally:
         close_all(comms)
+
+
+# -- deferred healing: the model first, the optimizer state read after heal returned ------------
+
+
+class Board:
+    """The CRC board of deferred healing, between threads (the runtime's goes through the store)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._posted: dict[tuple[int, int], int] = {}
+        self._changed = threading.Condition()
+
+    def put(self, donor: int, needy: int, crc: int) -> None:
+        with self._changed:
+            self._posted[donor, needy] = crc
+            self._changed.notify_all()
+
+    def get(self, donor: int, needy: int, timeout: float) -> int:
+        with self._changed:
+            if not self._changed.wait_for(lambda: (donor, needy) in self._posted, timeout):
+                raise TransferError("no checksum posted")
+            return self._posted[donor, needy]
+
+
+def _heal_deferred(n: int, needy: list[int], tamper=None, monkeypatch=None):
+    """Every member on this host, state in host memory: returns (results, errors, members)."""
+    from tmrun.worker import peer_read
+
+    if tamper is not None:
+        original = peer_read.read_part
+
+        def tampered(pid, remote, views, what):
+            moved = original(pid, remote, views, what)
+            tamper(views, what)
+            return moved
+
+        monkeypatch.setattr(peer_read, "read_part", tampered)
+    comms = make_group(n, job=f"defer{n}")
+    board = Board()
+    try:
+        members = {r: make_member(100 + r, 0) if r in needy else make_member(1, 3) for r in range(n)}
+
+        def body(comm):
+            state = members[comm.rank][0]
+            fresh = comm.rank in needy
+            plan = agree(comm, -1 if fresh else 3, state.layout_digest(), fresh, state_tensors=state.tensors())
+            return plan, heal(comm, state, plan, {"committed_step": 3}, board=board)
+
+        results, errors = run_ranks(comms, body, timeout=60, raise_errors=False)
+        return results, errors, members
+    finally:
+        close_all(comms)
+
+
+@pytest.mark.parametrize("n,needy", [(2, [1]), (3, [1]), (4, [0, 3])])
+def test_deferred_healing_returns_with_the_model_and_delivers_the_optimizer_state_later(n, needy):
+    results, errors, members = _heal_deferred(n, needy)
+    assert errors == [None] * n
+    plans = [plan for plan, _ in results]
+    assert all(plan.defer for plan in plans)
+    reference = snapshot(members[plans[0].donors[0]][0])
+    model_tensors = len(members[0][1].state_dict())
+    for rank in needy:
+        healed = results[rank][1]
+        assert healed.deferred is not None and healed.received
+        assert snapshot(members[rank][0])[:model_tensors] == reference[:model_tensors]  # the model at once
+        status: list[str] = []
+        healed.deferred.start(status.append)
+        healed.deferred.wait(timeout=30)
+        assert status == ["ok"]
+        assert snapshot(members[rank][0]) == reference  # the optimizer state after the wait
+    for rank in plans[0].donors:
+        assert results[rank][1].served == needy and results[rank][1].deferred is None
+
+
+def test_deferred_optimizer_state_damaged_in_memory_cannot_be_stepped_with(monkeypatch):
+    def flip(views, what):
+        if "optimizer state" in what:
+            views[-1][-1] ^= 0xFF
+
+    results, errors, _ = _heal_deferred(2, [1], tamper=flip, monkeypatch=monkeypatch)
+    assert errors == [None, None]  # the model arrived intact: heal returned on both
+    deferred = results[1][1].deferred
+    status: list[str] = []
+    deferred.start(status.append)
+    with pytest.raises(TransferError, match="optimizer state read after healing is unusable: checksum mismatch"):
+        deferred.wait(timeout=30)
+    assert len(status) == 1 and status[0].startswith("error: checksum mismatch")
+
+
+def test_no_deferral_across_hosts_or_for_device_tensors():
+    comms = make_group(2, job="nodefer")
+    try:
+        members = {0: make_member(1, 3), 1: make_member(100, 0)}
+
+        def body(comm):
+            state = members[comm.rank][0]
+            without_host_memory = agree(comm, 3 if comm.rank == 0 else -1, state.layout_digest(), comm.rank == 1)
+            socket_only = agree(comm, 3 if comm.rank == 0 else -1, state.layout_digest(), comm.rank == 1,
+                                same_host_reads=False, state_tensors=state.tensors())
+            return without_host_memory.defer, socket_only.defer
+
+        results, _ = run_ranks(comms, body, timeout=60)
+        assert results == [(False, False), (False, False)]
+    finally:
+        close_all(comms)

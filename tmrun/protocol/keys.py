@@ -144,6 +144,19 @@ def done(rank: int) -> str:
     return f"done/{rank}"
 
 
+def heal_done(gen: int, rank: int) -> str:
+    """Set by a member healed into ``gen`` once the optimizer state it read after healing (out of
+    its donors' memory) arrived intact ("ok") or not ("error: ..."): its donors may step their
+    optimizers then (tmrun.worker.transfer: deferred healing)."""
+    return f"heal-done/{gen}/{rank}"
+
+
+def heal_crc(gen: int, donor: int, needy: int) -> str:
+    """CRC-32C (decimal) of the optimizer state's stripe ``donor`` lets ``needy`` read after
+    healing it into ``gen`` (tmrun.worker.transfer: deferred healing)."""
+    return f"heal-crc/{gen}/{donor}/{needy}"
+
+
 def recovered(gen: int) -> str:
     """Counter: members that finished recovery into ``gen``."""
     return f"recovered/{gen}"

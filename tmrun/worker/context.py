@@ -65,6 +65,8 @@ class Context:
         self.stop_requested = False  # SIGTERM to a standby
         self.loop_finished = False  # steps() ran its last step (a peer's exit is no loss then)
         self.interrupter = StepInterrupter(doomed=lambda: self.aborted_by is not None)
+        self.heal_read: Any = None  # transfer.DeferredRead: the optimizer state still arriving here
+        self.heal_served: tuple[int, list[int]] | None = None  # (generation, members still reading this one)
         self.ddp_used = False
         self.recoveries: list[dict[str, float | int]] = []
         self.loss_noticed: float | None = None  # Unix time a collective lost a peer (the change under way)

@@ -16,8 +16,9 @@ that waste short, for the models given to ``tm.ddp``:
   hook; between the layers' backward kernels). It raises :class:`StepInterrupted`, the autograd
   engine stops and re-raises it in ``torch.autograd.backward``, which tmrun wraps
   (:func:`install_backward_guard`) to return normally. A backward entered in a doomed step does
-  not run. Either way the parameters without a gradient get zeros, so that what the script
-  does with gradients next (a gradient scaler's infinity check, a norm clip) finds some.
+  not run. Either way, where no parameter got a gradient, one small parameter gets zeros, so
+  that what the script does with gradients next (a gradient scaler's infinity check, a norm
+  clip) finds some.
 
 The script sees a normal step: ``loss.backward()`` returns, ``opt.step()`` is skipped by the
 optimizer guard (:mod:`tmrun.worker.optimizer`), ``zero_grad()`` and the rest of the loop body
@@ -161,14 +162,22 @@ class StepInterrupter:
             self._armed -= 1
 
     def _fill_missing_grads(self) -> None:
-        """Zeros for the gradients the stopped backward did not produce: what the script does
-        next with them (``GradScaler.step`` checks them for infinities, a clip reads their norm)
-        finds gradients, as after any backward. They are void anyway: the step is redone."""
+        """A gradient of zeros for one parameter per model and device when the stopped backward
+        produced none there: what the script does next with gradients (``GradScaler.step``
+        wants an infinity check recorded per device, a clip reads their norm) finds some, as
+        after any backward. One small parameter each, not the whole model: zeros for every
+        parameter would cost a write of the model's size on the recovery's critical path.
+        The gradients are void anyway: the step is redone."""
         with torch.no_grad():
             for model in self._models:
+                by_device: dict[torch.device, list[torch.nn.Parameter]] = {}
                 for param in model.module.parameters():
-                    if param.requires_grad and param.grad is None:
-                        param.grad = torch.zeros_like(param)
+                    if param.requires_grad:
+                        by_device.setdefault(param.device, []).append(param)
+                for params in by_device.values():
+                    if all(param.grad is None for param in params):
+                        smallest = min(params, key=lambda param: param.numel())
+                        smallest.grad = torch.zeros_like(smallest)
 
     # -- after a change of the group -----------------------------------------------------------------
 

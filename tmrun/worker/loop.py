@@ -19,7 +19,7 @@ from tmrun.protocol import keys
 from tmrun.worker import rng
 from tmrun.worker.context import Context
 from tmrun.worker.migration import Migration
-from tmrun.worker.recovery import Recovery
+from tmrun.worker.recovery import Recovery, settle_heal
 from tmrun.worker.roles import Role
 from tmrun.worker.standby import Standby
 
@@ -69,6 +69,8 @@ class StepLoop:
                 step = self._migration.at_boundary(plan, done_step=step - 1)
         ctx.loop_finished = True
         if ctx.in_place and not ctx.life.is_(Role.STANDBY):
+            settle_heal(ctx)  # nobody may still be reading this process when it exits
+        if ctx.in_place and not ctx.life.is_(Role.STANDBY):
             ctx.require_store().set(keys.done(ctx.rank), str(ctx.committed_step))
 
     def _begin_step(self, step: int) -> None:
@@ -109,6 +111,7 @@ class StepLoop:
         return self._ctx.aborted_by is not None
 
     def before_optimizer_step(self) -> None:
+        settle_heal(self._ctx)  # deferred healing: the optimizer state read (or no longer read) here
         self._migration.finish_handover()  # a joiner of a migration: its optimizer state is complete
         self._ctx.fire("optimizer")
 

@@ -27,7 +27,7 @@ from tmrun.protocol import keys, messages as proto
 from tmrun.worker import group, rng
 from tmrun.worker.context import Context, RecoveryError, log
 from tmrun.worker.leave import leave
-from tmrun.worker.recovery import heal
+from tmrun.worker.recovery import heal, settle_heal
 from tmrun.worker.roles import Role
 from tmrun.worker.transfer import PendingPart, TransferError, hand_over, take_over
 
@@ -58,12 +58,13 @@ class Migration:
             raise RecoveryError(f"rank {ctx.rank} passed the switch step {switch_at} of generation {plan.gen}")
         started = time.monotonic()
         if leaving:
+            settle_heal(ctx, skip=plan.replaced.keys(), in_change=True)  # nobody reads this process any more
             self._hand_over(plan, switch_at)
         ctx.loss_noticed = time.time()  # a migration's "noticed": training stopped at the switch
         ctx.life.to(Role.SWITCHING)
         group.comm().commit()  # phase 2, at the step boundary
         ctx.gen = plan.gen
-        return heal(ctx, started=started, aborted_step=-1, connected=time.time())
+        return heal(ctx, started=started, aborted_step=-1, connected=time.time(), replaced=plan.replaced.keys())
 
     def _handoff_comm(self, plan_gen: int, rank: int) -> Any:
         """A 2-member link between this rank's leaver (0) and joiner (1), made for generation

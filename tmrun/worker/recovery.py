@@ -20,13 +20,16 @@ from __future__ import annotations
 import pickle
 import threading
 import time
+from collections.abc import Collection
+
+import torch.distributed as dist
 
 from tmrun.comm import native
 from tmrun.protocol import keys, messages as proto
 from tmrun.worker import group, rng
 from tmrun.worker.context import FAST_POLL, Context, RecoveryError, log
 from tmrun.worker.roles import Role
-from tmrun.worker.transfer import agree, heal as transfer_state
+from tmrun.worker.transfer import READ_TIMEOUT, TransferError, agree, heal as transfer_state
 
 
 class Recovery:
@@ -137,7 +140,8 @@ class Recovery:
                 with self._lock:
                     ctx.gen = plan.gen
                     ctx.aborted_by = None
-                return heal(ctx, started=started, aborted_step=aborted_step, connected=connected)
+                return heal(ctx, started=started, aborted_step=aborted_step, connected=connected,
+                            replaced=plan.replaced.keys())
             except native.CommError as exc:
                 with self._lock:
                     ctx.gen = max(ctx.gen, plan.gen)
@@ -146,16 +150,26 @@ class Recovery:
                 log(f"rank {ctx.rank}: lost a member again during recovery ({exc}); waiting for the next plan")
 
 
-def heal(ctx: Context, started: float, aborted_step: int, connected: float) -> int:
+def heal(ctx: Context, started: float, aborted_step: int, connected: float, replaced: Collection[int] = ()) -> int:
     """Agree on the last committed step, move the state to whoever is behind, restore the random
     state the resumed step needs; the rank is ACTIVE afterwards. Returns the step to resume at.
     ``started`` (monotonic) is for the log; ``connected`` (Unix time) is when this rank's links
-    to the new generation were up, published with the other instants of its recovery."""
+    to the new generation were up, published with the other instants of its recovery.
+    ``replaced``: the ranks the new generation gives to other processes."""
     store = ctx.require_store()
     comm = group.comm()
-    plan = agree(comm, ctx.committed_step, ctx.tracked.layout_digest(), ctx.fresh, ctx.env.heal_reads)
+    settle_heal(ctx, skip=replaced, in_change=True)  # what the previous change left to read first
+    plan = agree(comm, ctx.committed_step, ctx.tracked.layout_digest(), ctx.fresh, ctx.env.heal_reads,
+                 state_tensors=ctx.tracked.tensors())
     step_meta = {"committed_step": ctx.committed_step}
-    healed = transfer_state(comm, ctx.tracked, plan, step_meta, on_donate=lambda: ctx.fire("transfer"))
+    healed = transfer_state(comm, ctx.tracked, plan, step_meta, on_donate=lambda: ctx.fire("transfer"),
+                            board=StoreCrcBoard(store, ctx.gen))
+    if healed.deferred is not None:  # the optimizer state still arrives (transfer: deferred healing)
+        gen, rank = ctx.gen, ctx.rank
+        healed.deferred.start(lambda status: store.set(keys.heal_done(gen, rank), status))
+        ctx.heal_read = healed.deferred
+    if healed.served:
+        ctx.heal_served = (ctx.gen, list(healed.served))
     ctx.interrupter.reset_models()  # every member, every change: DDP rebuilds its buckets together
     resume = plan.target_step + 1
     if ctx.fresh:
@@ -172,9 +186,57 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float) -> i
     ctx.life.to(Role.ACTIVE)
     log(
         f"rank {ctx.rank}: recovered into generation {ctx.gen} in {elapsed:.3f}s; "
-        f"resume at step {resume} (donors {plan.donors}, healed {plan.needy}, {healed.describe()})"
+        f"resume at step {resume} (donors {plan.donors}, healed {plan.needy}, {healed.describe()}"
+        f"{'; the optimizer state follows in the background' if healed.deferred is not None else ''})"
     )
     return resume
+
+
+class StoreCrcBoard:
+    """Deferred healing's CRCs through the in-place store (transfer.CrcBoard)."""
+
+    def __init__(self, store: dist.Store, gen: int) -> None:
+        self._store, self._gen = store, gen
+
+    def put(self, donor: int, needy: int, crc: int) -> None:
+        self._store.set(keys.heal_crc(self._gen, donor, needy), str(crc))
+
+    def get(self, donor: int, needy: int, timeout: float) -> int:
+        key = keys.heal_crc(self._gen, donor, needy)
+        deadline = time.monotonic() + timeout
+        while not self._store.check([key]):
+            if time.monotonic() > deadline:
+                raise TransferError(f"rank {donor} posted no checksum within {timeout:.0f}s")
+            time.sleep(0.001)
+        return int(self._store.get(key))
+
+
+def settle_heal(ctx: Context, skip: Collection[int] = (), in_change: bool = False) -> None:
+    """Finish what deferred healing left (before an optimizer step, a new change, the end): a
+    healed member waits for its optimizer state, a donor until every member it served has read
+    it (``skip``: members that are gone). A healed member whose read failed is healed again
+    in the change under way (``in_change``: fresh); outside one it cannot step, and stops."""
+    read, ctx.heal_read = ctx.heal_read, None
+    if read is not None:
+        try:
+            read.wait()
+        except TransferError as exc:
+            if not in_change:
+                raise RecoveryError(f"rank {ctx.rank}: {exc}") from None
+            log(f"rank {ctx.rank}: {exc}; healed again in this change")
+            ctx.fresh = True
+    served, ctx.heal_served = ctx.heal_served, None
+    if served is None:
+        return
+    gen, ranks = served
+    store = ctx.require_store()
+    deadline = time.monotonic() + READ_TIMEOUT
+    for rank in ranks:
+        key = keys.heal_done(gen, rank)
+        while rank not in skip and not store.check([key]):
+            if time.monotonic() > deadline:
+                raise RecoveryError(f"rank {rank} did not finish reading the optimizer state within {READ_TIMEOUT:.0f}s")
+            time.sleep(0.001)
 
 
 def _adopt_rng_of(ctx: Context, rank: int, step: int) -> None:

@@ -17,10 +17,12 @@ over the socket instead), or an error (a copy that does not match its CRC fails 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
 import struct
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -39,7 +41,7 @@ TAG_CRC = 0x7E03
 PATH_SOCKET = "socket"  # how a part reaches the member that needs it
 PATH_MEMORY = "memory"
 READ_TIMEOUT = 120.0  # seconds for copying a part out of a peer's memory (GB/s: never near)
-AGREED = 5  # values per member in agree()'s allgather
+AGREED = 6  # values per member in agree()'s allgather
 
 
 class TransferError(RuntimeError):
@@ -53,6 +55,7 @@ class HealPlan:
     needy: list[int]  # members behind (joiners, or a survivor that missed the last commit)
     hosts: list[int] = field(default_factory=list)  # per member: its host key, 0 where it reads no peer
     pids: list[int] = field(default_factory=list)  # per member: its process id
+    defer: bool = False  # the optimizer state is read after heal returns (see DeferredRead)
 
     def same_host(self, donor: int, needy: int) -> bool:
         """Whether ``needy`` reads ``donor``'s stripe out of its memory (both allow it, one host)."""
@@ -68,6 +71,8 @@ class Healed:
     received: bool = False  # this member was healed (else it donated, or took no part)
     paths: dict[str, list[int]] = field(default_factory=dict)
     fallbacks: list[str] = field(default_factory=list)  # why a same-host stripe took the socket
+    deferred: "DeferredRead | None" = None  # a healed member: the optimizer state still arriving
+    served: list[int] = field(default_factory=list)  # a donor of a deferred plan: who still reads it
 
     def add(self, path: str, nbytes: int) -> None:
         self.paths.setdefault(path, []).append(nbytes)
@@ -91,11 +96,13 @@ def _megabytes(nbytes: int) -> str:
 
 
 def agree(comm: tmrun_native.Communicator, committed_step: int, digest: int, fresh: bool,
-          same_host_reads: bool = True) -> HealPlan:
+          same_host_reads: bool = True, state_tensors: list[tuple[str, torch.Tensor]] | None = None) -> HealPlan:
     """Allgather (committed step, layout digest, fresh, host key, pid) and derive the same plan on
     every member. ``same_host_reads=False``: no member reads this one's memory, nor it theirs."""
     host = peer_read.host_key() if same_host_reads else 0
-    mine = torch.tensor([committed_step, digest, 1 if fresh else 0, host, os.getpid()], dtype=torch.int64)
+    host_memory = all(t.device.type == "cpu" for _, t in state_tensors) if state_tensors is not None else False
+    mine = torch.tensor([committed_step, digest, 1 if fresh else 0, host, os.getpid(), int(host_memory)],
+                        dtype=torch.int64)
     every = torch.zeros(comm.world_size * AGREED, dtype=torch.int64)
     out, dtype = as_buffer(every)
     inp, _ = as_buffer(mine)
@@ -110,7 +117,13 @@ def agree(comm: tmrun_native.Communicator, committed_step: int, digest: int, fre
     if len(digests) != 1:
         raise TransferError("the members that hold the state track different objects or shapes")
     needy = [r for r in range(comm.world_size) if r not in donors]
-    return HealPlan(target, donors, needy, hosts=[row[3] for row in rows], pids=[row[4] for row in rows])
+    plan = HealPlan(target, donors, needy, hosts=[row[3] for row in rows], pids=[row[4] for row in rows])
+    # Deferred healing: every pair on one host, every member's state in host memory (given
+    # ``state_tensors``): the healed member returns once the model arrived and reads the
+    # optimizer state meanwhile.
+    defer = bool(needy) and all(row[5] for row in rows) and all(
+        plan.same_host(donor, member) for donor in donors for member in needy)
+    return dataclasses.replace(plan, defer=defer)
 
 
 def _stripe(views: list[torch.Tensor], index: int, count: int) -> list[torch.Tensor]:
@@ -186,21 +199,152 @@ def heal(
     plan: HealPlan,
     step_meta: dict[str, object],
     on_donate: Callable[[], None] | None = None,
+    board: CrcBoard | None = None,
 ) -> Healed:
     """Move the state from ``plan.donors`` to ``plan.needy``. Returns what moved here, and the
-    donor's step metadata as received (``step_meta`` on a donor)."""
+    donor's step metadata as received (``step_meta`` on a donor). ``board``: where the CRCs of
+    deferred optimizer state go (needed when ``plan.defer``)."""
     me = comm.rank
+    if plan.defer and board is None:
+        raise ValueError("deferred healing needs a CRC board")
     healed = Healed(step_meta)
     donated: HostBytes | None = None  # a donor's bytes, loaded once for every member it heals
+    parts: tuple[HostBytes, HostBytes] | None = None  # the same, model and optimizer state apart
     for needy in plan.needy:
         if me in plan.donors:
             if on_donate is not None:
                 on_donate()
+            if plan.defer:
+                parts = parts or _split(state, load=True)
+                path, nbytes = _donate_deferred(comm, state, parts, plan, needy, step_meta, board)  # type: ignore[arg-type]
+                if path == PATH_MEMORY:
+                    healed.served.append(needy)
+                healed.add(path, nbytes)
+                continue
             if donated is None:
                 donated = HostBytes([t for _, t in state.tensors()], load=True)
             healed.add(*_donate(comm, state, donated, plan, needy, step_meta))
         elif me == needy:
-            healed = _receive(comm, state, plan)
+            healed = _receive_deferred(comm, state, plan, board) if plan.defer else _receive(comm, state, plan)  # type: ignore[arg-type]
+    return healed
+
+
+# -- deferred healing: the model first, the optimizer state while the healed member computes ----
+#
+# When every donor shares the healed member's host and the state is in host memory, the healed
+# member returns as soon as its model (and the non-tensor state) arrived intact; the optimizer
+# state (two thirds of AdamW's bytes) is read out of the donors' memory in the background while
+# it runs its forward and backward. Each donor computes that part's CRC-32C after the model was
+# taken, off the critical path, and posts it on a CrcBoard (the store in the runtime). The
+# healed member's optimizer step waits for its read (DeferredRead.wait), and so does each
+# donor's (it must not change what is being read): the healed member publishes
+# keys.heal_done(gen, rank) once the read is checked. A donor whose memory cannot be read sends
+# both parts over the socket instead, at once.
+
+
+class CrcBoard(Protocol):
+    """Where donors post the CRC-32C of the optimizer state's stripes for their readers."""
+
+    def put(self, donor: int, needy: int, crc: int) -> None: ...
+
+    def get(self, donor: int, needy: int, timeout: float) -> int: ...
+
+
+def _donate_deferred(comm: tmrun_native.Communicator, state: TrackedState, parts: tuple[HostBytes, HostBytes],
+                     plan: HealPlan, needy: int, step_meta: dict[str, object], board: CrcBoard) -> tuple[str, int]:
+    index = plan.donors.index(comm.rank)
+    if index == 0:
+        _send_header(comm, state, step_meta, needy)
+    now, later = (_stripe(part.views, index, len(plan.donors)) for part in parts)
+    _send_json(comm, peer_read.offer(plan.pids[needy], stripe=now, later=later), needy)
+    _send_crc(comm, crc32c_of(now), needy)  # computed while the needy member reads
+    if _receipt(comm, needy).get("path") == PATH_SOCKET:  # it could not read this process
+        return PATH_SOCKET, _send_part(comm, now, needy) + _send_part(comm, later, needy)
+    donor = comm.rank
+    threading.Thread(target=lambda: board.put(donor, needy, crc32c_of(later)), name="tmrun-deferred-crc",
+                     daemon=True).start()
+    return PATH_MEMORY, sum(v.numel() for v in now + later)
+
+
+class DeferredRead:
+    """The optimizer state's stripes, read out of the donors' memory in the background after
+    ``heal`` returned (the reads run already); :meth:`start` checks each against the CRC its
+    donor posts on the board, in a thread of its own, and calls ``on_done("ok" | "error:
+    ...")``; :meth:`wait` before the optimizer steps."""
+
+    def __init__(self, reads: list[tuple[peer_read.BackgroundRead, int]], host: HostBytes, board: CrcBoard,
+                 me: int) -> None:
+        self.nbytes = sum(read.nbytes for read, _ in reads)
+        self._reads, self._host, self._board, self._me = reads, host, board, me
+        self._on_done: Callable[[str], None] = lambda _: None
+        self._error: str | None = None
+        self._thread = threading.Thread(target=self._finish, name="tmrun-deferred-heal", daemon=True)
+
+    def start(self, on_done: Callable[[str], None]) -> None:
+        self._on_done = on_done
+        self._thread.start()
+
+    def _finish(self) -> None:
+        for read, donor in self._reads:
+            try:
+                read.finish(self._board.get(donor, self._me, READ_TIMEOUT))
+            except Exception as exc:  # noqa: BLE001  (a read error, a CRC mismatch, no CRC posted)
+                self._error = self._error or str(exc)
+        if self._error is None:
+            self._host.store()
+        try:
+            self._on_done("ok" if self._error is None else f"error: {self._error}")
+        except Exception as exc:  # noqa: BLE001  (the store is gone: the donors' wait ends on its own)
+            self._error = self._error or f"could not tell the donors: {exc}"
+
+    def wait(self, timeout: float = READ_TIMEOUT) -> None:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TransferError(f"the optimizer state did not arrive within {timeout:.0f}s")
+        if self._error is not None:
+            raise TransferError(f"the optimizer state read after healing is unusable: {self._error}")
+
+
+def _receive_deferred(comm: tmrun_native.Communicator, state: TrackedState, plan: HealPlan, board: CrcBoard) -> Healed:
+    header = _receive_header(comm, state, plan.donors[0])
+    now_host, later_host = _split(state, load=False)
+    count = len(plan.donors)
+    offers = {donor: _recv_json(comm, donor, "offer") for donor in plan.donors}
+    stripes = {donor: (_stripe(now_host.views, index, count), _stripe(later_host.views, index, count))
+               for index, donor in enumerate(plan.donors)}
+    reads = {donor: peer_read.BackgroundRead(int(offers[donor].get("pid", 0)), list(offers[donor].get("stripe") or []),
+                                             stripes[donor][0], f"the model's stripe of rank {donor}", READ_TIMEOUT)
+             for donor in plan.donors}
+    healed = Healed(dict(header["meta"]), received=True)
+    later_reads: list[tuple[peer_read.BackgroundRead, int]] = []
+    failure: TransferError | None = None
+    for donor, read in reads.items():  # every donor gets its answer, even after a failure
+        now, later = stripes[donor]
+        expected_now = _recv_crc(comm, donor)
+        try:
+            read.finish(expected_now)
+        except peer_read.CopyError as exc:
+            failure = failure or _give_up(comm, donor, str(exc))
+            continue
+        except peer_read.PeerReadError as exc:
+            healed.fallbacks.append(f"{exc}: over the socket")
+            _send_json(comm, {"ok": True, "path": PATH_SOCKET}, donor)
+            healed.add(PATH_SOCKET, _receive_part(comm, now, donor) + _receive_part(comm, later, donor))
+            continue
+        _send_json(comm, {"ok": True, "path": PATH_MEMORY}, donor)
+        remote_later = list(offers[donor].get("later") or [])
+        later_reads.append((peer_read.BackgroundRead(int(offers[donor].get("pid", 0)), remote_later, later,
+                                                     f"the optimizer state's stripe of rank {donor}", READ_TIMEOUT),
+                            donor))
+        healed.add(PATH_MEMORY, read.nbytes + sum(v.numel() for v in later))
+    if failure is not None:
+        raise failure
+    now_host.store()
+    state.apply_rest(header["rest"])
+    if later_reads:
+        healed.deferred = DeferredRead(later_reads, later_host, board, comm.rank)
+    else:
+        later_host.store()
     return healed
 
 
