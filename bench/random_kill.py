@@ -84,7 +84,7 @@ from inplace_failover import (
 )
 
 SIZES = {"6M": (1024, 6), "25M": (2048, 6), "100M": (4096, 6)}  # name: (width, depth)
-PHASES = ("detect", "plan", "connect", "transfer", "first_step", "recover", "total")
+PHASES = ("kill_to_seen", "detect", "plan", "connect", "transfer", "first_step", "recover", "total")
 NAN = float("nan")
 POLL = 0.05  # seconds between checks while waiting for a state
 FAST_POLL = 0.002  # while waiting for rank 1's next step (the kill's reference point)
@@ -171,17 +171,24 @@ def kill_metrics(rows: list[tuple[int, float, str]], t_kill: float, t_end: float
                        recomputed, in_flight, t_last, t_next)
 
 
-def recovered_phases(events: list[dict[str, object]], gens: int) -> list[dict[str, float]]:
+def recovered_phases(events: list[dict[str, object]], gens: int,
+                     kill_times: list[float] | None = None) -> list[dict[str, float]]:
     """The phases of the ``recovered`` events of generations 1..gens (one per in-place
-    recovery), NaN where not measured."""
+    recovery), NaN where not measured; ``kill_to_seen``: from the kill of generation g's
+    (``kill_times[g - 1]``) to the controller seeing the failure (``marks.seen``): the hop the
+    events cannot see (the process's death, its pidfd, the agent waking)."""
     out = []
     for event in events:
         if event.get("kind") != "recovered" or not isinstance(event.get("gen"), int):
             continue
         if not 1 <= int(event["gen"]) <= gens:  # type: ignore[call-overload]
             continue
-        phases = event.get("phases") or {}
-        assert isinstance(phases, dict)
+        phases = dict(event.get("phases") or {})  # type: ignore[call-overload]
+        marks = event.get("marks") or {}
+        seen = marks.get("seen") if isinstance(marks, dict) else None
+        gen = int(event["gen"])  # type: ignore[call-overload]
+        if kill_times is not None and gen <= len(kill_times) and isinstance(seen, (int, float)):
+            phases["kill_to_seen"] = float(seen) - kill_times[gen - 1]
         out.append({p: float(phases[p]) if isinstance(phases.get(p), (int, float)) else NAN for p in PHASES})
     return out
 
@@ -420,7 +427,7 @@ class Driver:
                 result.notes.append(f"kill {index + 1}: too few steps of rank 0 around it")
         result.kills = kills
         if self.tmrun:
-            result.phases = recovered_phases(self.events(), len(kills))
+            result.phases = recovered_phases(self.events(), len(kills), [kill.t_kill for kill in kills])
             if len(result.phases) != len(kills):
                 result.notes.append(f"{len(result.phases)} recovered events for {len(kills)} kills")
             if len({who for _, _, who in rows}) > 1:

@@ -80,6 +80,18 @@ def leftovers(proc: subprocess.Popen[bytes], grace: float = 5.0) -> list[int]:
     return tagged_pids(proc.tag)  # type: ignore[attr-defined]
 
 
+def run_job(cmd: Sequence[str], log: Path, env: dict[str, str], timeout: float) -> tuple[int, str]:
+    """Start a job (its output to ``log``), wait up to ``timeout`` for it, kill whatever of it is
+    left (asserting nothing survives); returns its exit code and its log."""
+    job = start(cmd, log=log, env=env)
+    try:
+        code = job.wait(timeout=timeout)
+    finally:
+        kill_tree(job)
+        assert leftovers(job) == []
+    return code, log.read_text()
+
+
 def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -101,14 +101,16 @@ def test_recovered_phases_from_events() -> None:
               "recover": 0.15, "total": 0.156}  # fmt: skip
     events = [
         {"kind": "failure", "gen": 1},
-        {"kind": "recovered", "gen": 1, "phases": phases},
+        {"kind": "recovered", "gen": 1, "phases": phases, "marks": {"seen": 100.004}},
         {"kind": "recovered", "gen": 2, "phases": dict(phases, first_step=None)},
         {"kind": "recovered", "gen": 3, "phases": phases},  # beyond the kills counted
     ]
-    got = bench.recovered_phases(events, 2)
+    got = bench.recovered_phases(events, 2, kill_times=[100.0, 200.0])
     assert len(got) == 2
-    assert got[0] == phases
+    assert got[0]["kill_to_seen"] == pytest.approx(0.004)
+    assert {k: v for k, v in got[0].items() if k != "kill_to_seen"} == phases
     assert math.isnan(got[1]["first_step"]) and got[1]["connect"] == 0.1
+    assert math.isnan(got[1]["kill_to_seen"])  # no marks
 
 
 def test_help_starts_without_torch() -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import EXAMPLES, ctl_when_logged, kill_tree, leftovers, start, tmrun_cmd
+from tests.helpers import EXAMPLES, ctl_when_logged, kill_tree, leftovers, run_job, start, tmrun_cmd
 
 STEPS = 12
 JOB_TIMEOUT = 240
@@ -29,13 +29,7 @@ def _run(tmp: Path, name: str, *tmrun_args: str, nproc: int = 2, standby: int = 
         str(EXAMPLES / "train_inplace.py"), "--steps", str(steps), "--width", "48", "--batch", "16",
         "--step-time", str(step_time), "--step-log", str(work / "steps-{rank}.log"), "--final", str(work / "final"),
     )  # fmt: skip
-    agent = start(cmd, log=work / "agent.log", env={"TMRUN_STATE_DIR": str(work / "state"), **(env or {})})
-    try:
-        code = agent.wait(timeout=JOB_TIMEOUT)
-    finally:
-        kill_tree(agent)
-        assert leftovers(agent) == []
-    log = (work / "agent.log").read_text()
+    code, log = run_job(cmd, work / "agent.log", {"TMRUN_STATE_DIR": str(work / "state"), **(env or {})}, JOB_TIMEOUT)
     final = (work / "final").read_text().strip() if (work / "final").exists() else ""
     steps_by_rank: dict[int, list[tuple[int, int]]] = {}
     for rank in range(nproc):

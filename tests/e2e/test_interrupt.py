@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import SCRIPTS, kill_tree, leftovers, start, tmrun_cmd
+from tests.helpers import SCRIPTS, run_job, tmrun_cmd
 
 pytestmark = pytest.mark.e2e
 
@@ -30,13 +30,7 @@ def _run(work: Path, *tmrun_args: str) -> tuple[str, list[list[str]]]:
     cmd = tmrun_cmd("--standalone", "--nproc-per-node", "2", "--standby", "1", *tmrun_args,
                     str(SCRIPTS / "interrupt_train.py"), "--steps", str(STEPS), "--layers", str(LAYERS),
                     "--slow", "0.05", "--log", str(work / "log-{rank}"), "--final", str(work / "final-{rank}"))
-    agent = start(cmd, log=work / "agent.log", env={"TMRUN_STATE_DIR": str(work / "state")})
-    try:
-        code = agent.wait(timeout=JOB_TIMEOUT)
-    finally:
-        kill_tree(agent)
-        assert leftovers(agent) == []
-    log = (work / "agent.log").read_text()
+    code, log = run_job(cmd, work / "agent.log", {"TMRUN_STATE_DIR": str(work / "state")}, JOB_TIMEOUT)
     assert code == 0, log
     finals = {(work / f"final-{rank}").read_text() for rank in (0, 1)}
     assert len(finals) == 1, "the ranks ended with different states\n" + log
