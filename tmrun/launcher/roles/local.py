@@ -22,7 +22,7 @@ from dataclasses import replace
 
 from tmrun.control.detection import Detection
 from tmrun.control.replacement.processes import ProcessReplacement
-from tmrun.launcher.roles.base import HEALTHY, AgentRole, in_place_env, succeeded
+from tmrun.launcher.roles.base import HEALTHY, AgentRole, in_place_env, succeeded, worker_environ
 from tmrun.launcher.standby_pool import StandbyPool
 from tmrun.protocol import environment, keys
 
@@ -71,10 +71,10 @@ class LocalStandbyRole(AgentRole):
             PrefixStore(prefix, handler.raw_store), self._pool, world_size, self._settings.standby_wait,
             max(spec.max_restarts, 0), handler.store, gen_file, self._settings.refill_delay, detection)
         env = in_place_env(self.agent, handler, prefix, gen_file, progress_dir)
-        os.environ.update(env.to_environ())  # the workers torch starts inherit these
+        os.environ.update(worker_environ(env))  # the workers torch starts inherit these
         previous = self._pool.worker_env.get(environment.ENV_PREFIX)
         self._pool.worker_env = {
-            **env.to_environ(),
+            **worker_environ(env),
             environment.ENV_WORLD_SIZE: str(world_size),
             environment.ENV_LOCAL_WORLD_SIZE: str(spec.local_world_size),
             environment.ENV_RANK: "0",

@@ -22,7 +22,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 from tmrun.console import say
 from tmrun.control.detection import Detection
 from tmrun.control.replacement.nodes import NodeWatch
-from tmrun.launcher.roles.base import HEALTHY, AgentRole, in_place_env, succeeded
+from tmrun.launcher.roles.base import HEALTHY, AgentRole, in_place_env, succeeded, worker_environ
 from tmrun.launcher.standby_pool import StandbyPool
 from tmrun.protocol import environment, keys
 from tmrun.protocol import messages as proto
@@ -76,8 +76,8 @@ class NodeRole(AgentRole):
         ranks = [w.global_rank for w in worker_group.workers]
         store.set(keys.node_ranks(worker_group.group_rank or 0), proto.NodeRanks(handler.node_id or 0, ranks).encode())
         prefix = keys.node_prefix(handler.get_run_id(), handler.epoch)
-        os.environ.update(in_place_env(self.agent, handler, prefix, self._gen_file(handler.epoch),
-                                       self._progress_dir(handler.epoch)).to_environ())
+        os.environ.update(worker_environ(in_place_env(self.agent, handler, prefix, self._gen_file(handler.epoch),
+                                                      self._progress_dir(handler.epoch))))
         adopted = self._adopt_standby_workers(worker_group)
         if adopted is not None:
             self.agent.forget_group_processes()
@@ -141,8 +141,8 @@ class NodeRole(AgentRole):
                                      log_dir=self._standby_log_dir)
             prefix = keys.node_prefix(handler.get_run_id(), membership.epoch)
             self._pool.worker_env = {
-                **in_place_env(self.agent, handler, prefix, self._gen_file(membership.epoch),
-                               self._progress_dir(membership.epoch)).to_environ(),
+                **worker_environ(in_place_env(self.agent, handler, prefix, self._gen_file(membership.epoch),
+                                              self._progress_dir(membership.epoch))),
                 environment.ENV_WORLD_SIZE: str(len(membership.active) * spec.local_world_size),
                 environment.ENV_LOCAL_WORLD_SIZE: str(spec.local_world_size),
                 environment.ENV_RANK: "0",
