@@ -29,6 +29,10 @@ is logged by the survivor and logged again when redone: the aborted line is not 
 * (b) kill -> next step = (t_next - t_kill) - steady: the stall caused by the kill;
 * (c) work lost in flight = t_kill - t_last (a = b + c; negative when rank 0's last step
   before the stall completed just after the kill);
+* (e) recovery stall = (t_next - max(t_kill, t_last)) - steady: (b) without the work of the
+  last step that completed after the kill (it was not lost), (a) without the work lost in
+  flight: the time the job stood still beyond one ordinary step, what the recovery itself
+  cost; (e) = min(a, b);
 * (d) committed time lost = (when rank 0 again completes the step that was in flight) -
   (t_last + steady): with torchrun this includes the steps recomputed since the checkpoint;
 * steps recomputed: steps completed before the kill (up to t_last) that rank 0 completed again
@@ -454,11 +458,18 @@ def cells(values: list[float], fmt: str = "{:.3f}") -> str:
     return f"{len(finite)} | " + " | ".join(fmt.format(v) for v in summary(finite))
 
 
+def recovery_stall(m: KillMetrics) -> float:
+    """(e): the stall after the kill, counting neither the work lost in flight nor the work of a
+    step that completed after the kill."""
+    return min(m.downtime, m.stall)
+
+
 METRICS: list[tuple[str, Callable[[KillMetrics], float], str]] = [
     ("steady step, s", lambda m: m.steady, "{:.3f}"),
     ("(a) downtime: (t_next - t_last) - steady, s", lambda m: m.downtime, "{:.3f}"),
     ("(b) kill -> next step: (t_next - t_kill) - steady, s", lambda m: m.stall, "{:.3f}"),
     ("(c) work lost in flight: t_kill - t_last, s", lambda m: m.lost_work, "{:.3f}"),
+    ("(e) recovery stall: (t_next - max(t_kill, t_last)) - steady, s", lambda m: recovery_stall(m), "{:.3f}"),
     ("(d) committed time lost (incl. recomputed steps), s", lambda m: m.committed, "{:.3f}"),
     ("steps recomputed", lambda m: float(m.recomputed) if m.recomputed >= 0 else NAN, "{:.1f}"),
 ]
@@ -499,11 +510,13 @@ def report(args: argparse.Namespace, settings: list[Setting], total: float) -> N
         tm = next((s for s in here if s.launcher == "tmrun"), None)
         tr = next((s for s in here if s.launcher == "torchrun"), None)
         if tm is not None and tr is not None:
-            tm_p90 = percentile([k.metrics.stall for k in tm.kills if k.metrics], 90)
-            tr_median = percentile([k.metrics.stall for k in tr.kills if k.metrics], 50)
-            ratio = f"{tr_median / tm_p90:.1f}" if tm_p90 > 0 and not math.isnan(tr_median) else "-"
             print()
-            print(f"(b) kill -> next step: torchrun median {tr_median:.3f} s / tmrun p90 {tm_p90:.3f} s = **{ratio}**")
+            for label, get in (("(a) downtime", lambda m: m.downtime), ("(b) kill -> next step", lambda m: m.stall),
+                               ("(e) recovery stall", recovery_stall)):
+                tm_p90 = percentile([get(k.metrics) for k in tm.kills if k.metrics], 90)
+                tr_median = percentile([get(k.metrics) for k in tr.kills if k.metrics], 50)
+                ratio = f"{tr_median / tm_p90:.1f}" if tm_p90 > 0 and not math.isnan(tr_median) else "-"
+                print(f"* {label}: torchrun median {tr_median:.3f} s / tmrun p90 {tm_p90:.3f} s = **{ratio}**")
         if tm is not None:
             print()
             print(f"tmrun recovery phases ({size}; the `recovered` events, docs/events.md), seconds:")

@@ -43,6 +43,7 @@ def test_tmrun_kill_the_aborted_step_is_not_a_completion() -> None:
     assert (m.t_last, m.t_next, m.in_flight) == (9.0, 11.0, 10)
     assert m.downtime == pytest.approx(1.0)  # (11 - 9) - 1
     assert m.stall == pytest.approx(0.6)  # (11 - 9.4) - 1
+    assert bench.recovery_stall(m) == pytest.approx(0.6)  # the work lost in flight is not counted
     assert m.lost_work == pytest.approx(0.4)  # 9.4 - 9
     assert m.downtime == pytest.approx(m.stall + m.lost_work)
     assert m.committed == pytest.approx(1.0)  # step 10 done at 11, expected at 9 + 1
@@ -78,6 +79,7 @@ def test_a_step_completed_just_after_the_kill_is_before_the_stall() -> None:
     assert (m.t_last, m.t_next, m.in_flight) == (10.0, 15.0, 11)
     assert m.downtime == pytest.approx(4.0)
     assert m.stall == pytest.approx(4.005)
+    assert bench.recovery_stall(m) == pytest.approx(4.0)  # the step done before the kill is no stall
     assert m.lost_work == pytest.approx(-0.005)
     assert m.committed == pytest.approx(4.0)
     assert m.recomputed == 0
