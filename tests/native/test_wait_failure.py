@@ -43,9 +43,11 @@ def test_wait_failure_times_out_when_healthy_and_returns_at_close():
         found: list = []
         waiter = threading.Thread(target=lambda: found.append(comms[0].wait_failure(BOUND)))
         waiter.start()
-        threading.Timer(0.2, comms[0].close).start()
+        closer = threading.Timer(0.2, comms[0].close)
+        closer.start()
         waiter.join(BOUND + 5)
-        assert not waiter.is_alive() and found == [None]
+        closer.join(BOUND + 5)  # before close_all closes it again: no two close() at once
+        assert not waiter.is_alive() and not closer.is_alive() and found == [None]
     finally:
         close_all(comms)
 
