@@ -27,3 +27,18 @@ def procs():  # type: ignore[no-untyped-def]
         if process.poll() is None:
             process.kill()
         process.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """One real etcd on loopback for the session (each test uses its own run id/namespace)."""
+    from tests.etcd.server import start_etcd, why_no_etcd
+
+    reason = why_no_etcd()
+    if reason:
+        pytest.skip(f"no etcd here: {reason}")
+    server = start_etcd(tmp_path_factory.mktemp("etcd"))
+    try:
+        yield server
+    finally:
+        server.stop()

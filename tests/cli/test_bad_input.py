@@ -27,6 +27,9 @@ CASES = {
     "negative shadow steps": (["--standalone", "--shadow-steps", "-2", SCRIPT], "--shadow-steps"),
     "negative refill delay": (["--standalone", "--standby-refill-delay", "-1", SCRIPT], "--standby-refill-delay"),
     "node drill with a rank": (["--standalone", "--inject-failure", "rank=1,node=1,step=2", SCRIPT], "rank=N or node=G"),
+    "etcd without an endpoint": (["--nnodes", "2", "--rdzv-backend", "tmrun-etcd", SCRIPT], "needs --rdzv-endpoint"),
+    "malformed etcd endpoint": (["--nnodes", "2", "--rdzv-backend", "tmrun-etcd", "--rdzv-endpoint", "a:b:c:x", SCRIPT],
+                                "malformed etcd endpoint"),
 }
 
 

@@ -18,6 +18,9 @@ from tmrun.cli.slurm import HostlistError, SlurmStepError, node_address, slurm_d
 from tmrun.console import fail, warn
 from tmrun.protocol import environment
 
+ETCD_BACKEND = "tmrun-etcd"  # the tmrun rendezvous on etcd (no store host; the leader is a lease)
+TMRUN_BACKENDS = ("tmrun", ETCD_BACKEND)
+
 
 class UsageError(Exception):
     """A mistake on the command line: reported as one line, exit code 2."""
@@ -191,7 +194,7 @@ def _apply_slurm(args: argparse.Namespace, given: set[str]) -> None:
                     f"or on one node, where --standby {args.standby} means standby worker processes"
                 )
             args.nnodes = str(active)
-    if "rdzv_endpoint" not in given and "standalone" not in given:
+    if "rdzv_endpoint" not in given and "standalone" not in given and args.rdzv_backend != ETCD_BACKEND:
         # one node: the store on this host, any free port (no name to resolve); several nodes: on
         # the step's first node, at a port of this step's own
         if total == 1:
@@ -232,9 +235,9 @@ def _apply_defaults(args: argparse.Namespace, given: set[str]) -> None:
             args.rdzv_id = str(uuid.uuid4())
     if args.standby and "max_restarts" not in given:
         args.max_restarts = 3  # a standby is only useful if a failure may be recovered
-    if args.rdzv_backend == "tmrun" and args.node_rank:
+    if args.rdzv_backend in TMRUN_BACKENDS and args.node_rank:
         _add_rdzv_conf(args, f"node_rank={args.node_rank}")
-    if args.rdzv_backend == "tmrun":
+    if args.rdzv_backend in TMRUN_BACKENDS:
         args.node_rank = 0  # a hint for the tmrun leader, in rdzv_conf; torch's node_rank is the static backend's
 
 
@@ -253,7 +256,7 @@ def _max_nodes(nnodes: str) -> int:
 def _validate(args: argparse.Namespace) -> None:
     if args.standby < 0:
         raise UsageError(f"--standby must be 0 or more, got {args.standby}")
-    if args.standby and args.rdzv_backend != "tmrun":
+    if args.standby and args.rdzv_backend not in TMRUN_BACKENDS:
         raise UsageError(f"--standby needs the tmrun rendezvous backend, not {args.rdzv_backend!r}")
     _max_nodes(args.nnodes)
     nproc = str(args.nproc_per_node)
@@ -296,6 +299,16 @@ def _validate(args: argparse.Namespace) -> None:
         try:
             parse_endpoint(args.rdzv_endpoint, 29400)
         except EndpointError as exc:
+            raise UsageError(str(exc)) from None
+    if args.rdzv_backend == ETCD_BACKEND:
+        if not args.rdzv_endpoint:
+            raise UsageError("--rdzv-backend tmrun-etcd needs --rdzv-endpoint HOST:PORT[,HOST:PORT...] "
+                             "(the etcd cluster's client endpoints)")
+        from tmrun.protocol.etcd import EtcdConfig, EtcdConfigError
+
+        try:
+            EtcdConfig.parse(args.rdzv_endpoint)
+        except EtcdConfigError as exc:
             raise UsageError(str(exc)) from None
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from torch.distributed import PrefixStore, Store
 
@@ -48,10 +50,26 @@ class _Pending:
     reports: list[FailureReport] = field(default_factory=list)
 
 
+class Liveness(Protocol):
+    """How the leader learns that agents went away: :class:`LivenessMonitor` (TCP connections
+    to the store host) or :class:`~tmrun.rendezvous.election.EtcdLiveness` (etcd leases)."""
+
+    port: int
+
+    def poll(self, timeout: float, on_lost: Callable[[int, str], None]) -> None: ...
+
+    def take_departed(self) -> list[int]: ...
+
+    def close(self) -> None: ...
+
+
 class Leader:
-    def __init__(self, store: Store, config: LeaderConfig, raw_store: Store | None = None) -> None:
+    def __init__(self, store: Store, config: LeaderConfig, raw_store: Store | None = None,
+                 liveness: Liveness | None = None, takeover: bool = False) -> None:
         """``store`` is the job's prefixed store; ``raw_store`` the unprefixed one (the in-place
-        protocol's keys are full paths shared with the workers); the same store by default."""
+        protocol's keys are full paths shared with the workers); the same store by default.
+        ``takeover``: an earlier leader of this job is gone (etcd); its decisions are in the
+        store, and this leader goes on from them instead of forming a new group."""
         self._store = store
         self._config = config
         self._membership = Membership()
@@ -65,9 +83,10 @@ class Leader:
         self._pending: _Pending | None = None
         self._lost: dict[int, str] = {}
         self._stop = threading.Event()
-        self._monitor = LivenessMonitor(config.run_id, config.heartbeat_timeout)
+        self._monitor: Liveness = liveness or LivenessMonitor(config.run_id, config.heartbeat_timeout)
+        self._takeover = takeover
         self._inplace = NodeReplacement(raw_store if raw_store is not None else store, store, config.run_id,
-                                               config.standby_wait)
+                                        config.standby_wait, skip_older=takeover)
         self._thread = threading.Thread(target=self._run, name="tmrun-leader", daemon=True)
         self.error: BaseException | None = None
         # tmrun-ctl's endpoint: a thread and a store connection of its own, off the decision loop
@@ -82,8 +101,12 @@ class Leader:
         return self._monitor.port
 
     def start(self, advertise_host: str) -> None:
-        self._store.set(keys.LIVENESS_ADDR, f"{advertise_host}:{self._monitor.port}")
-        self._publish(self._membership)
+        if self._monitor.port:
+            self._store.set(keys.LIVENESS_ADDR, f"{advertise_host}:{self._monitor.port}")
+        if self._takeover and self._store.check([keys.STATE]):
+            self._resume()
+        else:
+            self._publish(self._membership)
         self.ops_address = self.ops.start(advertise_host)
         say(f"operations endpoint at {self.ops_address} (tmrun-ctl --endpoint {self.ops_address})")
         self._thread.start()
@@ -126,6 +149,19 @@ class Leader:
                 say(f"the tmrun leader stopped: {exc}")
                 self.error = exc
 
+    def _resume(self) -> None:
+        """Go on from the previous leader's decisions: its membership, the failure reports it
+        had handled; every node of the membership is expected alive (a lost one is found by
+        the liveness check); nodes it had not admitted yet are admitted again."""
+        self._membership = Membership.from_json(self._store.get(keys.STATE))
+        if self._store.check([keys.FAIL_HANDLED]):
+            self._failures_seen = int(self._store.get(keys.FAIL_HANDLED).decode() or 0)
+        expect = getattr(self._monitor, "expect", None)
+        if expect is not None:
+            expect([n for n in self._membership.active + self._membership.standby if n >= 0])
+        self._event("leader", f"took over the lead in epoch {self._membership.epoch} "
+                              f"({self._membership.phase.value}); the job goes on in place")
+
     def _publish(self, membership: Membership) -> None:
         self._membership = membership
         self._store.set(keys.STATE, membership.to_json())
@@ -150,8 +186,8 @@ class Leader:
             self._known_nodes += 1
             if info.node_rank_hint >= 0:
                 self._hints[node_id] = info.node_rank_hint
-            if node_id in self._lost:
-                continue
+            if node_id in self._lost or self._membership.role_of(node_id) != "waiting" or node_id in self._joined:
+                continue  # lost, or already placed (by an earlier leader of this job)
             if self._membership.phase is Phase.FORMING:
                 self._joined.append(node_id)
                 self._event("join", f"node {node_id} ({info.host}) joined", nodes=[node_id])
@@ -197,6 +233,7 @@ class Leader:
             if not self._store.check([key]):
                 return
             self._failures_seen += 1
+            self._store.set(keys.FAIL_HANDLED, str(self._failures_seen))  # for a leader that takes over
             try:
                 report = FailureReport.decode(key, self._store.get(key))
             except ProtocolMessageError as exc:

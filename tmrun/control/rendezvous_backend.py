@@ -23,13 +23,18 @@ if TYPE_CHECKING:
     from tmrun.rendezvous.handler import TmrunRendezvousConfig, TmrunRendezvousHandler
 
 BACKEND_NAME = "tmrun"
+ETCD_BACKEND_NAME = "tmrun-etcd"
+BACKEND_NAMES = (BACKEND_NAME, ETCD_BACKEND_NAME)
 
 
-def start_leader(raw_store: Store, config: TmrunRendezvousConfig, advertise_host: str) -> Leader:
-    """Start the leader of the job on ``raw_store`` (the unprefixed store of its host)."""
+def start_leader(raw_store: Store, config: TmrunRendezvousConfig, advertise_host: str,
+                 takeover: bool = False) -> Leader:
+    """Start the leader of the job on ``raw_store`` (the unprefixed store of its host, or the
+    job's etcd namespace; ``takeover``: an earlier leader's decisions are in it)."""
     from torch.distributed import PrefixStore
 
     from tmrun.control.leader import Leader, LeaderConfig
+    from tmrun.rendezvous.election import EtcdLiveness
 
     leader_config = LeaderConfig(
         run_id=config.run_id,
@@ -41,9 +46,14 @@ def start_leader(raw_store: Store, config: TmrunRendezvousConfig, advertise_host
         standby_wait=config.standby_wait,
         event_log=config.event_log or None,
         ops_port=config.ops_port,
-        store_endpoint=f"{config.endpoint.host}:{getattr(raw_store, 'port', config.endpoint.port)}",
+        store_endpoint=config.etcd.url() if config.etcd is not None
+        else f"{config.endpoint.host}:{getattr(raw_store, 'port', config.endpoint.port)}",
     )
-    leader = Leader(PrefixStore(keys.job_prefix(config.run_id), raw_store), leader_config, raw_store)
+    liveness = None
+    if config.etcd is not None:
+        liveness = EtcdLiveness(raw_store.clone(), config.run_id, config.lease_ttl)  # type: ignore[attr-defined]
+    leader = Leader(PrefixStore(keys.job_prefix(config.run_id), raw_store), leader_config, raw_store,
+                    liveness=liveness, takeover=takeover)
     leader.start(advertise_host)
     return leader
 
@@ -55,11 +65,12 @@ def create_handler(params: RendezvousParameters) -> TmrunRendezvousHandler:
 
 
 def register_tmrun_backend() -> None:
-    """Make ``--rdzv-backend tmrun`` available (idempotent)."""
+    """Make ``--rdzv-backend tmrun`` and ``tmrun-etcd`` available (idempotent)."""
     from torch.distributed.elastic.rendezvous.registry import handler_registry
 
-    if BACKEND_NAME not in handler_registry._registry:  # noqa: SLF001 - no public lookup exists
-        handler_registry.register(BACKEND_NAME, create_handler)
+    for name in BACKEND_NAMES:
+        if name not in handler_registry._registry:  # noqa: SLF001 - no public lookup exists
+            handler_registry.register(name, create_handler)
 
 
 def torchrun_plugin() -> Callable[[RendezvousParameters], RendezvousHandler]:

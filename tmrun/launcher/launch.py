@@ -68,7 +68,7 @@ def launch(config: LaunchConfig, entrypoint: str, args: list[Any], options: Tmru
     handle_stop_signals(getattr(config, "signals_to_handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT"))
     single_node = config.max_nodes == 1 if options.standby_nodes is None else not options.standby_nodes
     rdzv_configs = dict(config.rdzv_configs)
-    if config.rdzv_backend == "tmrun":
+    if config.rdzv_backend in ("tmrun", "tmrun-etcd"):
         rdzv_configs["standby"] = 0 if single_node else options.standby
         rdzv_configs.setdefault("standby_wait", options.standby_wait)
         rdzv_configs.setdefault("event_log", str(event_log_path(config.run_id, options.log_dir)))
@@ -214,8 +214,12 @@ def _run(agent: TmrunAgent, handler: TmrunRendezvousHandler | None) -> int:
         where = f" at {handler.endpoint}" if handler is not None else ""
         if handler is not None:
             handler.store_lost = True  # nothing to say goodbye to
+        if handler is not None and handler.config.etcd is not None:
+            raise LaunchError(f"lost the job's store: the etcd cluster ({handler.store_url}) did not answer within "
+                              f"{handler.config.connect_timeout:g} s; this node stops") from None
         raise LaunchError(f"lost the job's store{where}: its host is gone ({type(exc).__name__}); "
-                          "this node stops (surviving that needs a store outside the job)") from None
+                          "this node stops (surviving that needs a store outside the job, e.g. --rdzv-backend "
+                          "tmrun-etcd)") from None
     if result.is_failed():
         failures = result.failures or {}
         summary = "; ".join(

@@ -14,7 +14,6 @@ import runpy
 import signal
 import sys
 import time
-from datetime import timedelta
 
 from tmrun.protocol import keys
 from tmrun.protocol.environment import LaunchEnv, Mode
@@ -55,8 +54,9 @@ def main() -> int:
     target = _python_target(argv)
     store = None
     if target is not None and env.mode is not Mode.PLAIN:
-        tcp = dist.TCPStore(env.store_host, env.store_port, is_master=False, timeout=timedelta(seconds=60),
-                            wait_for_workers=False)
+        from tmrun.protocol.stores import open_job_store
+
+        tcp = open_job_store(env, timeout=60)
         store = dist.PrefixStore(env.store_prefix, tcp)
     while not stop:
         if env.agent_pid and os.getppid() != env.agent_pid:

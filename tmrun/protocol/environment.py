@@ -17,7 +17,8 @@ from enum import Enum
 from typing import Mapping
 
 ENV_ROLE = "TMRUN_ROLE"  # "standby" for a standby worker; unset for an active one
-ENV_STORE = "TMRUN_IP_STORE"  # host:port of the agent's store; set when in-place replacement is on
+ENV_STORE = "TMRUN_IP_STORE"  # host:port of the agent's store, or etcd://h:p[,h:p]; set when in-place replacement is on
+ENV_STORE_OPTIONS = "TMRUN_IP_STORE_OPTIONS"  # etcd: JSON of its TLS/auth options (file paths, no secrets)
 ENV_RUN_ID = "TMRUN_RUN_ID"
 ENV_GEN_FILE = "TMRUN_IP_GEN_FILE"  # the controller's generation, in a file on this node
 ENV_PREFIX = "TMRUN_IP_PREFIX"  # key prefix of this worker group's in-place protocol
@@ -96,6 +97,8 @@ class LaunchEnv:
     local_rank: int = 0
     store_host: str = ""  # the agent's store (in-place modes only)
     store_port: int = 0
+    store_etcd: str = ""  # etcd://h:p[,h:p]: the job's store is on etcd (then host and port are unused)
+    store_options: str = ""  # etcd: JSON object of its options (protocol.etcd.EtcdConfig.options)
     store_prefix: str = DEFAULT_PREFIX  # the in-place protocol's keys (protocol.keys.group_prefix/node_prefix)
     gen_file: str = ""  # the controller's current generation, in a file on this node
     run_id: str = "none"
@@ -126,7 +129,8 @@ class LaunchEnv:
             ENV_ENTRYPOINT: json.dumps(list(self.entrypoint)),
             ENV_STANDBY_ID: str(self.standby_id),
             ENV_READY_FILE: self.ready_file,
-            ENV_STORE: f"{self.store_host}:{self.store_port}" if self.mode is not Mode.PLAIN else "",
+            ENV_STORE: (self.store_etcd or f"{self.store_host}:{self.store_port}") if self.mode is not Mode.PLAIN else "",
+            ENV_STORE_OPTIONS: self.store_options,
             ENV_ROLE: "standby" if self.mode is Mode.STANDBY else "",
             ENV_PROGRESS_DIR: self.progress_dir,
         }
@@ -139,7 +143,11 @@ class LaunchEnv:
         role = env.get(ENV_ROLE, "")
         mode = Mode.PLAIN
         host, port = "", 0
-        if store:
+        store_etcd = ""
+        if store.startswith("etcd://"):
+            mode = Mode.STANDBY if role == "standby" else Mode.ACTIVE
+            store_etcd = store
+        elif store:
             mode = Mode.STANDBY if role == "standby" else Mode.ACTIVE
             host, _, port_text = store.rpartition(":")
             if not host or not port_text.isdigit():
@@ -164,6 +172,8 @@ class LaunchEnv:
             local_rank=_integer(env, ENV_LOCAL_RANK, 0),
             store_host=host,
             store_port=port,
+            store_etcd=store_etcd,
+            store_options=env.get(ENV_STORE_OPTIONS, ""),
             store_prefix=env.get(ENV_PREFIX, "") or DEFAULT_PREFIX,
             gen_file=env.get(ENV_GEN_FILE, ""),
             run_id=env.get(ENV_RUN_ID, "") or env.get(ENV_TORCHELASTIC_RUN_ID, "none"),

@@ -30,6 +30,7 @@ STATE_VERSION = "state_version"  # counter bumped after every write of STATE
 CLOSED = "closed"  # JSON ClosedNotice; set once, first writer wins
 NODE_SEQ = "node_seq"  # counter: nodes registered (ordinals in join order; node_order maps each to its id)
 FAIL_SEQ = "fail_seq"  # counter: failure reports
+FAIL_HANDLED = "fail_handled"  # how many failure reports the leader took (a leader taking over goes on from it)
 EVENT_SEQ = "event_seq"  # counter: events
 LEFT = "left"  # counter: agents that have left after the job closed
 LIVENESS_ADDR = "leader/liveness"  # "host:port" of the leader's liveness listener

@@ -32,11 +32,14 @@ from tmrun.console import say
 from tmrun.protocol import keys
 from tmrun.protocol.membership import GroupLimits, Membership, Phase
 from tmrun.protocol.messages import ClosedNotice, FailureReport, LeaderInfo, NodeInfo, WorkersInfo
+from tmrun.protocol.etcd import EtcdConfig, EtcdConfigError, EtcdError, EtcdStore
+from tmrun.rendezvous.election import AgentLease, job_key_prefix
 from tmrun.rendezvous.endpoint import Endpoint, open_store, parse_endpoint
 from tmrun.rendezvous.liveness import LivenessBeacon
 
 DEFAULT_PORT = 29400
 BACKEND_NAME = "tmrun"
+ETCD_BACKEND_NAME = "tmrun-etcd"  # the same handler on etcd: no store host, the lead is a lease
 
 
 class NodeRetiredError(RendezvousClosedError):
@@ -52,8 +55,8 @@ class LeaderHandle(Protocol):
     def stop(self) -> None: ...
 
 
-# (raw store, config, the host to advertise) -> the started leader
-StartLeader = Callable[[Store, "TmrunRendezvousConfig", str], LeaderHandle]
+# (raw store, config, the host to advertise, takeover) -> the started leader
+StartLeader = Callable[[Store, "TmrunRendezvousConfig", str, bool], LeaderHandle]
 
 
 class RendezvousConfigError(ValueError):
@@ -79,6 +82,8 @@ class TmrunRendezvousConfig:
     may_host: bool  # rdzv-conf is_host (as torch's c10d backend): false = always a client
     event_log: str = ""  # rdzv-conf event_log: the leader's JSON-lines event log ("": none)
     ops_port: int = 0  # rdzv-conf ops_port: the operations endpoint's preferred port (0: any)
+    etcd: EtcdConfig | None = None  # --rdzv-backend tmrun-etcd: the cluster (endpoint list, TLS, auth)
+    lease_ttl: float = 10.0  # etcd: an agent's lease; its loss (the leader's included) is seen within it
 
     @classmethod
     def from_parameters(cls, params: RendezvousParameters) -> TmrunRendezvousConfig:
@@ -93,10 +98,23 @@ class TmrunRendezvousConfig:
             return value
 
         standby = int(number("standby", 0))
+        etcd = None
+        if params.backend == ETCD_BACKEND_NAME:
+            if not params.endpoint:
+                raise RendezvousConfigError("--rdzv-backend tmrun-etcd needs --rdzv-endpoint HOST:PORT[,HOST:PORT...] "
+                                            "(the etcd cluster's client endpoints)")
+            try:
+                etcd = EtcdConfig.parse(params.endpoint, params.config)
+            except EtcdConfigError as exc:
+                raise RendezvousConfigError(str(exc)) from None
         if params.min_nodes < 1 or params.max_nodes < params.min_nodes:
             raise RendezvousConfigError(f"invalid node counts {params.min_nodes}:{params.max_nodes}")
+        first = f"{etcd.endpoints[0][0]}:{etcd.endpoints[0][1]}" if etcd else params.endpoint
+        heartbeat_timeout = number("heartbeat_timeout", 10.0)
         return cls(
-            endpoint=parse_endpoint(params.endpoint or f"localhost:{DEFAULT_PORT}", DEFAULT_PORT),
+            etcd=etcd,
+            lease_ttl=number("lease_ttl", heartbeat_timeout),
+            endpoint=parse_endpoint(first or f"localhost:{DEFAULT_PORT}", DEFAULT_PORT),
             run_id=params.run_id,
             limits=GroupLimits(params.min_nodes, params.max_nodes, standby),
             node_rank_hint=params.get_as_int("node_rank", -1),
@@ -105,7 +123,7 @@ class TmrunRendezvousConfig:
             last_call_timeout=number("last_call_timeout", 30),
             failure_settle=number("failure_settle", 0.25),
             heartbeat_interval=number("heartbeat_interval", 1.0),
-            heartbeat_timeout=number("heartbeat_timeout", 10.0),
+            heartbeat_timeout=heartbeat_timeout,
             connect_timeout=number("connect_timeout", 60),
             read_timeout=number("read_timeout", 60),
             close_grace=number("close_grace", 10),
@@ -119,12 +137,18 @@ class TmrunRendezvousConfig:
 class TmrunRendezvousHandler(RendezvousHandler):
     def __init__(self, config: TmrunRendezvousConfig, start_leader: StartLeader | None = None) -> None:
         self.config = config
-        store, self.is_host, port = open_store(
-            config.endpoint,
-            connect_timeout=config.connect_timeout,
-            op_timeout=config.read_timeout,
-            may_host=config.may_host,
-        )
+        self._lease: AgentLease | None = None
+        store: Store
+        if config.etcd is not None:
+            store = _open_etcd(config)
+            self.is_host, port = False, config.endpoint.port
+        else:
+            store, self.is_host, port = open_store(
+                config.endpoint,
+                connect_timeout=config.connect_timeout,
+                op_timeout=config.read_timeout,
+                may_host=config.may_host,
+            )
         self.endpoint = Endpoint(config.endpoint.host, port)
         self._raw_store = store
         self.store: Store = PrefixStore(keys.job_prefix(config.run_id), store)
@@ -140,15 +164,23 @@ class TmrunRendezvousHandler(RendezvousHandler):
         # called while this node stands by, with the current membership (the agent keeps its
         # standby workers warm for the active group's epoch)
         self.on_standby: Callable[[Membership], None] | None = None
-        if self.is_host:
+        if self.is_host or config.etcd is not None:
             if start_leader is None:
-                raise RendezvousConfigError("this agent hosts the store but was given no leader to run")
-            self._start_leader(start_leader)
+                raise RendezvousConfigError("this agent may lead the job but was given no leader to run")
+            if config.etcd is not None:
+                self._campaign(start_leader)
+            else:
+                self._start_leader(start_leader)
 
     # -- RendezvousHandler ----------------------------------------------------------------
 
     def get_backend(self) -> str:
-        return BACKEND_NAME
+        return ETCD_BACKEND_NAME if self.config.etcd is not None else BACKEND_NAME
+
+    @property
+    def store_url(self) -> str:
+        """Where workers open the job's store: ``host:port`` (the TCPStore) or ``etcd://...``."""
+        return self.config.etcd.url() if self.config.etcd is not None else str(self.endpoint)
 
     @property
     def use_agent_store(self) -> bool:
@@ -160,7 +192,9 @@ class TmrunRendezvousHandler(RendezvousHandler):
 
     @property
     def leader(self) -> LeaderHandle | None:
-        """The leader this agent runs (the store host), else None."""
+        """The leader this agent runs (the store host, or the etcd lease's holder), else None."""
+        if self._lease is not None:
+            return self._lease.leader
         return self._leader
 
     @property
@@ -269,6 +303,8 @@ class TmrunRendezvousHandler(RendezvousHandler):
         self._left = True
         if self._beacon is not None:
             self._beacon.close()
+        if self._lease is not None:
+            self._lease.close(departed=not self.store_lost)
         if self.store_lost:
             return  # the store's host is gone: nobody to tell, and each store call could wait
         try:
@@ -287,14 +323,35 @@ class TmrunRendezvousHandler(RendezvousHandler):
         advertise = self.config.endpoint.host
         if advertise in ("localhost", "0.0.0.0", ""):
             advertise = "127.0.0.1"
-        self._leader = start_leader(self._raw_store.clone(), self.config, advertise)
+        self._leader = start_leader(self._raw_store.clone(), self.config, advertise, False)
         info = LeaderInfo(host=socket.gethostname(), pid=os.getpid(), endpoint=str(self.endpoint))
         self.store.set(keys.LEADER_INFO, info.encode())
+
+    def _campaign(self, start_leader: StartLeader) -> None:
+        """etcd: this agent's lease, and its candidacy for the lead (see rendezvous.election)."""
+        advertise = self.config.local_addr or socket.gethostname()
+
+        def lead(takeover: bool) -> LeaderHandle:
+            leader = start_leader(self._raw_store.clone(), self.config, advertise, takeover)
+            info = LeaderInfo(host=socket.gethostname(), pid=os.getpid(), endpoint=self.store_url)
+            self.store.set(keys.LEADER_INFO, info.encode())
+            return leader
+
+        assert isinstance(self._raw_store, EtcdStore)
+        try:
+            self._lease = AgentLease(self._raw_store, self.config.run_id, self.config.lease_ttl, lead)
+        except EtcdError as exc:
+            raise RendezvousConfigError(f"cannot take an etcd lease: {exc}") from None
+        self._lease.start()
 
     def _register(self) -> None:
         self.node_id = self._claim_node_id()
         info = NodeInfo(host=socket.gethostname(), addr=self.config.local_addr or socket.getfqdn(), pid=os.getpid(),
                         node_rank_hint=self.config.node_rank_hint, time=time.time())
+        if self._lease is not None:  # etcd: liveness is this agent's lease (before the info: never unseen)
+            self._lease.register(self.node_id, info.encode())
+            self.store.set(keys.node_info(self.node_id), info.encode())
+            return
         self.store.set(keys.node_info(self.node_id), info.encode())
         host, port = self.store.get(keys.LIVENESS_ADDR).decode().rsplit(":", 1)
         self._beacon = LivenessBeacon(host, int(port), self.config.run_id, self.node_id, self.config.heartbeat_interval)
@@ -319,8 +376,11 @@ class TmrunRendezvousHandler(RendezvousHandler):
         return self.membership
 
     def _check_leader(self) -> None:
-        if self._leader is not None and self._leader.error is not None:
-            raise RendezvousClosedError(f"the tmrun leader failed: {self._leader.error}")
+        leader = self.leader
+        if leader is not None and leader.error is not None:
+            raise RendezvousClosedError(f"the tmrun leader failed: {leader.error}")
+        if self._lease is not None and self._lease.lost:
+            raise RendezvousClosedError("this agent's etcd lease expired: the job went on without this node")
 
     def _rendezvous_info(self, membership: Membership, rank: int) -> RendezvousInfo:
         epoch_store = PrefixStore(keys.epoch_prefix(membership.epoch), self.store)
@@ -336,3 +396,20 @@ class TmrunRendezvousHandler(RendezvousHandler):
             if self.store.add(keys.LEFT, 0) + gone >= registered:
                 return
             time.sleep(0.05)
+
+
+def _open_etcd(config: TmrunRendezvousConfig) -> EtcdStore:
+    """The job's namespace on the etcd cluster; a run id that already finished there is refused
+    (its keys would mix with this job's: choose another ``--rdzv-id`` or delete them)."""
+    assert config.etcd is not None
+    try:
+        store = EtcdStore.for_job(config.etcd, config.run_id, timeout=config.read_timeout,
+                                  connect_timeout=config.connect_timeout)
+        closed = store.check([job_key_prefix(config.run_id) + keys.CLOSED])
+    except (EtcdError, EtcdConfigError) as exc:
+        raise RendezvousConfigError(f"cannot use the etcd rendezvous: {exc}") from None
+    if closed:
+        raise RendezvousConfigError(
+            f"run id {config.run_id!r} already ran to its end on this etcd: choose another --rdzv-id "
+            f"(or remove its keys: etcdctl del --prefix {store.namespace})")
+    return store

@@ -18,7 +18,6 @@ import os
 import signal
 import time
 from dataclasses import replace
-from datetime import timedelta
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -26,6 +25,7 @@ import torch.distributed as dist
 from tmrun.console import say
 from tmrun.protocol import keys, messages as proto
 from tmrun.protocol.environment import LaunchEnv, Mode
+from tmrun.protocol.stores import open_job_store
 from tmrun.worker import group
 from tmrun.worker.drills import DrillRunner
 from tmrun.worker.interrupt import StepInterrupter
@@ -106,9 +106,7 @@ class Context:
             group.init_plain()
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
             return
-        tcp = dist.TCPStore(
-            env.store_host, env.store_port, is_master=False, timeout=timedelta(seconds=60), wait_for_workers=False
-        )
+        tcp = open_job_store(env, timeout=60)
         store = self.store = dist.PrefixStore(env.store_prefix, tcp)
         job_store = self.job_store = dist.PrefixStore(keys.job_prefix(env.run_id), tcp)
         self.drills.claim = lambda index: job_store.add(keys.drill(index), 1) == 1

@@ -50,13 +50,15 @@ class Decision(Enum):
 
 
 class NodeReplacement:
-    def __init__(self, store: Store, job_store: Store, run_id: str, standby_wait: float) -> None:
+    def __init__(self, store: Store, job_store: Store, run_id: str, standby_wait: float,
+                 skip_older: bool = False) -> None:
         self._raw = store  # unprefixed: the workers' prefix is a full key path
         self._run_id = run_id
         self._standby_wait = standby_wait
         self._recoveries = core.Recoveries()
         # planned migrations are requested at the job level (tmrun-ctl migrate, tm.migrate())
-        self._migrations = core.MigrationInbox(job_store)
+        # (skip_older: a leader that took over leaves the requests its predecessor saw)
+        self._migrations = core.MigrationInbox(job_store, skip_older=skip_older)
 
     def _epoch_store(self, epoch: int) -> Store:
         return PrefixStore(keys.node_prefix(self._run_id, epoch), self._raw)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +54,8 @@ def in_place_env(agent: TmrunAgent, handler: TmrunRendezvousHandler, prefix: str
         mode=Mode.ACTIVE,
         store_host=handler.endpoint.host,
         store_port=handler.endpoint.port,
+        store_etcd=handler.config.etcd.url() if handler.config.etcd is not None else "",
+        store_options=json.dumps(handler.config.etcd.options()) if handler.config.etcd is not None else "",
         store_prefix=prefix,
         gen_file=gen_file,
         run_id=handler.get_run_id(),
