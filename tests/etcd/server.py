@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import socket
 import subprocess
 import time
 import urllib.request
@@ -56,6 +57,14 @@ class EtcdServer:
             return json.loads(reply.read())
 
 
+def _accepts(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
 def why_no_etcd() -> str:
     """Empty when an etcd server can run here, else why not."""
     if shutil.which("etcd") is None:
@@ -77,10 +86,9 @@ def start_etcd(directory: Path, extra: list[str] | None = None, scheme: str = "h
     server = EtcdServer(proc, client, peer, data, log)
     if scheme == "http":
         ready = wait_until(lambda: server.alive() or proc.poll() is not None, 30)
-    else:
-        ready = wait_until(lambda: b"serving client traffic" in log.read_bytes().lower() or
-                           b"ready to serve client requests" in log.read_bytes().lower() or proc.poll() is not None, 30)
-        time.sleep(0.3)
+    else:  # https: no plain request answers; the listening port (etcd listens once it can serve) tells
+        ready = wait_until(lambda: _accepts(client) or proc.poll() is not None, 30)
+        time.sleep(0.5)
     if not ready or proc.poll() is not None:
         server.stop()
         raise RuntimeError(f"etcd did not start: {log.read_text()[-2000:]}")

@@ -172,7 +172,8 @@ class _Client:
             conn.close()
             self._local.conn = None
 
-    def call(self, path: str, body: dict[str, Any], read_timeout: float = 10.0) -> dict[str, Any]:
+    def call(self, path: str, body: dict[str, Any], read_timeout: float = 10.0,
+             retried: bool = False) -> dict[str, Any]:
         """POST ``body`` to ``path`` of the first endpoint that answers; the decoded reply."""
         data = json.dumps(body).encode()
         deadline = time.monotonic() + self.connect_timeout
@@ -216,9 +217,10 @@ class _Client:
                                 f"answered {status} with something that is not JSON") from None
             if status != 200 or (isinstance(reply, dict) and "error" in reply and "code" in reply):
                 message = reply.get("message") or reply.get("error") if isinstance(reply, dict) else payload[:200]
-                if self.config.user and status == 401 and path != "/v3/auth/authenticate":
-                    self._authenticate(refresh=True)
-                    return self.call(path, body, read_timeout)
+                expired = status == 401 or "invalid auth token" in str(message)
+                if self.config.user and expired and path != "/v3/auth/authenticate" and not retried:
+                    self._authenticate(refresh=True)  # etcd's tokens expire (--auth-token-ttl): once more
+                    return self.call(path, body, read_timeout, retried=True)
                 raise EtcdError(f"etcd {path}: {message} (HTTP {status})")
             if not isinstance(reply, dict):
                 raise EtcdError(f"etcd {path}: unexpected reply")
