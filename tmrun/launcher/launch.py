@@ -6,6 +6,7 @@ import os
 import signal
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from torch.distributed import DistError
@@ -122,6 +123,9 @@ def launch(config: LaunchConfig, entrypoint: str, args: list[Any], options: Tmru
     )
     runfile = None
     console: LiveConsole | None = None
+    runfiles: list[Path] = []
+    if tmrun_handler is not None and tmrun_handler.config.etcd is not None:
+        _write_runfile_when_leading(tmrun_handler, config.run_id, str(rdzv_configs.get("event_log", "")), runfiles)
     if tmrun_handler is not None and tmrun_handler.is_host:
         ops = tmrun_handler.store.get(keys.OPS_ADDR).decode()
         runfile = write_runfile(config.run_id, str(tmrun_handler.endpoint), ops=ops,
@@ -146,6 +150,8 @@ def launch(config: LaunchConfig, entrypoint: str, args: list[Any], options: Tmru
             handler.shutdown()
         if runfile is not None:
             remove_runfile(runfile)
+        for path in runfiles:
+            remove_runfile(path)
 
 
 def _standby_log_dir(config: LaunchConfig) -> str:
@@ -155,6 +161,23 @@ def _standby_log_dir(config: LaunchConfig) -> str:
     directory = os.path.join(str(root), f"{config.run_id}-standby")
     os.makedirs(directory, exist_ok=True)
     return directory
+
+
+def _write_runfile_when_leading(handler: TmrunRendezvousHandler, run_id: str, event_log: str,
+                                out: list[Path]) -> None:
+    """etcd: the agent that holds the lead (now, or after a takeover) writes the run file on its
+    host, so that tmrun-ctl there finds the job's operations endpoint without flags."""
+
+    def write() -> None:
+        try:
+            ops = handler.store.get(keys.OPS_ADDR).decode()
+            out.append(write_runfile(run_id, handler.store_url, ops=ops, event_log=event_log))
+        except Exception as exc:  # noqa: BLE001 - tmrun-ctl --endpoint still works; say why not
+            say(f"no run file for tmrun-ctl: {exc}")
+
+    handler.on_lead = write
+    if handler.leader is not None and not out:
+        write()
 
 
 def _say_totals(handler: TmrunRendezvousHandler) -> None:

@@ -164,6 +164,8 @@ class TmrunRendezvousHandler(RendezvousHandler):
         # called while this node stands by, with the current membership (the agent keeps its
         # standby workers warm for the active group's epoch)
         self.on_standby: Callable[[Membership], None] | None = None
+        # etcd: called (on the lease's thread) each time this agent takes the lead
+        self.on_lead: Callable[[], None] | None = None
         if self.is_host or config.etcd is not None:
             if start_leader is None:
                 raise RendezvousConfigError("this agent may lead the job but was given no leader to run")
@@ -335,6 +337,8 @@ class TmrunRendezvousHandler(RendezvousHandler):
             leader = start_leader(self._raw_store.clone(), self.config, advertise, takeover)
             info = LeaderInfo(host=socket.gethostname(), pid=os.getpid(), endpoint=self.store_url)
             self.store.set(keys.LEADER_INFO, info.encode())
+            if self.on_lead is not None:
+                self.on_lead()
             return leader
 
         assert isinstance(self._raw_store, EtcdStore)
