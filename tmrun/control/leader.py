@@ -40,6 +40,7 @@ class LeaderConfig:
     event_log: str | None = None  # the job's JSON-lines event log (docs/events.md); None: none
     ops_port: int = 0  # the operations endpoint's preferred port (0: any; taken: any)
     store_endpoint: str = ""  # host:port of the store (shown by tmrun-ctl status)
+    token: str = field(default="", repr=False, compare=False)  # the job token ("": no authentication)
 
 
 @dataclass
@@ -65,7 +66,7 @@ class Leader:
         self._pending: _Pending | None = None
         self._lost: dict[int, str] = {}
         self._stop = threading.Event()
-        self._monitor = LivenessMonitor(config.run_id, config.heartbeat_timeout)
+        self._monitor = LivenessMonitor(config.run_id, config.heartbeat_timeout, token=config.token or None)
         self._inplace = NodeReplacement(raw_store if raw_store is not None else store, store, config.run_id,
                                                config.standby_wait)
         self._thread = threading.Thread(target=self._run, name="tmrun-leader", daemon=True)
@@ -74,7 +75,7 @@ class Leader:
         raw = raw_store if raw_store is not None else store
         ops_store = PrefixStore(keys.job_prefix(config.run_id), raw.clone()) if raw_store is not None else store
         self.ops = OpsServer(ops_store, config.run_id, config.event_log, port=config.ops_port,
-                             store_endpoint=config.store_endpoint)
+                             store_endpoint=config.store_endpoint, token=config.token or None)
         self.ops_address = ""
 
     @property

@@ -42,6 +42,7 @@ def start_leader(raw_store: Store, config: TmrunRendezvousConfig, advertise_host
         event_log=config.event_log or None,
         ops_port=config.ops_port,
         store_endpoint=f"{config.endpoint.host}:{getattr(raw_store, 'port', config.endpoint.port)}",
+        token=config.token,
     )
     leader = Leader(PrefixStore(keys.job_prefix(config.run_id), raw_store), leader_config, raw_store)
     leader.start(advertise_host)
