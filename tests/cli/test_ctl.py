@@ -230,5 +230,5 @@ def test_located_in_a_slurm_allocation_by_step(tmp_path: Path, monkeypatch: pyte
         monkeypatch.delenv(key)
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "localhost")
-    assert _locate(None, None) == ("localhost", 30400 + 242)
-    assert _locate("slurm-4242.1", None) == ("localhost", 30400 + (4242 + 101) % 1000)
+    assert _locate(None, None)[0] == ("localhost", 30400 + 242)
+    assert _locate("slurm-4242.1", None)[0] == ("localhost", 30400 + (4242 + 101) % 1000)

@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 SRC = os.path.join(ROOT, "tmrun_native", "src")
 # The TCP communicator (every file of src/tcp/) and the helpers it links against.
 SOURCES = [*sorted(glob.glob(os.path.join(SRC, "tcp", "*.cpp"))),
-           *[os.path.join(SRC, s) for s in ("net.cpp", "frame.cpp", "checksum.cpp", "reduce.cpp")]]
+           *[os.path.join(SRC, s) for s in ("net.cpp", "frame.cpp", "checksum.cpp", "reduce.cpp", "auth.cpp")]]
 
 
 def _in(report: str, *functions: str) -> bool:

@@ -32,23 +32,42 @@ def _die(message: str, code: int = 1) -> typer.Exit:
     return typer.Exit(code)
 
 
-def _locate(run_id: str | None, endpoint: str | None) -> tuple[str, int]:
+def _given_token() -> str | None:
+    from tmrun.protocol.auth import TokenError, token_from_environ
+
+    try:
+        return token_from_environ()
+    except TokenError as exc:
+        raise wire.OpsError(str(exc)) from None
+
+
+def _locate(run_id: str | None, endpoint: str | None) -> tuple[tuple[str, int], str | None]:
+    """The job's operations endpoint and its job token: the run file's token file for a job on
+    this host, else TMRUN_JOB_TOKEN_FILE / TMRUN_JOB_TOKEN."""
     if endpoint:
-        return wire.parse_address(endpoint)
+        return wire.parse_address(endpoint), _given_token()
     from tmrun.launcher.runfile import live_runs
 
     runs = [r for r in live_runs() if run_id is None or r.get("run_id") == run_id]
     if not runs:
         located = _locate_in_slurm(run_id)
         if located is not None:
-            return located
+            return located, _given_token()
         which = f"with run id {run_id!r} " if run_id else ""
         raise wire.OpsError(f"no running tmrun job {which}found on this host; pass --endpoint HOST:PORT "
                             "(tmrun prints it at start: 'operations endpoint at ...')")
     ops = str(runs[0].get("ops") or "")
     if not ops:
         raise wire.OpsError(f"job {runs[0].get('run_id')} was started by a tmrun without an operations endpoint")
-    return wire.parse_address(ops)
+    token_file = str(runs[0].get("token_file") or "")
+    if not token_file:
+        return wire.parse_address(ops), _given_token()
+    from tmrun.protocol.auth import TokenError, read_token_file
+
+    try:
+        return wire.parse_address(ops), read_token_file(token_file, "its token file ")
+    except TokenError as exc:
+        raise wire.OpsError(f"job {runs[0].get('run_id')}: {exc}") from None
 
 
 def _locate_in_slurm(run_id: str | None) -> tuple[str, int] | None:
@@ -79,8 +98,8 @@ def _ask(run_id: str | None, endpoint: str | None, request: dict[str, Any], time
     if not timeout > 0:
         raise _die(f"--timeout must be positive, got {timeout}", 2)
     try:
-        address = _locate(run_id, endpoint)
-        reply = wire.ask(address, request, timeout)
+        address, token = _locate(run_id, endpoint)
+        reply = wire.ask(address, request, timeout, token=token)
     except wire.OpsError as exc:
         raise _die(str(exc)) from None
     if not reply.get("ok"):

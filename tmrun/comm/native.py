@@ -26,9 +26,10 @@ from __future__ import annotations
 import ctypes
 from typing import Any, Iterable, Optional
 
-from tmrun.protocol import keys
+from tmrun.protocol import auth, keys
 
 from tmrun_native import (  # noqa: F401  (re-exported API)
+    AuthenticationError,
     CommError,
     CommTimeoutError,
     Communicator,
@@ -45,6 +46,7 @@ from tmrun_native import (  # noqa: F401  (re-exported API)
 DEFAULT_PREFIX = keys.NATIVE_PREFIX
 
 __all__ = [
+    "AuthenticationError",
     "CommError",
     "CommTimeoutError",
     "Communicator",
@@ -66,10 +68,17 @@ __all__ = [
 
 
 def make_options(options: Optional[Options] = None, **kwargs: Any) -> Options:
-    """An :class:`Options` from keyword arguments (``timeout=2.0, bind_address='0.0.0.0'`` …)."""
+    """An :class:`Options` from keyword arguments (``timeout=2.0, bind_address='0.0.0.0'`` …).
+    Without a ``token``, the job token of the environment (``TMRUN_JOB_TOKEN_FILE``, else
+    ``TMRUN_JOB_TOKEN``: what tmrun's agent gives its workers) is set, in ``options`` too."""
     if options is not None and kwargs:
         raise TypeError("pass either options or keyword arguments")
-    return options if options is not None else Options(**kwargs)
+    opts = options if options is not None else Options(**kwargs)
+    if not opts.token:
+        token = auth.token_from_environ()
+        if token:
+            opts.token = token
+    return opts
 
 
 def address_key(job_id: str, epoch: int, rank: int, prefix: str = DEFAULT_PREFIX) -> str:

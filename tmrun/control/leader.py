@@ -42,6 +42,7 @@ class LeaderConfig:
     event_log: str | None = None  # the job's JSON-lines event log (docs/events.md); None: none
     ops_port: int = 0  # the operations endpoint's preferred port (0: any; taken: any)
     store_endpoint: str = ""  # host:port of the store (shown by tmrun-ctl status)
+    token: str = field(default="", repr=False, compare=False)  # the job token ("": no authentication)
 
 
 @dataclass
@@ -83,7 +84,8 @@ class Leader:
         self._pending: _Pending | None = None
         self._lost: dict[int, str] = {}
         self._stop = threading.Event()
-        self._monitor: Liveness = liveness or LivenessMonitor(config.run_id, config.heartbeat_timeout)
+        self._monitor: Liveness = liveness or LivenessMonitor(config.run_id, config.heartbeat_timeout,
+                                                              token=config.token or None)
         self._takeover = takeover
         self._inplace = NodeReplacement(raw_store if raw_store is not None else store, store, config.run_id,
                                         config.standby_wait, skip_older=takeover)
@@ -93,7 +95,7 @@ class Leader:
         raw = raw_store if raw_store is not None else store
         ops_store = PrefixStore(keys.job_prefix(config.run_id), raw.clone()) if raw_store is not None else store
         self.ops = OpsServer(ops_store, config.run_id, config.event_log, port=config.ops_port,
-                             store_endpoint=config.store_endpoint)
+                             store_endpoint=config.store_endpoint, token=config.token or None)
         self.ops_address = ""
 
     @property

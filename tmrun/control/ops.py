@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tmrun.control import metrics
-from tmrun.protocol import keys
+from tmrun.protocol import auth, keys
 from tmrun.protocol import ops as wire
 from tmrun.protocol.messages import Event, ProtocolMessageError, request_migration
 
@@ -74,6 +74,7 @@ class _Client:
         self.sock = sock
         self.buffer = b""
         self.since = now
+        self.nonce = b""  # our challenge until the client proved the job token
 
 
 class OpsServer:
@@ -81,11 +82,13 @@ class OpsServer:
 
     def __init__(self, store: Store, run_id: str, event_log: str | None = None, bind_host: str = "",
                  port: int = 0, request_timeout: float = 2.0, sync_interval: float = 0.2,
-                 store_endpoint: str = "") -> None:
+                 store_endpoint: str = "", token: str | None = None) -> None:
         self._store = store  # the job's prefixed store; not the leader's (its own connection)
         self._run_id = run_id
         self._store_endpoint = store_endpoint
         self._timeout = request_timeout
+        self._token = token or None  # None: no authentication (unit tests); the launcher always sets one
+        self.auth_failures = 0
         self._sync_interval = sync_interval
         self.log = EventLog(event_log)
         try:
@@ -141,6 +144,8 @@ class OpsServer:
             now = time.monotonic()
             for client in list(self._clients.values()):
                 if now - client.since > self._timeout:
+                    if client.nonce:
+                        self.auth_failures += 1
                     self._reply(client, {"ok": False, "error": f"no complete request within {self._timeout:g} s"})
             if now >= next_sync:
                 next_sync = now + self._sync_interval
@@ -157,6 +162,13 @@ class OpsServer:
             return
         sock.setblocking(False)
         client = _Client(sock, time.monotonic())
+        if self._token is not None:
+            client.nonce, line = auth.challenge()
+            try:
+                sock.send(line)  # a few bytes into an empty socket buffer
+            except OSError:
+                sock.close()
+                return
         self._clients[sock.fileno()] = client
         self._selector.register(sock, selectors.EVENT_READ, client)
 
@@ -171,6 +183,25 @@ class OpsServer:
             self._close(client)
             return
         client.buffer += data
+        if client.nonce:
+            if b"\n" not in client.buffer:
+                if len(client.buffer) > auth.MAX_LINE:
+                    self.auth_failures += 1
+                    self._reply(client, {"ok": False, "error": "authentication failed"})
+                return
+            line, client.buffer = client.buffer.split(b"\n", 1)
+            assert self._token is not None
+            proof = auth.check_answer(self._token, client.nonce, line)
+            if proof is None:
+                self.auth_failures += 1
+                self._reply(client, {"ok": False, "error": "authentication failed"})
+                return
+            client.nonce = b""
+            try:
+                client.sock.send(proof)
+            except OSError:
+                self._close(client)
+                return
         if b"\n" not in client.buffer:
             if len(client.buffer) > wire.MAX_REQUEST:
                 self._reply(client, {"ok": False, "error": f"request longer than {wire.MAX_REQUEST} bytes"})

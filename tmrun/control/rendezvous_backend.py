@@ -48,6 +48,7 @@ def start_leader(raw_store: Store, config: TmrunRendezvousConfig, advertise_host
         ops_port=config.ops_port,
         store_endpoint=config.etcd.url() if config.etcd is not None
         else f"{config.endpoint.host}:{getattr(raw_store, 'port', config.endpoint.port)}",
+        token=config.token,
     )
     liveness = None
     if config.etcd is not None:

@@ -22,7 +22,7 @@ from tmrun.launcher.console_feed import ConsoleFeed
 from tmrun.control.detection import DetectionSettings
 from tmrun.launcher.agent import AgentSettings, TmrunAgent
 from tmrun.launcher.runfile import event_log_path, remove_runfile, write_runfile
-from tmrun.protocol import keys
+from tmrun.protocol import auth, environment, keys
 from tmrun.control.rendezvous_backend import register_tmrun_backend
 from tmrun.rendezvous.handler import NodeRetiredError, TmrunRendezvousHandler
 from tmrun.protocol.membership import Phase
@@ -86,9 +86,10 @@ def launch(config: LaunchConfig, entrypoint: str, args: list[Any], options: Tmru
     )
     try:
         handler = rdzv_registry.get_rendezvous_handler(params)
+        tmrun_handler = handler if isinstance(handler, TmrunRendezvousHandler) else None
+        _hand_token_to_workers(tmrun_handler, single_node)
     except (ValueError, RendezvousError) as exc:
         raise LaunchError(str(exc)) from None
-    tmrun_handler = handler if isinstance(handler, TmrunRendezvousHandler) else None
     spec = WorkerSpec(
         role=config.role,
         local_world_size=config.nproc_per_node,
@@ -129,7 +130,7 @@ def launch(config: LaunchConfig, entrypoint: str, args: list[Any], options: Tmru
     if tmrun_handler is not None and tmrun_handler.is_host:
         ops = tmrun_handler.store.get(keys.OPS_ADDR).decode()
         runfile = write_runfile(config.run_id, str(tmrun_handler.endpoint), ops=ops,
-                                event_log=str(rdzv_configs.get("event_log", "")))
+                                event_log=str(rdzv_configs.get("event_log", "")), token=tmrun_handler.token)
         say(f"rendezvous store at {tmrun_handler.endpoint} (run id {config.run_id})")
         say(f"the job's events go to {rdzv_configs.get('event_log')}")
         if options.console == "live":
@@ -154,6 +155,22 @@ def launch(config: LaunchConfig, entrypoint: str, args: list[Any], options: Tmru
             remove_runfile(path)
 
 
+def _hand_token_to_workers(handler: TmrunRendezvousHandler | None, single_node: bool) -> None:
+    """Every process this agent starts (workers, standby workers) inherits the job token in its
+    environment (``TMRUN_JOB_TOKEN``; never in argv): their native links prove it. With another
+    rendezvous backend than tmrun's, a one-node job still gets a token of its own; a multi-node
+    one only the token given to it (every agent must share it)."""
+    if handler is not None:
+        token: str | None = handler.token
+    else:
+        token = auth.token_from_environ()
+        if token is None and single_node:
+            token = auth.new_token()
+    os.environ.pop(environment.ENV_JOB_TOKEN_FILE, None)  # one source for the workers: the variable
+    if token:
+        os.environ[environment.ENV_JOB_TOKEN] = token
+
+
 def _standby_log_dir(config: LaunchConfig) -> str:
     """Where standby workers write their output while the live console owns the terminal: beside
     the workers' logs (torch's log directory, a temporary one unless --log-dir is given)."""
@@ -171,7 +188,7 @@ def _write_runfile_when_leading(handler: TmrunRendezvousHandler, run_id: str, ev
     def write() -> None:
         try:
             ops = handler.store.get(keys.OPS_ADDR).decode()
-            out.append(write_runfile(run_id, handler.store_url, ops=ops, event_log=event_log))
+            out.append(write_runfile(run_id, handler.store_url, ops=ops, event_log=event_log, token=handler.token))
         except Exception as exc:  # noqa: BLE001 - tmrun-ctl --endpoint still works; say why not
             say(f"no run file for tmrun-ctl: {exc}")
 

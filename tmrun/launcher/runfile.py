@@ -21,13 +21,24 @@ def event_log_path(run_id: str, log_dir: str | None) -> Path:
     return Path(log_dir) / name if log_dir else runs_dir() / name
 
 
-def write_runfile(run_id: str, endpoint: str, ops: str = "", event_log: str = "") -> Path:
-    """``endpoint``: the store; ``ops``: the leader's operations endpoint (what tmrun-ctl uses)."""
+def token_path(run_id: str) -> Path:
+    """The job token's file next to the run file (mode 0600): tmrun-ctl on this host reads it."""
+    return runs_dir() / f"{run_id}.token"
+
+
+def write_runfile(run_id: str, endpoint: str, ops: str = "", event_log: str = "", token: str | None = None) -> Path:
+    """``endpoint``: the store; ``ops``: the leader's operations endpoint (what tmrun-ctl uses);
+    ``token``: the job token, written to :func:`token_path` (0600), never into the run file."""
+    from tmrun.protocol.auth import write_token_file
+
     directory = runs_dir()
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     path = directory / f"{run_id}.json"
     data = {"run_id": run_id, "endpoint": endpoint, "ops": ops, "event_log": event_log, "pid": os.getpid(),
             "started": time.time()}
+    if token:
+        write_token_file(str(token_path(run_id)), token)
+        data["token_file"] = str(token_path(run_id))
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data))
     tmp.replace(path)  # a reader never sees half a file
@@ -36,6 +47,7 @@ def write_runfile(run_id: str, endpoint: str, ops: str = "", event_log: str = ""
 
 def remove_runfile(path: Path) -> None:
     path.unlink(missing_ok=True)
+    path.with_suffix(".token").unlink(missing_ok=True)
 
 
 def live_runs() -> list[dict[str, object]]:

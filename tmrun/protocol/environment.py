@@ -38,6 +38,8 @@ ENV_PROGRESS_DIR = "TMRUN_PROGRESS_DIR"  # per-rank progress records on this nod
 ENV_NODE_NAME = "TMRUN_NODE_NAME"  # the node named in log lines (SLURM: SLURMD_NODENAME); read by tmrun.console
 ENV_TORCH_CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"  # torch's C++ log level, read once when torch loads
 ENV_THP_ALLOC = "THP_MEM_ALLOC_ENABLE"  # torch's CPU allocator: transparent huge pages for large blocks
+ENV_JOB_TOKEN = "TMRUN_JOB_TOKEN"  # the job token (protocol.auth); the agent sets it for its workers
+ENV_JOB_TOKEN_FILE = "TMRUN_JOB_TOKEN_FILE"  # a 0600 file holding the job token (read before TMRUN_JOB_TOKEN)
 ENV_FAKE_NVML = "TMRUN_FAKE_NVML"  # tests: a JSON file that stands in for NVML (control.gpu_health)
 # the "tmrun" torch.distributed backend
 ENV_COMM_LOCAL = "TMRUN_COMM_LOCAL"  # "1": serve collectives locally (a standby's sandbox)

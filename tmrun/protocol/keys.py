@@ -35,6 +35,8 @@ EVENT_SEQ = "event_seq"  # counter: events
 LEFT = "left"  # counter: agents that have left after the job closed
 LIVENESS_ADDR = "leader/liveness"  # "host:port" of the leader's liveness listener
 LEADER_INFO = "leader/info"  # JSON LeaderInfo
+AUTH_MODE = "auth/mode"  # how the job token was obtained: "given" (file/env), "store" (AUTH_TOKEN), "local"
+AUTH_TOKEN = "auth/token"  # a generated token of a multi-node job (the store is unauthenticated: docs/user-guide.md)
 MIGRATE_SEQ = "migrate_seq"  # counter: migration requests (tmrun-ctl migrate, tm.migrate())
 
 

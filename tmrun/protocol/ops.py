@@ -18,6 +18,8 @@ import socket
 import time
 from typing import Any
 
+from tmrun.protocol import auth
+
 MAX_REQUEST = 4096  # bytes of one request line, newline included
 MAX_REPLY = 64 << 20  # bytes of one reply (status of a large job, or many events)
 OPS = ("ping", "status", "events", "migrate")
@@ -69,16 +71,34 @@ def decode_request(line: bytes) -> dict[str, Any]:
     return data
 
 
-def ask(address: tuple[str, int], request: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
+TOKEN_HINT = ("tmrun-ctl reads the token of a job on this host from its run file, else from "
+              "TMRUN_JOB_TOKEN_FILE or TMRUN_JOB_TOKEN")
+
+
+def ask(address: tuple[str, int], request: dict[str, Any], timeout: float = 5.0,
+        token: str | None = None) -> dict[str, Any]:
     """Send one request, return the reply's object (``ok`` false included); :class:`OpsError`
-    when the endpoint cannot be reached or answers something unreadable."""
+    when the endpoint cannot be reached, refuses ``token`` or answers something unreadable.
+    With a token, the exchange starts with the job token's challenge-response (protocol.auth)."""
     deadline = time.monotonic() + timeout
     host, port = address
+    where = f"{host}:{port}"
+    nonces = (b"", b"")
     try:
         with socket.create_connection((host, port), timeout=timeout) as sock:
-            sock.sendall(json.dumps(request).encode() + b"\n")
+            line = json.dumps(request).encode() + b"\n"
+            if token:
+                challenge = _read_line(sock, deadline, where, timeout)
+                try:
+                    nonce_s, nonce_c, answer = auth.answer(token, challenge)
+                except auth.AuthError as exc:
+                    raise OpsError(f"{where}: {exc}") from None
+                nonces = (nonce_s, nonce_c)
+                line = answer + line
+            sock.sendall(line)
             chunks: list[bytes] = []
             size = 0
+            lines_wanted = 2 if token else 1
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -91,16 +111,41 @@ def ask(address: tuple[str, int], request: dict[str, Any], timeout: float = 5.0)
                 size += len(chunk)
                 if size > MAX_REPLY:
                     raise OpsError(f"the reply of {host}:{port} is larger than {MAX_REPLY} bytes")
-                if chunk.endswith(b"\n"):
+                if chunk.endswith(b"\n") and b"".join(chunks).count(b"\n") >= lines_wanted:
                     break
     except TimeoutError:
         raise OpsError(f"no answer from the operations endpoint {host}:{port} within {timeout:g} s") from None
     except OSError as exc:
         raise OpsError(f"no tmrun job answers at {host}:{port} ({exc.strerror or exc})") from None
+    data = b"".join(chunks)
+    if data.startswith(auth.CHALLENGE):
+        raise OpsError(f"the job at {where} requires its job token and none was found ({TOKEN_HINT})")
+    if token:
+        proof, _, data = data.partition(b"\n")
+        if not auth.check_server(token, nonces[0], nonces[1], proof):
+            if proof.startswith(b"{") and b"authentication failed" in proof:
+                raise OpsError(f"authentication failed: the job at {where} refused this job token ({TOKEN_HINT})")
+            raise OpsError(f"{where} did not prove the job token (not this job's operations endpoint?)")
     try:
-        reply = json.loads(b"".join(chunks))
+        reply = json.loads(data)
     except (ValueError, UnicodeDecodeError):
         raise OpsError(f"{host}:{port} is not a tmrun operations endpoint (unreadable reply)") from None
     if not isinstance(reply, dict) or "ok" not in reply:
         raise OpsError(f"{host}:{port} is not a tmrun operations endpoint")
     return reply
+
+
+def _read_line(sock: socket.socket, deadline: float, where: str, timeout: float) -> bytes:
+    data = b""
+    while not data.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise OpsError(f"no authentication challenge from {where} within {timeout:g} s")
+        sock.settimeout(left)
+        chunk = sock.recv(1)  # a short line: nothing read past it
+        if not chunk:
+            raise OpsError(f"{where} closed the connection before authenticating")
+        data += chunk
+        if len(data) > auth.MAX_LINE:
+            raise OpsError(f"{where} is not a tmrun operations endpoint (oversized handshake line)")
+    return data

@@ -15,12 +15,13 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from torch.distributed import PrefixStore, Store
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
+    RendezvousError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
@@ -29,7 +30,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from tmrun.console import say
-from tmrun.protocol import keys
+from tmrun.protocol import auth, keys
 from tmrun.protocol.membership import GroupLimits, Membership, Phase
 from tmrun.protocol.messages import ClosedNotice, FailureReport, LeaderInfo, NodeInfo, WorkersInfo
 from tmrun.protocol.etcd import EtcdConfig, EtcdConfigError, EtcdError, EtcdStore
@@ -84,6 +85,7 @@ class TmrunRendezvousConfig:
     ops_port: int = 0  # rdzv-conf ops_port: the operations endpoint's preferred port (0: any)
     etcd: EtcdConfig | None = None  # --rdzv-backend tmrun-etcd: the cluster (endpoint list, TLS, auth)
     lease_ttl: float = 10.0  # etcd: an agent's lease; its loss (the leader's included) is seen within it
+    token: str = field(default="", repr=False, compare=False)  # the job token (set by the handler)
 
     @classmethod
     def from_parameters(cls, params: RendezvousParameters) -> TmrunRendezvousConfig:
@@ -152,6 +154,7 @@ class TmrunRendezvousHandler(RendezvousHandler):
         self.endpoint = Endpoint(config.endpoint.host, port)
         self._raw_store = store
         self.store: Store = PrefixStore(keys.job_prefix(config.run_id), store)
+        self.config = config = replace(config, token=self._job_token())
         self.node_id: int | None = None
         self.epoch = 0
         self.membership = Membership()
@@ -191,6 +194,11 @@ class TmrunRendezvousHandler(RendezvousHandler):
 
     def get_run_id(self) -> str:
         return self.config.run_id
+
+    @property
+    def token(self) -> str:
+        """The job token every agent of the job shares (workers get it through the environment)."""
+        return self.config.token
 
     @property
     def leader(self) -> LeaderHandle | None:
@@ -321,6 +329,53 @@ class TmrunRendezvousHandler(RendezvousHandler):
 
     # -- internals --------------------------------------------------------------------------
 
+    def _job_token(self) -> str:
+        """The job token: given to this agent (TMRUN_JOB_TOKEN_FILE, TMRUN_JOB_TOKEN), else made by
+        the store host. A job that may span nodes gets the host's token through the store (which
+        anyone who reaches the store can read: give a token out of band to keep it from them);
+        a one-node job's token never leaves its agent and workers."""
+        given = auth.token_from_environ()
+        limits = self.config.limits
+        multi_node = limits.max_nodes > 1 or limits.standby > 0
+        if self.config.etcd is not None:
+            return self._job_token_on_etcd(given)
+        if self.is_host:
+            if given is not None:
+                token, mode = given, "given"
+            else:
+                token, mode = auth.new_token(), "store" if multi_node else "local"
+                if mode == "store":
+                    self.store.set(keys.AUTH_TOKEN, token)
+            self.store.set(keys.AUTH_MODE, mode)
+            return token
+        mode = self.store.get(keys.AUTH_MODE).decode()
+        if given is not None:
+            if mode == "store":
+                raise RendezvousConfigError("this agent was given a job token (TMRUN_JOB_TOKEN_FILE or TMRUN_JOB_TOKEN) "
+                                            "and the store host none: give every agent the same, or none")
+            return given
+        if mode == "local":
+            raise RendezvousConfigError("the store host runs a one-node job: no other agent can join it")
+        if mode != "store":
+            raise RendezvousConfigError("the store host was given a job token (TMRUN_JOB_TOKEN_FILE or "
+                                        "TMRUN_JOB_TOKEN) and this agent none: give every agent the same")
+        return self.store.get(keys.AUTH_TOKEN).decode()
+
+    def _job_token_on_etcd(self, given: str | None) -> str:
+        """etcd has no host: the first agent decides. Given tokens must be given to every agent;
+        else the first agent's generated token is shared through etcd (behind etcd's own TLS and
+        authentication when configured)."""
+        if given is not None:
+            if self.store.compare_set(keys.AUTH_MODE, "", "given").decode() != "given":
+                raise RendezvousConfigError("this agent was given a job token (TMRUN_JOB_TOKEN_FILE or TMRUN_JOB_TOKEN) "
+                                            "and the job's first agent none: give every agent the same, or none")
+            return given
+        token = self.store.compare_set(keys.AUTH_TOKEN, "", auth.new_token()).decode()
+        if self.store.compare_set(keys.AUTH_MODE, "", "store").decode() != "store":
+            raise RendezvousConfigError("the job's first agent was given a job token (TMRUN_JOB_TOKEN_FILE or "
+                                        "TMRUN_JOB_TOKEN) and this agent none: give every agent the same")
+        return token
+
     def _start_leader(self, start_leader: StartLeader) -> None:
         advertise = self.config.endpoint.host
         if advertise in ("localhost", "0.0.0.0", ""):
@@ -358,7 +413,11 @@ class TmrunRendezvousHandler(RendezvousHandler):
             return
         self.store.set(keys.node_info(self.node_id), info.encode())
         host, port = self.store.get(keys.LIVENESS_ADDR).decode().rsplit(":", 1)
-        self._beacon = LivenessBeacon(host, int(port), self.config.run_id, self.node_id, self.config.heartbeat_interval)
+        try:
+            self._beacon = LivenessBeacon(host, int(port), self.config.run_id, self.node_id,
+                                          self.config.heartbeat_interval, token=self.config.token)
+        except auth.AuthError as exc:
+            raise RendezvousError(str(exc)) from None
 
     def _claim_node_id(self) -> int:
         """This node's id: its SLURM node rank when it has one and no other agent took it (a

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tmrun.console import say
+from tmrun.protocol import auth
 
 HELLO = b"TMRUN-LIVE1 "
 MAX_HELLO = 256
@@ -27,6 +28,8 @@ class _Peer:
     node_id: int | None = None
     last_seen: float = 0.0
     leaving: bool = False  # said goodbye: its EOF is a departure, not a loss
+    nonce: bytes = b""  # our challenge, until the peer proved the job token ("" : proved, or none asked)
+    accepted: float = 0.0
 
 
 class LivenessMonitor:
@@ -35,8 +38,12 @@ class LivenessMonitor:
     Not thread-safe on its own: ``poll`` is called from the leader's loop only.
     """
 
-    def __init__(self, run_id: str, heartbeat_timeout: float, bind_host: str = "") -> None:
+    def __init__(self, run_id: str, heartbeat_timeout: float, bind_host: str = "", token: str | None = None,
+                 hello_timeout: float = 10.0) -> None:
         self._run_id = run_id.encode()
+        self._token = token or None  # None: no authentication (unit tests); the launcher always sets one
+        self._hello_timeout = hello_timeout  # a connection must authenticate and say hello within this
+        self.auth_failures = 0
         self._timeout = heartbeat_timeout
         self._selector = selectors.DefaultSelector()
         self._listener = socket.create_server((bind_host, 0), reuse_port=False)
@@ -60,6 +67,9 @@ class LivenessMonitor:
                 self._read(key.data, on_lost)
         now = time.monotonic()
         for peer in list(self._peers.values()):
+            if peer.node_id is None and now - peer.accepted > self._hello_timeout:
+                self._refuse(peer, "no authentication within the time allowed" if peer.nonce else None)
+                continue
             if peer.node_id is not None and now - peer.last_seen > self._timeout:
                 self._drop(peer)
                 on_lost(peer.node_id, f"no heartbeat for {self._timeout:g} s")
@@ -77,7 +87,15 @@ class LivenessMonitor:
         except BlockingIOError:
             return
         sock.setblocking(False)
-        peer = _Peer(sock=sock, last_seen=time.monotonic())
+        now = time.monotonic()
+        peer = _Peer(sock=sock, last_seen=now, accepted=now)
+        if self._token is not None:
+            peer.nonce, line = auth.challenge()
+            try:
+                sock.send(line)  # a few bytes into an empty socket buffer
+            except OSError:
+                sock.close()
+                return
         self._peers[sock.fileno()] = peer
         self._selector.register(sock, selectors.EVENT_READ, peer)
 
@@ -102,6 +120,23 @@ class LivenessMonitor:
         peer.last_seen = time.monotonic()
         if peer.node_id is None:
             peer.buffer += data
+            if peer.nonce:
+                if b"\n" not in peer.buffer:
+                    if len(peer.buffer) > auth.MAX_LINE:
+                        self._refuse(peer, "an oversized answer")
+                    return
+                line, peer.buffer = peer.buffer.split(b"\n", 1)
+                assert self._token is not None
+                reply = auth.check_answer(self._token, peer.nonce, line)
+                if reply is None:
+                    self._refuse(peer, "a wrong proof of the job token")
+                    return
+                try:
+                    peer.sock.send(reply)
+                except OSError:
+                    self._drop(peer)
+                    return
+                peer.nonce = b""
             if b"\n" not in peer.buffer:
                 if len(peer.buffer) > MAX_HELLO:
                     self._drop(peer)  # not one of ours: ignore it
@@ -122,6 +157,15 @@ class LivenessMonitor:
             return None
         return int(parts[1])
 
+    def _refuse(self, peer: _Peer, failure: str | None) -> None:
+        """Drop a connection that did not identify itself; ``failure``: it failed authentication
+        (counted, one line)."""
+        if failure is not None:
+            self.auth_failures += 1
+            say(f"liveness: refused a connection that failed authentication ({failure}; "
+                f"{self.auth_failures} so far)")
+        self._drop(peer)
+
     def _drop(self, peer: _Peer) -> None:
         fd = peer.sock.fileno()
         if fd in self._peers:
@@ -133,13 +177,49 @@ class LivenessMonitor:
 class LivenessBeacon:
     """Agent side: holds the connection to the leader and sends a byte every interval."""
 
-    def __init__(self, host: str, port: int, run_id: str, node_id: int, interval: float) -> None:
-        self._sock = socket.create_connection((host, port), timeout=10.0)
-        self._sock.sendall(HELLO + f"{run_id} {node_id}\n".encode())
+    def __init__(self, host: str, port: int, run_id: str, node_id: int, interval: float,
+                 token: str | None = None, timeout: float = 10.0) -> None:
+        self._sock = socket.create_connection((host, port), timeout=timeout)
+        hello = HELLO + f"{run_id} {node_id}\n".encode()
+        if token:
+            try:
+                self._authenticate(token, hello, f"{host}:{port}")
+            except BaseException:
+                self._sock.close()
+                raise
+        else:
+            self._sock.sendall(hello)
         self._interval = interval
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tmrun-liveness", daemon=True)
         self._thread.start()
+
+    def _authenticate(self, token: str, hello: bytes, where: str) -> None:
+        """The challenge-response (protocol.auth), then the hello; raises auth.AuthError."""
+        try:
+            nonce_s, nonce_c, line = auth.answer(token, self._read_line(where))
+            self._sock.sendall(line + hello)
+            proof = self._read_line(where)
+        except OSError as exc:
+            raise auth.AuthError(f"liveness: no authentication exchange with the leader at {where} "
+                                 f"({exc.strerror or type(exc).__name__})") from None
+        if not proof:
+            raise auth.AuthError(f"liveness: the leader at {where} refused this agent's job token "
+                                 "(every agent of a job needs the same TMRUN_JOB_TOKEN_FILE / TMRUN_JOB_TOKEN)")
+        if not auth.check_server(token, nonce_s, nonce_c, proof):
+            raise auth.AuthError(f"liveness: the endpoint at {where} did not prove the job token "
+                                 "(not this job's leader?)")
+
+    def _read_line(self, where: str) -> bytes:
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = self._sock.recv(1)  # a short line: byte by byte, nothing read past it
+            if not chunk:
+                return data
+            data += chunk
+            if len(data) > auth.MAX_LINE:
+                raise auth.AuthError(f"liveness: {where} sent an oversized handshake line")
+        return data
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):

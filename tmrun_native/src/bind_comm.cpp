@@ -19,6 +19,7 @@ PyObject* g_comm_error = nullptr;
 PyObject* g_peer_lost = nullptr;
 PyObject* g_protocol = nullptr;
 PyObject* g_timeout = nullptr;
+PyObject* g_auth = nullptr;
 PyObject* g_frame_error = nullptr;
 
 PyObject* new_exc(py::module_& m, const char* name, PyObject* base, const char* doc) {
@@ -46,6 +47,8 @@ std::pair<PyObject*, py::object> to_python(const std::exception_ptr& p) {
                                    {"reporter", py::int_(e.reporter)}})};
   } catch (const tmrun::ProtocolError& e) {
     return {g_protocol, exc_with(g_protocol, e.what(), {{"peer", py::int_(e.peer)}})};
+  } catch (const tmrun::AuthError& e) {
+    return {g_auth, exc_with(g_auth, e.what(), {})};
   } catch (const tmrun::CommTimeoutError& e) {
     return {g_timeout, exc_with(g_timeout, e.what(), {})};
   } catch (const tmrun::CommError& e) {
@@ -229,6 +232,8 @@ void bind_comm(py::module_& m) {
                                           bases.ptr(), nullptr);
     m.add_object("CommTimeoutError", py::reinterpret_borrow<py::object>(g_timeout));
   }
+  g_auth = new_exc(m, "AuthenticationError", g_comm_error,
+                   "A link failed the job token's challenge-response (a different job token, or none).");
   g_frame_error = new_exc(m, "FrameError", PyExc_ValueError, "Bytes that are not a valid tmrun frame.");
 
   py::register_exception_translator([](std::exception_ptr p) {
@@ -277,6 +282,20 @@ void bind_comm(py::module_& m) {
       .def_readwrite("payload_checksum", &Options::payload_checksum)
       .def_readwrite("socket_buffer", &Options::socket_buffer)
       .def_readwrite("heartbeat_interval", &Options::heartbeat_interval)
+      .def_property(
+          "token", [](const Options& o) { return py::bytes(o.token); },
+          [](Options& o, py::object v) {
+            if (py::isinstance<py::str>(v))
+              o.token = v.cast<std::string>();
+            else if (py::isinstance<py::bytes>(v))
+              o.token = std::string(v.cast<py::bytes>());
+            else if (v.is_none())
+              o.token.clear();
+            else
+              throw py::type_error("token must be bytes or str");
+          },
+          "Job token (bytes; str is taken as UTF-8): every link proves it by challenge-response before its "
+          "first frame. Empty: no authentication.")
       .def("__repr__", [](const Options& o) {
         return "Options(bind_address='" + o.bind_address + "', port=" + std::to_string(o.port) +
                ", timeout=" + std::to_string(o.timeout) + ", segment_bytes=" + std::to_string(o.segment_bytes) + ")";
@@ -392,6 +411,7 @@ a Work. Operations run in submission order on the communicator's worker thread.)
              d["bytes_sent"] = k.bytes_sent;
              d["bytes_recv"] = k.bytes_recv;
              d["rejected_connections"] = k.rejected_connections;
+             d["auth_failures"] = k.auth_failures;
              d["commits"] = k.commits;
              d["last_reject_reason"] = k.last_reject_reason;
              for (auto& kv : k.per_peer) {

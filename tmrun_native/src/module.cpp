@@ -1,6 +1,7 @@
 // Python bindings of the tmrun native library.
 #include <pybind11/pybind11.h>
 
+#include "tmrun/auth.h"
 #include "tmrun/checksum.h"
 
 namespace py = pybind11;
@@ -34,6 +35,22 @@ PYBIND11_MODULE(tmrun_native, m) {
       },
       py::arg("data"), py::arg("crc") = 0u, "CRC-32C with lookup tables only (checks the CPU instruction's path).");
   m.attr("crc32c_hardware") = tmrun::crc32c_hardware();
+  m.def(
+      "sha256",
+      [](py::bytes data) {
+        const std::string_view v(data);
+        auto d = tmrun::auth::sha256(v.data(), v.size());
+        return py::bytes(reinterpret_cast<const char*>(d.data()), d.size());
+      },
+      py::arg("data"), "SHA-256 digest (the links' authentication uses it; exposed for tests).");
+  m.def(
+      "hmac_sha256",
+      [](py::bytes key, py::bytes msg) {
+        const std::string_view k(key), v(msg);
+        auto d = tmrun::auth::hmac_sha256(k.data(), k.size(), v.data(), v.size());
+        return py::bytes(reinterpret_cast<const char*>(d.data()), d.size());
+      },
+      py::arg("key"), py::arg("msg"), "HMAC-SHA256 (RFC 2104) of msg under key.");
   bind_comm(m);
   bind_nccl(m);
   bind_peer_memory(m);

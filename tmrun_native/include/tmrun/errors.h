@@ -31,6 +31,12 @@ class ProtocolError : public CommError {
   int peer;
 };
 
+// A connection failed the job token's challenge-response (a different token, or none).
+class AuthError : public CommError {
+ public:
+  using CommError::CommError;
+};
+
 // An operation exceeded op_timeout (or an epoch switch its deadline).
 class CommTimeoutError : public CommError {
  public:

@@ -34,6 +34,8 @@ struct Options {
   bool payload_checksum = false;         // CRC-32C over every data payload
   int socket_buffer = 4 * 1024 * 1024;   // SO_SNDBUF/SO_RCVBUF (0 = kernel autotuning)
   double heartbeat_interval = 0.0;       // 0 = timeout / 4
+  std::string token;                     // job token: every link proves it (challenge-response
+                                         // before any frame); empty = no authentication
 };
 
 // Completion state of one queued operation (the handle the *_async calls return).
@@ -71,6 +73,7 @@ struct Counters {
   uint64_t bytes_sent = 0;
   uint64_t bytes_recv = 0;
   uint64_t rejected_connections = 0;
+  uint64_t auth_failures = 0;  // connections (accepted or dialled) that failed authentication
   uint64_t commits = 0;
   std::map<int, std::pair<uint64_t, uint64_t>> per_peer;  // peer -> (sent, received)
   std::string last_reject_reason;

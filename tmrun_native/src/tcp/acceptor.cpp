@@ -5,6 +5,7 @@
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "comm_impl.h"
 #include "tmrun/checksum.h"
@@ -72,6 +73,23 @@ void Communicator::Impl::accept_new(std::vector<PendingConn>& pend, Clock::time_
       reject("too many pending handshakes");
       continue;
     }
+    if (!opts_.token.empty()) {
+      // the challenge: 40 bytes into an empty socket buffer, so a non-blocking send completes
+      uint8_t ch[auth::kChallengeSize];
+      try {
+        auth::random_bytes(pc.nonce, auth::kNonceSize);
+      } catch (const std::exception& e) {
+        auth_fail(e.what());
+        continue;
+      }
+      std::memcpy(ch, auth::kChallengeMagic, sizeof(auth::kChallengeMagic));
+      std::memcpy(ch + sizeof(auth::kChallengeMagic), pc.nonce, auth::kNonceSize);
+      if (::send(fd, ch, sizeof(ch), MSG_NOSIGNAL | MSG_DONTWAIT) != ssize_t(sizeof(ch))) {
+        auth_fail("could not send the challenge");
+        continue;
+      }
+      pc.authed = false;
+    }
     pend.push_back(std::move(pc));
   }
 }
@@ -79,6 +97,10 @@ void Communicator::Impl::accept_new(std::vector<PendingConn>& pend, Clock::time_
 // Reads what arrived of a pending connection's hello. Returns true when the connection is done
 // with (handled, rejected, closed or timed out): the caller drops it.
 bool Communicator::Impl::read_hello(PendingConn& pc, Clock::time_point now) {
+  if (!pc.authed) {
+    int r = read_auth(pc, now);
+    if (r != 0) return r > 0;  // dropped, or still waiting for the dialer's proof
+  }
   for (;;) {
     size_t want = sizeof(pc.buf) - pc.got;
     if (want == 0) break;
@@ -118,6 +140,56 @@ bool Communicator::Impl::read_hello(PendingConn& pc, Clock::time_point now) {
     return true;
   }
   return false;
+}
+
+// The dialer's answer to our challenge: nonce and proof (nothing of it is parsed as a frame).
+// Returns 1 when the connection is done with (it failed: counted, the caller drops it), -1 while
+// the answer is incomplete, 0 once the dialer proved the token and our own proof was sent.
+int Communicator::Impl::read_auth(PendingConn& pc, Clock::time_point now) {
+  while (pc.reply_got < auth::kReplySize) {
+    ssize_t n = ::recv(pc.fd.get(), pc.reply + pc.reply_got, auth::kReplySize - pc.reply_got, MSG_DONTWAIT);
+    if (n > 0) {
+      pc.reply_got += size_t(n);
+      continue;
+    }
+    if (n == 0) {
+      auth_fail("connection closed during authentication");
+      return 1;
+    }
+    if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+      auth_fail(errno_str("authentication read"));
+      return 1;
+    }
+    if (errno == EINTR) continue;
+    if (now > pc.deadline) {
+      auth_fail("authentication timed out");
+      return 1;
+    }
+    return -1;
+  }
+  const uint8_t* nonce_d = pc.reply;
+  auto expect = auth::proof(opts_.token, "dial", pc.nonce, nonce_d);
+  if (!auth::equal_ct(expect.data(), pc.reply + auth::kNonceSize, expect.size())) {
+    uint8_t no = auth::kVerdictRefused;
+    (void)::send(pc.fd.get(), &no, 1, MSG_NOSIGNAL | MSG_DONTWAIT);  // best effort: say why, then close
+    auth_fail("wrong proof of the job token");
+    return 1;
+  }
+  uint8_t verdict[auth::kVerdictSize];
+  verdict[0] = auth::kVerdictOk;
+  auto mine = auth::proof(opts_.token, "acpt", pc.nonce, nonce_d);
+  std::memcpy(verdict + 1, mine.data(), mine.size());
+  if (::send(pc.fd.get(), verdict, sizeof(verdict), MSG_NOSIGNAL | MSG_DONTWAIT) != ssize_t(sizeof(verdict))) {
+    reject(errno_str("authentication verdict"));
+    return 1;
+  }
+  pc.authed = true;
+  return 0;
+}
+
+void Communicator::Impl::auth_fail(const std::string& why) {
+  auth_failures_++;
+  reject("authentication failed: " + why);
 }
 
 void Communicator::Impl::reject(const std::string& why) {
@@ -208,9 +280,21 @@ std::unique_ptr<Link> Communicator::Impl::await_accepted(int peer, uint64_t epoc
       return l;
     }
     if (stop_) throw CommError("communicator is closed");
-    if (Clock::now() >= deadline)
-      throw CommError("rank " + std::to_string(rank_) + " timed out waiting for rank " + std::to_string(peer) +
-                      " to connect (epoch " + std::to_string(epoch) + ")");
+    if (Clock::now() >= deadline) {
+      std::string msg = "rank " + std::to_string(rank_) + " timed out waiting for rank " + std::to_string(peer) +
+                        " to connect (epoch " + std::to_string(epoch) + ")";
+      if (uint64_t n = auth_failures_.load()) {
+        g.unlock();  // no accept_mu_ -> table_mu_ nesting
+        std::string last;
+        {
+          std::lock_guard<std::mutex> t(table_mu_);
+          last = last_reject_;
+        }
+        msg += "; " + std::to_string(n) + " connection(s) failed authentication (a different job token?), last: " + last;
+        throw AuthError(msg);
+      }
+      throw CommError(msg);
+    }
     accept_cv_.wait_for(g, secs(std::min(0.05, hb_interval_ / 2)));
     if (tick_idle) {
       g.unlock();

@@ -31,6 +31,7 @@
 #include <poll.h>
 #include <sys/types.h>
 
+#include "tmrun/auth.h"
 #include "tmrun/frame.h"
 #include "tmrun/net.h"
 #include "tmrun/reduce.h"
@@ -99,6 +100,10 @@ struct Link {
 // An accepted connection whose hello is still being read (service thread).
 struct PendingConn {
   Fd fd;
+  bool authed = true;                      // false until the dialer proved the job token
+  uint8_t nonce[32];                       // our challenge (auth::kNonceSize)
+  uint8_t reply[64];                       // the dialer's nonce and proof (auth::kReplySize)
+  size_t reply_got = 0;
   uint8_t buf[kHeaderSize + kHelloSize];
   size_t got = 0;
   Clock::time_point deadline;
@@ -264,6 +269,10 @@ struct Communicator::Impl {
   void service_loop();
   void accept_new(std::vector<PendingConn>& pend, Clock::time_point now);
   bool read_hello(PendingConn& pc, Clock::time_point now);
+  int read_auth(PendingConn& pc, Clock::time_point now);
+  void auth_fail(const std::string& why);
+  void authenticate_dial(int fd, const std::string& address, int peer, Clock::time_point deadline,
+                         const WaitTick& tick);
   void handle_hello(PendingConn& pc);
   void refuse(PendingConn& pc, const std::string& why);
   void reject(const std::string& why);
@@ -301,7 +310,7 @@ struct Communicator::Impl {
   std::map<int, std::pair<uint64_t, uint64_t>> closed_bytes_;  // per peer, from closed links
   std::vector<std::unique_ptr<Link>> retired_;  // shut down, drained until the peer closes
   std::atomic<uint64_t> links_opened_{0}, links_closed_{0}, collectives_{0}, p2p_ops_{0},
-      rejected_{0}, commits_{0};
+      rejected_{0}, commits_{0}, auth_failures_{0};
   std::string last_reject_;
   uint32_t coll_seq_ = 0;
 

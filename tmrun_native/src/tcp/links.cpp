@@ -3,6 +3,7 @@
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <cstring>
 #include <stdexcept>
 
 #include "comm_impl.h"
@@ -45,6 +46,31 @@ std::unique_ptr<Link> Communicator::Impl::dial_once(const std::string& host, int
                                                     bool ring, Clock::time_point deadline, const WaitTick& tick) {
   Fd fd = dial_tcp(host, port, deadline, tick);
   tune_socket(fd.get(), opts_.socket_buffer);
+  std::string address = host + ":" + std::to_string(port);
+  uint8_t nonce_a[auth::kNonceSize], nonce_d[auth::kNonceSize];
+  uint8_t reply[auth::kReplySize];
+  if (!opts_.token.empty()) {
+    // the acceptor's challenge first; our proof goes out with the hello below
+    uint8_t ch[auth::kChallengeSize];
+    try {
+      read_exact(fd.get(), ch, sizeof(ch), deadline, tick);
+    } catch (const CommError&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw std::runtime_error(std::string("no authentication challenge (does the peer run without the job token?): ") +
+                               e.what());
+    }
+    if (!auth::equal_ct(ch, auth::kChallengeMagic, sizeof(auth::kChallengeMagic))) {
+      auth_failures_++;
+      throw AuthError("rank " + std::to_string(rank_) + " cannot authenticate rank " + std::to_string(peer) + " at " +
+                      address + ": it sent no authentication challenge (not a tmrun communicator with a job token)");
+    }
+    std::memcpy(nonce_a, ch + sizeof(auth::kChallengeMagic), auth::kNonceSize);
+    auth::random_bytes(nonce_d, auth::kNonceSize);
+    auto mine = auth::proof(opts_.token, "dial", nonce_a, nonce_d);
+    std::memcpy(reply, nonce_d, auth::kNonceSize);
+    std::memcpy(reply + auth::kNonceSize, mine.data(), mine.size());
+  }
   FrameHeader h;
   h.type = FrameType::kHello;
   h.job_hash = job_hash_;
@@ -55,9 +81,33 @@ std::unique_ptr<Link> Communicator::Impl::dial_once(const std::string& host, int
   h.flags = kFlagPayloadCrc;
   h.payload_crc = crc32c(0, out + kHeaderSize, kHelloSize);
   encode_header(h, out);
-  write_all(fd.get(), out, sizeof(out), deadline, tick);
+  if (!opts_.token.empty()) {
+    write_all(fd.get(), reply, sizeof(reply), deadline, tick);
+    write_all(fd.get(), out, sizeof(out), deadline, tick);
+    uint8_t verdict[auth::kVerdictSize];
+    read_exact(fd.get(), verdict, 1, deadline, tick);
+    if (verdict[0] != auth::kVerdictOk) {
+      auth_failures_++;
+      throw AuthError("rank " + std::to_string(rank_) + " failed authentication with rank " + std::to_string(peer) +
+                      " at " + address + ": it refused our proof of the job token (a different job token?)");
+    }
+    read_exact(fd.get(), verdict + 1, auth::kVerdictSize - 1, deadline, tick);
+    auto expect = auth::proof(opts_.token, "acpt", nonce_a, nonce_d);
+    if (!auth::equal_ct(expect.data(), verdict + 1, expect.size())) {
+      auth_failures_++;
+      throw AuthError("rank " + std::to_string(rank_) + " failed authentication with rank " + std::to_string(peer) +
+                      " at " + address + ": its proof of the job token is wrong (a different job token?)");
+    }
+  } else {
+    write_all(fd.get(), out, sizeof(out), deadline, tick);
+  }
   uint8_t in[kHeaderSize];
-  read_exact(fd.get(), in, kHeaderSize, deadline, tick);
+  read_exact(fd.get(), in, sizeof(auth::kChallengeMagic), deadline, tick);
+  if (std::memcmp(in, auth::kChallengeMagic, sizeof(auth::kChallengeMagic)) == 0)
+    throw AuthError("rank " + std::to_string(rank_) + " cannot connect to rank " + std::to_string(peer) + " at " +
+                    address + ": it requires authentication and this communicator has no job token");
+  read_exact(fd.get(), in + sizeof(auth::kChallengeMagic), kHeaderSize - sizeof(auth::kChallengeMagic), deadline,
+             tick);
   FrameHeader r;
   std::string err;
   if (!parse_header(in, kHeaderSize, job_hash_, &r, &err)) throw std::runtime_error("bad handshake reply: " + err);
@@ -223,6 +273,7 @@ Counters Communicator::Impl::counters() const {
   c.collectives = collectives_;
   c.p2p_ops = p2p_ops_;
   c.rejected_connections = rejected_;
+  c.auth_failures = auth_failures_;
   c.commits = commits_;
   std::lock_guard<std::mutex> t(table_mu_);
   c.per_peer = closed_bytes_;
