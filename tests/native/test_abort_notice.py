@@ -194,3 +194,53 @@ def test_a_peer_in_a_new_epoch_ends_the_operation_and_is_announced():
             assert res[r][1:] == (1, 3.0), (r, res[r])
     finally:
         close_all(comms)
+
+
+@pytest.mark.timeout(60)
+def test_a_notice_on_a_link_whose_part_is_over_ends_the_operation():
+    """Issue 16, bug 2 (a hang under CPU load: a rank's allreduce never completed after a
+    neighbour closed). Forced interleaving: four ranks broadcast 32 MB from rank 0 (chain
+    0 -> 1 -> 2 and 0 -> 3). Rank 2 is busy elsewhere, so rank 1 is stuck forwarding to it while
+    its part on rank 0's link is over. Rank 0, done, then sends rank 1 an abort notice (raw bytes:
+    what a rank that learnt of a loss forwards). Before the fix rank 1 never read a link whose part
+    was over, so the notice waited behind the operation; its only other link was kept alive by rank
+    2's heartbeats: rank 1 hung until rank 2 came (forever, when rank 2 itself waits on rank 1 in
+    another operation, as under load). With the fix rank 1 raises within its notice timeout."""
+    n = 4
+    opts = [dict(timeout=2.0, heartbeat_interval=30.0, op_timeout=0.0)] + [dict(timeout=2.0, op_timeout=0.0)] * 3
+    comms = [tn.Communicator(r, n, "overlink", 0, tn.Options(**opts[r])) for r in range(n)]
+    root_done = threading.Event()
+    injected: list[float] = []
+    try:
+        connect_all(comms)
+
+        def body(c):
+            x = torch.ones(8 * 1024 * 1024, dtype=torch.float32) * (c.rank + 1)
+            if c.rank == 2:  # busy until well after the notice
+                time.sleep(6.0)
+            t0 = time.monotonic()
+            try:
+                c.broadcast(buf(x), root=0, dtype=dt(x))
+                res = ("completed", time.monotonic())
+            except tn.CommError as e:
+                res = ("failed", time.monotonic(), str(e))
+            if c.rank == 0:
+                root_done.set()
+            return res
+
+        def inject():
+            assert root_done.wait(30)
+            seq = next(l["frames_sent"] for l in comms[0].links() if l["peer"] == 1) + 1
+            comms[0]._debug_send_raw(1, tn.encode_frame(5, b"", job_id="overlink", epoch=0, seq=seq, tag=2))
+            injected.append(time.monotonic())
+
+        injector = threading.Thread(target=inject, daemon=True)
+        injector.start()
+        res, _ = run_ranks(comms, body, timeout=40, raise_errors=False)
+        injector.join(5)
+        assert res[0][0] == "completed" and injected, res
+        assert res[1][0] == "failed" and "rank 2 lost" in res[1][2], res[1]
+        assert res[1][1] - injected[0] < 4.0, (res[1], injected)  # not after rank 2 came at 6 s
+        assert res[2][0] == "failed", res[2]  # rank 2 is told too (never hangs)
+    finally:
+        close_all(comms)

@@ -163,3 +163,16 @@ def install_hooks(module: torch.nn.Module, fire: Callable[[str], None]) -> None:
     params = [p for p in module.parameters() if p.requires_grad]
     if params:
         params[-1].register_hook(lambda grad: (fire("backward"), grad)[1])
+
+
+STANDBY_DELAY_ENV = "TMRUN_TEST_STANDBY_DELAY"  # tests only: "ID:SECONDS[,ID:SECONDS]"
+
+
+def standby_ready_delay(standby_id: int) -> float:
+    """Seconds standby ``standby_id`` waits before it says it is warm (tests only: standbys that
+    turn warm at different moments, as on a loaded machine)."""
+    for item in os.environ.get(STANDBY_DELAY_ENV, "").split(","):
+        sid, _, seconds = item.partition(":")
+        if sid.strip() == str(standby_id) and seconds:
+            return float(seconds)
+    return 0.0

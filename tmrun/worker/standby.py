@@ -18,7 +18,7 @@ import torch
 
 from tmrun.comm import native
 from tmrun.protocol import keys, messages as proto
-from tmrun.worker import group
+from tmrun.worker import drills, group
 from tmrun.worker.context import POLL, Context, log
 from tmrun.worker.migration import Migration
 from tmrun.worker.recovery import Recovery, heal
@@ -76,6 +76,7 @@ class Standby:
         store = ctx.require_store()
         traffic = group.traffic()
         finite = all(bool(torch.isfinite(t).all()) for _, t in ctx.tracked.tensors() if t.is_floating_point())
+        time.sleep(drills.standby_ready_delay(ctx.env.standby_id))  # tests only (0 otherwise)
         ready = proto.StandbyReady(pid=os.getpid(), shadow_steps=self.shadow_done, finite=finite, **traffic)
         store.set(keys.standby_ready(ctx.env.standby_id), ready.encode())
         log(

@@ -176,6 +176,9 @@ class NodeReplacement:
         return self._recoveries.completed(final=final)
 
 
+REPORT_SETTLE = 1.0  # seconds (like the leader's failure_settle): a report vs the rank's own exit
+
+
 @dataclass
 class NodeOutcome:
     finished: bool = False  # every rank of this node exited 0
@@ -187,7 +190,7 @@ class NodeWatch:
 
     def __init__(self, store: Store, world_size: int, gen_file: str,
                  report_failure: Callable[[bool, str], None], detection: Detection | None = None,
-                 job_store: Store | None = None) -> None:
+                 job_store: Store | None = None, settle: float = REPORT_SETTLE) -> None:
         self._store = store
         self._world_size = world_size
         self.detection = detection  # hangs fence the node; stragglers and bad GPUs ask a migration
@@ -200,21 +203,34 @@ class NodeWatch:
         self.slots = core.Slots()
         self.failed = False
         self._waiting_for_standby = core.MigrationsWaiting("this node moves")  # ranks to move once a standby node is warm
+        self._settle = settle  # seconds a survivor's report waits for the rank's own exit (blame)
+        self._lost_since: float | None = None
+        self._lost_why = ""
         self._mirror_gen()
 
     def adopt(self, processes: dict[int, subprocess.Popen[bytes]], promoted: bool) -> None:
         self.slots.adopt(processes, promoted=promoted)
         self.failed = False
+        self._lost_since = None
 
     def step(self) -> NodeOutcome:
         self._mirror_gen()
         if self.failed:
             return NodeOutcome(failed=True)
         lost = self._live_rank_lost()
-        if lost:
-            self._fail(lost)
-            return NodeOutcome(failed=True)
         bad = self.slots.failed()
+        if (lost or self._lost_since is not None) and not bad:
+            # A survivor lost one of our ranks while its process still runs. It may be exiting
+            # with an error right now (the survivor saw the hang-up first): within a short settle
+            # window the local exit, the root cause, wins the blame; after it, the report does
+            # (a hung or cut-off rank that never exits is fenced).
+            if self._lost_since is None:
+                self._lost_since, self._lost_why = time.monotonic(), lost
+                say(f"{lost}; waiting up to {self._settle:g}s for its own exit before blaming the report")
+            if time.monotonic() - self._lost_since < self._settle:
+                return NodeOutcome()
+            self._fail(self._lost_why)
+            return NodeOutcome(failed=True)
         if bad:
             self._fail(", ".join(f"rank {rank} {core.how_it_ended(code)}" for rank, code in bad.items()),
                        by_signal=any(code < 0 for code in bad.values()))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import subprocess
 import time
 from dataclasses import dataclass, field
+from collections.abc import Collection
 from typing import Protocol
 
 from torch.distributed import Store
@@ -96,8 +97,12 @@ class ProcessReplacement:
                 say(f"ignored a malformed migration request: {request}")
             else:
                 self._migrate(request)
-        for rank, code in self.slots.failed().items():
-            outcome = self._replace(rank, code)
+        failed = self.slots.failed()
+        if failed:
+            # every rank found failed is replaced in one generation (failures seen together, or
+            # while waiting for standbys, are folded into one plan: two generations published
+            # one after the other would leave the first one's joiner waiting for a dead rank)
+            outcome = self._replace(failed)
             if outcome is not None:
                 self._recovered(final=True)
                 return outcome
@@ -182,57 +187,104 @@ class ProcessReplacement:
         """True once standby ``standby_id`` finished its shadow steps and waits for an assignment."""
         return core.standbys_ready(self._store, [standby_id])
 
-    def _ready_standby(self) -> StandbyProcess | None:
+    def _ready_standby(self, skip: Collection[StandbyProcess] = ()) -> StandbyProcess | None:
         for member in self._pool.members:
+            if member in skip:
+                continue
             if member.process.poll() is None and core.standbys_ready(self._store, [member.index]):
                 return member
         return None
 
-    def _replace(self, rank: int, exitcode: int) -> Outcome | None:
-        slot = self.slots[rank]
-        if core.others_done(self._store, [r for r in self.slots.ranks() if r != rank]):
-            say(f"rank {rank} failed with exit code {exitcode} after every other rank finished its steps; "
+    def _replace(self, failed: dict[int, int]) -> Outcome | None:
+        """Replace every rank of ``failed`` (rank -> exit code) in ONE generation: wait (up to
+        ``standby_wait``) until a warm standby is reserved for each, folding in the ranks that
+        fail meanwhile, then publish a single plan. All or nothing: no partial plan is ever
+        published while another rank of the same failure is still waiting for its standby."""
+        failed = dict(failed)
+        first = min(failed)
+        if core.others_done(self._store, [r for r in self.slots.ranks() if r not in failed]):
+            say(f"{_ranks(failed)} failed with {_codes(failed)} after every other rank finished its steps; "
                 "the job ends failed (a restart would redo the whole training)")
-            return Outcome(failed={rank: exitcode}, reason=f"rank {rank} failed after every other rank finished",
+            return Outcome(failed=failed, reason=f"rank {first} failed after every other rank finished",
                            final=True)
-        if self._replacements_left <= 0:
-            return self._abandon(rank, exitcode, "no in-place replacements left (--max-restarts)")
+        if self._replacements_left < len(failed):
+            return self._abandon(failed, "no in-place replacements left (--max-restarts)")
         started = time.monotonic()
-        member = self._ready_standby()
-        if member is None:
-            say(f"rank {rank} failed; waiting up to {self._standby_wait:.0f}s for a warm standby")
+        reserved: dict[int, StandbyProcess] = {}  # rank -> warm standby, published together below
+
+        def reserve() -> None:
+            for rank in sorted(failed):
+                if rank in reserved:
+                    continue
+                member = self._ready_standby(skip=list(reserved.values()))
+                if member is None:
+                    return
+                reserved[rank] = member
+
+        reserve()
+        if len(reserved) < len(failed):
+            say(f"{_ranks(failed)} failed; waiting up to {self._standby_wait:.0f}s for "
+                f"{len(failed) - len(reserved)} more warm standby(s)")
             self._pool.fill()
-        while member is None and time.monotonic() - started < self._standby_wait:
+        while len(reserved) < len(failed) and time.monotonic() - started < self._standby_wait:
             if self._pool.failing:
-                return self._abandon(rank, exitcode, self._pool.failing)
+                return self._abandon(failed, self._pool.failing)
             time.sleep(0.05)
             self._pool.fill()
-            member = self._ready_standby()
-        if member is None:
-            return self._abandon(rank, exitcode, f"no standby ready within {self._standby_wait:.0f}s")
-        self._replacements_left -= 1
-        self.replacements += 1
-        detail = (f"rank {rank} (pid {slot.pid}, {core.how_it_ended(exitcode)}) -> standby {member.index} "
-                  f"(pid {member.process.pid})")
-        self._promote(rank, member, started, f"exit code {exitcode}", planned=False)
-        say(f"in-place replacement, generation {self.gen}: {detail}")
-        record_event(self._events, "replace", self.gen, detail)
+            for rank, code in self.slots.failed().items():  # fold failures seen while waiting
+                if rank not in failed:
+                    say(f"rank {rank} failed too ({core.how_it_ended(code)}); it joins the same plan")
+                    failed[rank] = code
+            reserve()
+        if self._replacements_left < len(failed):
+            return self._abandon(failed, "no in-place replacements left (--max-restarts)")
+        if len(reserved) < len(failed):
+            return self._abandon(failed, f"no standby ready within {self._standby_wait:.0f}s")
+        self._replacements_left -= len(failed)
+        self.replacements += len(failed)
+        details = "; ".join(
+            f"rank {rank} (pid {self.slots[rank].pid}, {core.how_it_ended(failed[rank])}) -> standby "
+            f"{reserved[rank].index} (pid {reserved[rank].process.pid})" for rank in sorted(failed))
+        self._promote_all(reserved, started, "; ".join(f"rank {r}: {_code(c)}" for r, c in sorted(failed.items()))
+                          if len(failed) > 1 else _code(failed[first]), planned=False)
+        say(f"in-place replacement, generation {self.gen}: {details}")
+        record_event(self._events, "replace", self.gen, details)
         return None
 
     def _promote(self, rank: int, member: StandbyProcess, started: float, reason: str, planned: bool,
                  asked: float = 0.0) -> None:
         """Publish a generation in which ``member`` plays ``rank``, and take it from the pool."""
-        self.gen = self._generations.publish(self._world_size, {rank: member.index}, reason, planned)
-        self._recoveries.begin(self._store, self.gen, self._world_size, started, asked=asked)
-        self._pool.take(member)
-        self.slots.replace(rank, member.process, leaving=planned)
+        self._promote_all({rank: member}, started, reason, planned, asked)
 
-    def _abandon(self, rank: int, exitcode: int, why: str) -> Outcome:
-        say(f"rank {rank} failed and {why}: falling back to restarting the worker group (as torchrun)")
+    def _promote_all(self, moves: dict[int, StandbyProcess], started: float, reason: str, planned: bool,
+                     asked: float = 0.0) -> None:
+        """Publish ONE generation in which each standby of ``moves`` plays its rank."""
+        self.gen = self._generations.publish(self._world_size, {r: m.index for r, m in moves.items()},
+                                             reason, planned)
+        self._recoveries.begin(self._store, self.gen, self._world_size, started, asked=asked)
+        for rank, member in moves.items():
+            self._pool.take(member)
+            self.slots.replace(rank, member.process, leaving=planned)
+
+    def _abandon(self, failed: dict[int, int], why: str) -> Outcome:
+        say(f"{_ranks(failed)} failed and {why}: falling back to restarting the worker group (as torchrun)")
         self._generations.abandon(why)
-        record_event(self._events, "fallback", self.gen, f"rank {rank}: {why}")
-        return Outcome(failed={rank: exitcode}, reason=why)
+        record_event(self._events, "fallback", self.gen, f"{_ranks(failed)}: {why}")
+        return Outcome(failed=dict(failed), reason=why)
 
     def stop_promoted(self, timeout: float = 5.0) -> None:
         """Stop every promoted standby still running (the group is being stopped)."""
         self.slots.stop_promoted(timeout)
+
+
+def _code(code: int) -> str:
+    return f"exit code {code}"
+
+
+def _ranks(failed: dict[int, int]) -> str:
+    ranks = sorted(failed)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _codes(failed: dict[int, int]) -> str:
+    return ", ".join(core.how_it_ended(failed[r]) for r in sorted(failed))

@@ -156,9 +156,17 @@ bool Communicator::Impl::pump_op_links(Plan& p, std::vector<LinkQ>& qs, Clock::t
       // peer may already wait on us in its next operation and would declare us lost after
       // `timeout`. A failed write is not this operation's failure (a departing peer closes after
       // its part): judged when next used.
+      // Its control frames are still read (kIdle: heartbeats and abort notices; data of the
+      // peer's next operation waits, as between operations): an abort notice forwarded on this
+      // link (the peer learnt of a loss from a third rank, or echoes ours) must end this operation,
+      // or every rank whose only news of the loss comes on such a link waits forever on peers
+      // whose heartbeats keep the operation's other links alive (seen under CPU load, when the
+      // ranks reach the operation at different moments). End of file here stays a departure.
       if (!q.hb_failed) {
         try {
           tx_pump(l, nullptr, nullptr, now);
+          RxCtx c{RxMode::kIdle};
+          prog |= rx_pump(l, c);
         } catch (const LinkFailure&) {
           q.hb_failed = true;
         }
