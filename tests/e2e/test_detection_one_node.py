@@ -16,17 +16,13 @@ MIGRATION_STEPS = 24
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
-    code, log, final, _ = _run(tmp_path_factory.mktemp("ref"), "ref")
-    assert code == 0 and final, log
-    return final
+def reference(one_node_reference: str) -> str:
+    return one_node_reference  # the same job as test_inplace_one_node's (tests/e2e/conftest.py)
 
 
 @pytest.fixture(scope="module")
-def migration_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
-    code, log, final, _ = _run(tmp_path_factory.mktemp("ref"), "noswitch", steps=MIGRATION_STEPS)
-    assert code == 0 and final, log
-    return final
+def migration_reference(one_node_migration_reference: str) -> str:
+    return one_node_migration_reference
 
 
 def test_rank_stalled_in_compute_is_fenced_and_replaced(tmp_path: Path, reference: str) -> None:

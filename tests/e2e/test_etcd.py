@@ -19,23 +19,10 @@ from pathlib import Path
 import pytest
 
 from tests.etcd.server import start_etcd, why_no_etcd
+from tests.e2e.test_inplace_nodes import JOB_TIMEOUT, NPROC, SCRIPT_ARGS, STEPS, _steps
 from tests.helpers import EXAMPLES, kill_tree, leftovers, start, tmrun_cmd, wait_until
 
-STEPS = 14
-NPROC = 2
-WORLD = 2 * NPROC
-JOB_TIMEOUT = 240
-SCRIPT_ARGS = ["--steps", str(STEPS), "--width", "48", "--batch", "16", "--step-time", "0.05"]
 LEASE = "lease_ttl=2,heartbeat_interval=0.5,connect_timeout=5"
-
-
-def _steps(work: Path) -> dict[int, list[tuple[int, int]]]:
-    out: dict[int, list[tuple[int, int]]] = {}
-    for rank in range(WORLD):
-        path = work / f"steps-{rank}.log"
-        rows = [line.split() for line in path.read_text().splitlines()] if path.exists() else []
-        out[rank] = [(int(r[0]), int(r[2])) for r in rows]
-    return out
 
 
 def _agent_cmd(work: Path, endpoint: str, run_id: str, *extra: str) -> list[str]:
@@ -68,18 +55,8 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The same training with no failure (one node of 4 ranks: the same ring, the same sums)."""
-    work = tmp_path_factory.mktemp("ref")
-    cmd = tmrun_cmd("--standalone", "--nproc-per-node", str(WORLD), str(EXAMPLES / "train_inplace.py"),
-                    *SCRIPT_ARGS, "--final", str(work / "final"))
-    agent = start(cmd, log=work / "agent.log", env={"TMRUN_STATE_DIR": str(work / "state")})
-    try:
-        assert agent.wait(timeout=JOB_TIMEOUT) == 0, (work / "agent.log").read_text()
-    finally:
-        kill_tree(agent)
-        assert leftovers(agent) == []
-    return (work / "final").read_text().strip()
+def reference(nodes_reference: str) -> str:
+    return nodes_reference  # test_inplace_nodes' job with no failure (tests/e2e/conftest.py)
 
 
 def test_leading_node_killed_job_goes_on_in_place(tmp_path: Path, etcd_server, reference: str) -> None:  # type: ignore[no-untyped-def]

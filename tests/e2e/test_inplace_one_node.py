@@ -40,12 +40,8 @@ def _run(tmp: Path, name: str, *tmrun_args: str, nproc: int = 2, standby: int = 
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
-    code, log, final, steps = _run(tmp_path_factory.mktemp("ref"), "ref")
-    assert code == 0, log
-    assert final, log
-    assert [s for s, _ in steps[0]] == list(range(STEPS))
-    return final
+def reference(one_node_reference: str) -> str:
+    return one_node_reference  # tests/e2e/conftest.py: one run per session
 
 
 def _check(code: int, log: str, final: str, steps: dict[int, list[tuple[int, int]]], reference: str,
@@ -149,10 +145,8 @@ MIGRATION_STEPS = 24
 
 
 @pytest.fixture(scope="module")
-def migration_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
-    code, log, final, _ = _run(tmp_path_factory.mktemp("ref"), "noswitch", steps=MIGRATION_STEPS)
-    assert code == 0 and final, log
-    return final
+def migration_reference(one_node_migration_reference: str) -> str:
+    return one_node_migration_reference  # tests/e2e/conftest.py: one run per session
 
 
 def _migrate_while_training(tmp_path: Path, name: str, *tmrun_args: str) -> tuple[int, str, str, dict]:

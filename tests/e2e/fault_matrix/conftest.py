@@ -3,7 +3,6 @@ test covers; every one is marked e2e (module level, below each file's imports)."
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
