@@ -163,12 +163,10 @@ class OpsServer:
         sock.setblocking(False)
         client = _Client(sock, time.monotonic())
         if self._token is not None:
-            client.nonce, line = auth.challenge()
-            try:
-                sock.send(line)  # a few bytes into an empty socket buffer
-            except OSError:
-                sock.close()
+            nonce = auth.offer_challenge(sock)
+            if nonce is None:
                 return
+            client.nonce = nonce
         self._clients[sock.fileno()] = client
         self._selector.register(sock, selectors.EVENT_READ, client)
 

@@ -21,6 +21,7 @@ import hashlib
 import hmac
 import os
 import secrets
+import socket
 import stat
 from typing import Mapping
 
@@ -108,6 +109,18 @@ def challenge() -> tuple[bytes, bytes]:
     """(nonce, the server's first line)."""
     nonce = secrets.token_bytes(NONCE_BYTES)
     return nonce, CHALLENGE + nonce.hex().encode() + b"\n"
+
+
+def offer_challenge(sock: socket.socket) -> bytes | None:
+    """Send the challenge on a freshly accepted socket: its nonce, or None (the socket failed and
+    is closed). A few bytes into an empty socket buffer: never blocks."""
+    nonce, line = challenge()
+    try:
+        sock.send(line)
+    except OSError:
+        sock.close()
+        return None
+    return nonce
 
 
 def answer(token: str, challenge_line: bytes) -> tuple[bytes, bytes, bytes]:

@@ -90,12 +90,10 @@ class LivenessMonitor:
         now = time.monotonic()
         peer = _Peer(sock=sock, last_seen=now, accepted=now)
         if self._token is not None:
-            peer.nonce, line = auth.challenge()
-            try:
-                sock.send(line)  # a few bytes into an empty socket buffer
-            except OSError:
-                sock.close()
+            nonce = auth.offer_challenge(sock)
+            if nonce is None:
                 return
+            peer.nonce = nonce
         self._peers[sock.fileno()] = peer
         self._selector.register(sock, selectors.EVENT_READ, peer)
 
