@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import ROOT, load_script
 
 BENCH = ROOT / "bench" / "store_backends.py"
@@ -18,6 +20,7 @@ def test_without_etcd_it_exits_77() -> None:
     assert "needs the etcd binary" in result.stderr
 
 
+@pytest.mark.e2e  # two lease holders and a kill: seconds
 def test_takeover_is_bounded_by_the_lease(etcd_server) -> None:  # type: ignore[no-untyped-def]
     bench = load_script(BENCH, "store_backends")
     seconds = bench.takeover(etcd_server.endpoint, 1.0)
