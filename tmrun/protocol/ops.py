@@ -35,7 +35,8 @@ def parse_address(text: str) -> tuple[str, int]:
     """"host:port" (``[v6]:port`` too) -> (host, port); raises :class:`OpsError` on bad input."""
     host, sep, port = text.strip().rpartition(":")
     host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    # isascii: str.isdigit() is true of digits int() refuses ("\u00b2")
+    if not sep or not host or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
         raise OpsError(f"malformed operations endpoint {text!r} (expected HOST:PORT)")
     return host, int(port)
 
@@ -46,7 +47,7 @@ def decode_request(line: bytes) -> dict[str, Any]:
         raise OpsRequestError(f"request longer than {MAX_REQUEST} bytes")
     try:
         data = json.loads(line)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested too deeply
         raise OpsRequestError("request is not JSON") from None
     if not isinstance(data, dict):
         raise OpsRequestError("request must be a JSON object")
@@ -97,10 +98,16 @@ def ask(address: tuple[str, int], request: dict[str, Any], timeout: float = 5.0)
         raise OpsError(f"no answer from the operations endpoint {host}:{port} within {timeout:g} s") from None
     except OSError as exc:
         raise OpsError(f"no tmrun job answers at {host}:{port} ({exc.strerror or exc})") from None
+    return decode_reply(b"".join(chunks), f"{host}:{port}")
+
+
+def decode_reply(raw: bytes, where: str) -> dict[str, Any]:
+    """One reply of the endpoint at ``where``; raises :class:`OpsError` (one line) on anything
+    that is not a reply object."""
     try:
-        reply = json.loads(b"".join(chunks))
-    except (ValueError, UnicodeDecodeError):
-        raise OpsError(f"{host}:{port} is not a tmrun operations endpoint (unreadable reply)") from None
+        reply = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise OpsError(f"{where} is not a tmrun operations endpoint (unreadable reply)") from None
     if not isinstance(reply, dict) or "ok" not in reply:
-        raise OpsError(f"{host}:{port} is not a tmrun operations endpoint")
+        raise OpsError(f"{where} is not a tmrun operations endpoint")
     return reply

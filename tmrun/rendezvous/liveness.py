@@ -16,8 +16,31 @@ from dataclasses import dataclass
 from tmrun.console import say
 
 HELLO = b"TMRUN-LIVE1 "
-MAX_HELLO = 256
+MAX_HELLO = 4096  # bytes of a hello line, newline included (a run id may be long)
+MAX_NODE_DIGITS = 18  # a node id fits in an int64
+HELLO_TIMEOUT = 10.0  # seconds a connection may take to say its hello (an agent sends it at once)
+REFUSED_LOG_INTERVAL = 10.0  # at most one "refused" line per interval (a port scanner floods it)
 GOODBYE = b"!"
+
+
+def parse_hello(line: bytes, run_id: bytes) -> int | None:
+    """The node id of an agent's hello line (``HELLO + b"<run id> <node id>"``, newline
+    excluded), or None for anything else: never raises."""
+    if len(line) >= MAX_HELLO or not line.startswith(HELLO):
+        return None
+    parts = line[len(HELLO) :].split(b" ")
+    if len(parts) != 2 or parts[0] != run_id or not parts[1].isdigit() or len(parts[1]) > MAX_NODE_DIGITS:
+        return None
+    return int(parts[1])
+
+
+def read_hello(buffer: bytes, run_id: bytes) -> int | None | bool:
+    """What a connection's first bytes say: its node id (an int), False (refuse it: not one of
+    ours), or None (wait for more)."""
+    if b"\n" not in buffer:
+        return False if len(buffer) >= MAX_HELLO else None
+    node_id = parse_hello(buffer.split(b"\n", 1)[0], run_id)
+    return False if node_id is None else node_id
 
 
 @dataclass
@@ -26,6 +49,7 @@ class _Peer:
     buffer: bytes = b""
     node_id: int | None = None
     last_seen: float = 0.0
+    opened: float = 0.0
     leaving: bool = False  # said goodbye: its EOF is a departure, not a loss
 
 
@@ -45,6 +69,8 @@ class LivenessMonitor:
         self._peers: dict[int, _Peer] = {}  # fd -> peer
         self.port: int = self._listener.getsockname()[1]
         self._departed: list[int] = []  # nodes whose agent said goodbye and closed
+        self._refused = 0  # connections refused since the last "refused" line
+        self._refused_logged = -REFUSED_LOG_INTERVAL
 
     def take_departed(self) -> list[int]:
         """Nodes whose agent left on purpose (goodbye, then EOF) since the last call."""
@@ -63,6 +89,8 @@ class LivenessMonitor:
             if peer.node_id is not None and now - peer.last_seen > self._timeout:
                 self._drop(peer)
                 on_lost(peer.node_id, f"no heartbeat for {self._timeout:g} s")
+            elif peer.node_id is None and now - peer.opened > HELLO_TIMEOUT:
+                self._refuse(peer)  # connected and said no hello: not an agent (it would hold an fd forever)
 
     def close(self) -> None:
         for peer in list(self._peers.values()):
@@ -77,7 +105,8 @@ class LivenessMonitor:
         except BlockingIOError:
             return
         sock.setblocking(False)
-        peer = _Peer(sock=sock, last_seen=time.monotonic())
+        now = time.monotonic()
+        peer = _Peer(sock=sock, last_seen=now, opened=now)
         self._peers[sock.fileno()] = peer
         self._selector.register(sock, selectors.EVENT_READ, peer)
 
@@ -102,25 +131,23 @@ class LivenessMonitor:
         peer.last_seen = time.monotonic()
         if peer.node_id is None:
             peer.buffer += data
-            if b"\n" not in peer.buffer:
-                if len(peer.buffer) > MAX_HELLO:
-                    self._drop(peer)  # not one of ours: ignore it
-                return
-            line = peer.buffer.split(b"\n", 1)[0]
-            node_id = self._parse_hello(line)
-            if node_id is None:
-                say("liveness: refused a connection that is not from this job")
-                self._drop(peer)
-                return
-            peer.node_id = node_id
+            hello = read_hello(peer.buffer, self._run_id)
+            if hello is False:
+                self._refuse(peer)
+            elif hello is not None:
+                peer.node_id = hello
+                peer.buffer = b""
 
-    def _parse_hello(self, line: bytes) -> int | None:
-        if not line.startswith(HELLO):
-            return None
-        parts = line[len(HELLO) :].split(b" ")
-        if len(parts) != 2 or parts[0] != self._run_id or not parts[1].isdigit():
-            return None
-        return int(parts[1])
+    def _refuse(self, peer: _Peer) -> None:
+        """Drop a connection that is not one of this job's agents; say so at most once per
+        :data:`REFUSED_LOG_INTERVAL` (a port scanner must not flood the log)."""
+        self._drop(peer)
+        self._refused += 1
+        now = time.monotonic()
+        if now - self._refused_logged >= REFUSED_LOG_INTERVAL:
+            more = f" ({self._refused} since the last report)" if self._refused > 1 else ""
+            say(f"liveness: refused a connection that is not from this job{more}")
+            self._refused, self._refused_logged = 0, now
 
     def _drop(self, peer: _Peer) -> None:
         fd = peer.sock.fileno()
