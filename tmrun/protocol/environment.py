@@ -176,7 +176,7 @@ class LaunchEnv:
             store_port=port,
             store_prefix=env.get(ENV_PREFIX, "") or DEFAULT_PREFIX,
             gen_file=env.get(ENV_GEN_FILE, ""),
-            run_id=env.get(ENV_RUN_ID, "") or env.get(ENV_TORCHELASTIC_RUN_ID, "none"),
+            run_id=env.get(ENV_RUN_ID, "") or env.get(ENV_TORCHELASTIC_RUN_ID, "") or "none",
             standby_id=_integer(env, ENV_STANDBY_ID, -1),
             agent_pid=_integer(env, ENV_AGENT_PID, 0),
             shadow_steps=_count(env, ENV_SHADOW_STEPS, 2),
