@@ -73,7 +73,10 @@ def test_ops_nested_request_and_reply() -> None:
         ops.decode_reply(DEEP, "h:1")
 
 
-@pytest.mark.parametrize("text", ["h:\u00b2", "h:\u0661\u0662"])  # str.isdigit() true, int() refuses or differs
+@pytest.mark.parametrize("text", [
+    "h:\u00b2", "h:\u0661\u0662",  # str.isdigit() true, int() refuses or differs
+    "[\t]:5", "[\x1f[\x1f]:5", "[ ]:80", "a b:1",  # hosts that did not read back as themselves
+])
 def test_ops_address_unicode_digits(text: str) -> None:
     with pytest.raises(ops.OpsError):
         ops.parse_address(text)

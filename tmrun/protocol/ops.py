@@ -35,8 +35,10 @@ def parse_address(text: str) -> tuple[str, int]:
     """"host:port" (``[v6]:port`` too) -> (host, port); raises :class:`OpsError` on bad input."""
     host, sep, port = text.strip().rpartition(":")
     host = host.strip("[]")
+    # a host name or address: no brackets left, no spaces or control characters (" ", "[\x1f[")
+    bad_host = not host.isprintable() or any(c.isspace() or c in "[]" for c in host)
     # isascii: str.isdigit() is true of digits int() refuses ("\u00b2")
-    if not sep or not host or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or bad_host or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
         raise OpsError(f"malformed operations endpoint {text!r} (expected HOST:PORT)")
     return host, int(port)
 
