@@ -15,7 +15,7 @@ pytest.importorskip("atheris")
 
 HERE = Path(__file__).resolve().parent
 RUNS = {  # inputs per harness: about 1-6 s each on a 2-core machine
-    "frames": 2000,
+    "frames": 5000,
     "messages": 20000,
     "ops": 20000,
     "environment": 15000,
