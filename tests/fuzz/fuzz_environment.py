@@ -1,6 +1,9 @@
 """Fuzz the launch environment (tmrun/protocol/environment.py ``LaunchEnv.from_environ``): any
 values of the variables either read into a LaunchEnv or raise a one-line LaunchEnvError; what
 reads, written back with ``to_environ`` (plus the torchrun variables), reads back the same.
+Also the failure drills the launcher passes to the workers in ``TMRUN_INJECT_FAILURE``
+(tmrun/protocol/drills.py ``parse_all``): a list of drills or a one-line DrillSpecError; what
+parses re-parses from its encoding to the same drills; times and factors are finite.
 
     python tests/fuzz/fuzz_environment.py -atheris_runs=100000
     python tests/fuzz/fuzz_environment.py -max_total_time=150
@@ -14,6 +17,7 @@ import sys
 from _harness import atheris, expect_error, main
 
 with atheris.instrument_imports(include=["tmrun"]):
+    from tmrun.protocol import drills as d
     from tmrun.protocol import environment as e
 
 NAMES = [
@@ -35,8 +39,34 @@ def _read(environ: dict[str, str]) -> e.LaunchEnv | None:
         return None
 
 
+DRILL_WORDS = ["rank=1", "node=0", "step=8", "at=forward", "at=handover", "time=2.5", "time=nan", "time=inf",
+               "signal=RAISE", "signal=STALL", "signal=TERM", "who=joiner", "slow=3x", "slow=nanx", "slow=infx",
+               "rank=\u00b2", "step=1e3", "step=-1", "time=-0", ",", ";", "=", " "]
+
+
+def _drills(fdp: atheris.FuzzedDataProvider) -> None:
+    if fdp.ConsumeBool():
+        text = "".join(fdp.PickValueInList(DRILL_WORDS) + fdp.PickValueInList([",", ";", ""])
+                       for _ in range(fdp.ConsumeIntInRange(1, 6)))
+    else:
+        text = fdp.ConsumeUnicodeNoSurrogates(fdp.ConsumeIntInRange(0, 80))
+    try:
+        drills = d.parse_all(text)
+    except Exception as exc:  # noqa: BLE001
+        expect_error(exc, d.DrillSpecError)
+        return
+    for drill in drills:
+        assert drill.seconds < float("inf") and drill.slow < float("inf"), (text, drill)
+        assert drill.seconds == drill.seconds and drill.slow == drill.slow, (text, drill)
+    again = d.parse_all(";".join(x.encode() for x in drills))
+    assert again == drills, (text, drills, again)
+
+
 def test_one_input(data: bytes) -> None:
     fdp = atheris.FuzzedDataProvider(data)
+    if fdp.ConsumeIntInRange(0, 3) == 0:
+        _drills(fdp)
+        return
     environ: dict[str, str] = {}
     for name in NAMES:
         choice = fdp.ConsumeIntInRange(0, 3)

@@ -7,6 +7,8 @@ import json
 
 import pytest
 
+from tmrun.launcher.runfile import read_runfile
+from tmrun.protocol import drills
 from tmrun.protocol import environment as env
 from tmrun.protocol import messages as m
 from tmrun.protocol import ops
@@ -109,3 +111,18 @@ def test_liveness_hello_with_a_huge_node_id() -> None:
     assert lv.read_hello(line + b"\n", b"run") is False
     assert lv.read_hello(lv.HELLO + b"run 12\n", b"run") == 12
     assert lv.read_hello(lv.HELLO + b"run 1", b"run") is None
+
+
+@pytest.mark.parametrize("spec", ["rank=1,time=inf", "rank=1,time=nan", "rank=1,time=1e400"])
+def test_drill_time_must_be_finite(spec: str) -> None:
+    # inf: the worker's threading.Timer raised OverflowError in its thread; nan: never fired
+    with pytest.raises(drills.DrillSpecError) as info:
+        drills.parse_all(spec)
+    _one_line(info.value)
+
+
+@pytest.mark.parametrize("text", ["[]", "[" * 5000, '{"pid": "7", "started": 1}', '{"pid": 7, "started": "x"}',
+                                  '{"pid": 7}', '{"pid": 99999999999999999999, "started": 1}', '{"pid": 7, "started": 1e999}'])
+def test_runfile_that_is_not_one_is_skipped(text: str) -> None:
+    # tmrun-ctl's live_runs() raised TypeError, KeyError or RecursionError on such a file
+    assert read_runfile(text) is None
