@@ -56,6 +56,8 @@ class Drill:
             seconds = float(fields.get("time", "-1"))
         except ValueError:
             raise DrillSpecError("--inject-failure: rank, node and step must be integers, time a number") from None
+        if not abs(seconds) < float("inf"):  # nan never fired; inf crashed the worker's timer thread
+            raise DrillSpecError(f"--inject-failure: time={fields['time']!r} must be a finite number of seconds")
         if "slow" in fields:
             return cls._parse_slow(fields, rank, step)
         at = fields.get("at", "promotion" if fields.get("who") == "joiner" else "step")
