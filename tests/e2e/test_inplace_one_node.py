@@ -258,3 +258,40 @@ def test_no_warm_standby_falls_back_to_a_group_restart(tmp_path: Path, reference
     assert code == 0, log
     assert "no standby ready within 0s: falling back to restarting the worker group" in log
     assert final == reference
+
+
+def _hogs(count: int = 2) -> list["subprocess.Popen[bytes]"]:
+    """Busy loops that saturate the machine's cores (started and killed by the test, by PID)."""
+    import subprocess
+    import sys
+
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+
+
+@pytest.mark.parametrize("victim", ["joiner-under-load", "survivor"])
+def test_failure_during_a_migration_gets_a_new_generation(tmp_path: Path, migration_reference: str,
+                                                         victim: str) -> None:
+    """tmrun-ctl migrate 1, then a failure during the planned change (docs/reliability.md): the
+    joiner killed during its promotion (with two busy-loop hogs saturating the cores: CPU
+    starvation end to end), or the rank that stays (rank 0) killed once it prepared its links to
+    the joiner. A new generation supersedes the migration; the job finishes bitwise equal to a
+    run without failure, at most the step in flight redone."""
+    drill = "rank=1,who=joiner" if victim.startswith("joiner") else "rank=0,at=switch"
+    hogs = _hogs() if victim.endswith("load") else []
+    try:
+        code, log, final, by_rank = _migrate_while_training(tmp_path, victim, "--inject-failure", drill)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    assert code == 0, log
+    assert final == migration_reference, log
+    assert "falling back" not in log, log
+    assert "signal SIGKILL" in log, log
+    assert len(re.findall(r"in-place replacement, generation \d", log)) >= 1, log
+    for rank in (0, 1):
+        done = [s for s, _ in by_rank[rank]]
+        assert sorted(set(done)) == list(range(MIGRATION_STEPS)), (rank, done)
+        assert len(done) - len(set(done)) <= 1, (rank, done)
+    if victim.startswith("joiner"):
+        assert len({pid for _, pid in by_rank[0]}) == 1, "rank 0 changed process"

@@ -12,12 +12,13 @@ Per step: a STANDBY runs it as a shadow step until it is assigned and warm, then
 
 from __future__ import annotations
 
+import os
 import pickle
 from typing import Any, Iterator
 
 from tmrun.protocol import keys
 from tmrun.worker import rng
-from tmrun.worker.context import Context
+from tmrun.worker.context import Context, log
 from tmrun.worker.migration import Migration
 from tmrun.worker.recovery import Recovery, settle_heal
 from tmrun.worker.roles import Role
@@ -75,6 +76,13 @@ class StepLoop:
 
     def _begin_step(self, step: int) -> None:
         ctx = self._ctx
+        if ctx.env.agent_pid and os.getppid() != ctx.env.agent_pid:
+            # The agent (supervisor, store, controller) was killed: nobody can replace a rank or
+            # collect this job's result any more. The job ends; every worker and standby leaves
+            # at its next step boundary (a peer's departure ends a collective in flight, whose
+            # recovery then finds the agent gone too), before writing anything of its result.
+            log(f"the tmrun agent (pid {ctx.env.agent_pid}) is gone; this worker exits (the job ends)")
+            raise SystemExit(1)
         ctx.current_step = step
         if ctx.progress.enabled and not ctx.life.is_(Role.STANDBY):
             ctx.progress.bind(ctx.rank, ctx.gen, ctx.life.role.value)

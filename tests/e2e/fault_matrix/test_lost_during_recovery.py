@@ -1,0 +1,36 @@
+"""A rank lost after a generation is published, while that generation recovers (docs/reliability.md,
+"joiner waits for a dead rank's address"). Three workers, ``--standby 2``: rank 1 is SIGKILLed at
+step 4 (generation 1: its joiner connects); rank 2 dies as soon as it read generation 1's plan,
+before it published its address for it. Generation 1's joiner gives up waiting for that address
+at once (generation 2 superseded it: before, it waited 60 s and the job fell back to a group
+restart); the controller gives it rank 1 again in generation 2, with rank 2's standby, and every
+member replaces those links. The job finishes in place, bitwise equal."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.fault_matrix.conftest import STEPS
+from tests.e2e.test_inplace_one_node import _check, _run
+
+pytestmark = pytest.mark.e2e
+
+
+def test_a_rank_lost_while_a_generation_recovers_gets_one_more_generation(tmp_path: Path, reference3: str) -> None:
+    started = time.monotonic()
+    code, log, final, steps = _run(
+        tmp_path, "during", "--inject-failure", "rank=1,step=4", "--inject-failure", "rank=2,at=recovery",
+        nproc=3, standby=2, step_time=0.1,
+    )
+    elapsed = time.monotonic() - started
+    _check(code, log, final, steps, reference3, survivors=[0])
+    assert "falling back" not in log and "fallback" not in log, log
+    assert re.search(r"generation 2: rank 1's joiner \(standby \d+, pid \d+\) had not recovered into generation 1: "
+                     r"it reconnects for generation 2", log), log
+    assert "joining generation 2" in log, log
+    assert "generation 2: all 3 ranks recovered" in log, log
+    assert elapsed < 60, f"{elapsed:.0f}s: a stale wait ran into a timeout"
