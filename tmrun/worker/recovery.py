@@ -256,9 +256,13 @@ def settle_heal(ctx: Context, skip: Collection[int] = (), in_change: bool = Fals
     gen, ranks = served
     store = ctx.require_store()
     deadline = time.monotonic() + READ_TIMEOUT
+    # in a change, a generation published meanwhile (a member lost) ends the wait at once (Superseded)
+    watch = ctx.generation_watch(max(ctx.gen, ctx.newest_gen()), "the healed members' reads") if in_change else None
     for rank in ranks:
         key = keys.heal_done(gen, rank)
         while rank not in skip and not store.check([key]):
+            if watch is not None:
+                watch()
             if time.monotonic() > deadline:
                 raise RecoveryError(f"rank {rank} did not finish reading the optimizer state within {READ_TIMEOUT:.0f}s")
             time.sleep(0.001)
