@@ -121,6 +121,13 @@ class Recovery:
         except (OSError, ValueError):
             return self._ctx.gen + 1  # unreadable: ask the store
 
+    def clear_abort(self) -> None:
+        """A joiner joining again (its generation was superseded): what the lost generation
+        aborted does not carry over to the new communicator."""
+        group.clear_aborted()
+        with self._lock:
+            self._ctx.aborted_by = None
+
     def superseded(self, plan: proto.ReplacementPlan, exc: Superseded) -> None:
         """A newer generation was published while this rank prepared for ``plan`` (a member was
         lost meanwhile): skip ``plan``'s change; its joiners' links are replaced in the next."""

@@ -130,6 +130,7 @@ class Standby:
         old = group.attach_replacing(comm)
         if old is not None:
             old.close()  # the superseded generation's links (a joiner joining again)
+            self._recovery.clear_abort()
         group.set_failure_handler(self._recovery.on_comm_failure)
         ctx.rank = assignment.rank
         ctx.gen = assignment.gen
