@@ -259,8 +259,8 @@ def test_node_cut_off_is_replaced_and_leaves_when_it_comes_back(tmp_path: Path, 
 
     def cut_off(procs: list[subprocess.Popen[bytes]]) -> None:
         steps2 = work / "steps-2.log"
-        # at step 3 (the standby node may still warm up: the leader waits for it, --standby-wait)
-        if not wait_until(lambda: steps2.exists() and len(steps2.read_text().splitlines()) >= 3, 120):
+        # at step 2 (the standby node may still warm up: the leader waits for it, --standby-wait)
+        if not wait_until(lambda: steps2.exists() and len(steps2.read_text().splitlines()) >= 2, 120):
             events.append("never ready")
             return
         agent = psutil.Process(procs[1].pid)
@@ -283,7 +283,7 @@ def test_node_cut_off_is_replaced_and_leaves_when_it_comes_back(tmp_path: Path, 
         events.append("continued")
 
     codes, logs, final = _run_nodes(work, 3, "--rdzv-conf", "heartbeat_interval=0.5,heartbeat_timeout=3",
-                                    script_args=["--step-time", "0.6"], during=cut_off)
+                                    script_args=["--step-time", "0.4"], during=cut_off)
     everything = "\n".join(logs)
     assert events[-1:] == ["continued"], (events, everything)
     assert codes == [0, 0, 0], everything

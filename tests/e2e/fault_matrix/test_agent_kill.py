@@ -32,8 +32,9 @@ def test_killed_agent_leaves_no_worker_or_standby_behind(tmp_path: Path) -> None
     job = start(cmd, log=log, env={"TMRUN_STATE_DIR": str(work / "state")})
     try:
         steps0 = work / "steps-0.log"
-        assert wait_until(lambda: "standby 0 warm" in log.read_text()
-                          and steps0.exists() and len(steps0.read_text().splitlines()) >= 3, 120), log.read_text()
+        # mid-training (the standby may be warm or still in its shadow steps: both must go)
+        assert wait_until(lambda: "standby worker 0 started" in log.read_text()
+                          and steps0.exists() and len(steps0.read_text().splitlines()) >= 2, 120), log.read_text()
         others = [pid for pid in tagged_pids(job.tag) if pid != job.pid]  # type: ignore[attr-defined]
         assert len(others) >= 3, others  # two workers and the standby (at least)
         os.kill(job.pid, signal.SIGKILL)

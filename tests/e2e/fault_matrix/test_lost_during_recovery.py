@@ -4,11 +4,16 @@ step 4 (generation 1: its joiner connects); rank 2 dies as soon as it read gener
 before it published its address for it. Generation 1's joiner gives up waiting for that address
 at once (generation 2 superseded it: before, it waited 60 s and the job fell back to a group
 restart); the controller gives it rank 1 again in generation 2, with rank 2's standby, and every
-member replaces those links. The job finishes in place, bitwise equal."""
+member replaces those links. The job finishes in place, bitwise equal.
+
+The whole job runs under two busy-loop hogs that saturate the machine's cores (CPU starvation
+end to end, docs/reliability.md): started and killed here, by PID."""
 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -21,11 +26,17 @@ pytestmark = pytest.mark.e2e
 
 
 def test_a_rank_lost_while_a_generation_recovers_gets_one_more_generation(tmp_path: Path, reference3: str) -> None:
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     started = time.monotonic()
-    code, log, final, steps = _run(
-        tmp_path, "during", "--inject-failure", "rank=1,step=4", "--inject-failure", "rank=2,at=recovery",
-        nproc=3, standby=2, step_time=0.1,
-    )
+    try:
+        code, log, final, steps = _run(
+            tmp_path, "during", "--inject-failure", "rank=1,step=4", "--inject-failure", "rank=2,at=recovery",
+            nproc=3, standby=2, step_time=0.1,
+        )
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
     elapsed = time.monotonic() - started
     _check(code, log, final, steps, reference3, survivors=[0])
     assert "falling back" not in log and "fallback" not in log, log
