@@ -45,7 +45,7 @@ def _steps(work: Path) -> dict[int, list[tuple[int, int]]]:
 
 def _run_nodes(work: Path, agents: int, *tmrun_args: str, script_args: list[str] | None = None,
                during: Callable[[list[subprocess.Popen[bytes]]], None] | None = None,
-               ) -> tuple[list[int], list[str], str]:
+               env: dict[str, str] | None = None) -> tuple[list[int], list[str], str]:
     """Start ``agents`` agents in order (the first hosts the store); returns their exit codes,
     their logs and the final digest. ``during(agents)``: run in a thread once every agent started."""
     work.mkdir()
@@ -59,7 +59,8 @@ def _run_nodes(work: Path, agents: int, *tmrun_args: str, script_args: list[str]
                 *tmrun_args, str(EXAMPLES / "train_inplace.py"), *SCRIPT_ARGS, *(script_args or []),
                 "--step-log", str(work / "steps-{rank}.log"), "--final", str(work / "final"),
             )  # fmt: skip
-            procs.append(start(cmd, log=work / f"agent{node}.log", env={"TMRUN_STATE_DIR": str(work / "state")}))
+            procs.append(start(cmd, log=work / f"agent{node}.log", env={"TMRUN_STATE_DIR": str(work / "state"),
+                                                                          **(env or {})}))
             # join in order: node ids follow the order of the agents
             assert wait_until(lambda n=node: f"node {n} " in (work / "agent0.log").read_text(), 60), (
                 (work / "agent0.log").read_text())
@@ -283,7 +284,8 @@ def test_node_cut_off_is_replaced_and_leaves_when_it_comes_back(tmp_path: Path, 
         events.append("continued")
 
     codes, logs, final = _run_nodes(work, 3, "--rdzv-conf", "heartbeat_interval=0.5,heartbeat_timeout=3",
-                                    script_args=["--step-time", "0.4"], during=cut_off)
+                                    script_args=["--step-time", "0.3"], during=cut_off,
+                                    env={"TMRUN_COMM_TIMEOUT": "2"})  # survivors lose ranks 2 and 3 sooner
     everything = "\n".join(logs)
     assert events[-1:] == ["continued"], (events, everything)
     assert codes == [0, 0, 0], everything

@@ -192,9 +192,12 @@ class Context:
 
         def get(store: Any, key: str) -> str:
             watch = self.generation_watch(gen, key)
+            polls = 0
             while not store.check([key]):
                 watch()
-                time.sleep(FAST_POLL)
+                polls += 1
+                # fast while a peer is about to publish (the downtime), then at a standby's pace
+                time.sleep(FAST_POLL if polls < 100 else POLL)
             value = store.get(key)
             return value.decode() if isinstance(value, (bytes, bytearray)) else str(value)
 

@@ -107,6 +107,13 @@ class Standby:
                     f"joining generation {again.assignment.gen}")
                 assignment = again.assignment
 
+    def rejoin(self, assignment: proto.Assignment) -> int:
+        """A promoted joiner, past its healing but in a generation not every rank recovered
+        into, given its rank again in the newer generation: it joins that one."""
+        log(f"rank {assignment.rank}: generation {self._ctx.gen} was superseded before every rank recovered; "
+            f"joining generation {assignment.gen}")
+        return self._join(assignment)
+
     def _join_once(self, assignment: proto.Assignment) -> int:
         ctx = self._ctx
         store = ctx.require_store()
