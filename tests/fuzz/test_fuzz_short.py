@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("atheris")
+pytestmark = pytest.mark.e2e  # seven fuzzing processes, about 13 s on 2 cores: not in the unit subset
 
 HERE = Path(__file__).resolve().parent
 RUNS = {  # inputs per harness: about 1-6 s each on a 2-core machine

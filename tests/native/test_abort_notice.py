@@ -196,6 +196,7 @@ def test_a_peer_in_a_new_epoch_ends_the_operation_and_is_announced():
         close_all(comms)
 
 
+@pytest.mark.e2e  # slow: waits out a protocol timeout (over a second), not in the unit subset
 @pytest.mark.timeout(60)
 def test_a_notice_on_a_link_whose_part_is_over_ends_the_operation():
     """Issue 16, bug 2 (a hang under CPU load: a rank's allreduce never completed after a

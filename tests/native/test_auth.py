@@ -97,8 +97,8 @@ def test_replacement_links_are_authenticated():
 
 
 def test_different_tokens_cannot_connect():
-    a = tn.Communicator(0, 2, "auth-bad", 0, tn.Options(timeout=1.0, connect_timeout=3.0, token=b"token-A"))
-    b = tn.Communicator(1, 2, "auth-bad", 0, tn.Options(timeout=1.0, connect_timeout=3.0, token=b"token-B"))
+    a = tn.Communicator(0, 2, "auth-bad", 0, tn.Options(timeout=1.0, connect_timeout=1.5, token=b"token-A"))
+    b = tn.Communicator(1, 2, "auth-bad", 0, tn.Options(timeout=1.0, connect_timeout=1.5, token=b"token-B"))
     try:
         addrs = [a.address, b.address]
         started = time.monotonic()
@@ -121,9 +121,10 @@ def test_different_tokens_cannot_connect():
         close_all([a, b])
 
 
+@pytest.mark.e2e  # slow: waits out a protocol timeout (over a second), not in the unit subset
 def test_token_on_one_side_only_cannot_connect():
-    a = tn.Communicator(0, 2, "auth-half", 0, tn.Options(timeout=1.0, connect_timeout=3.0))
-    b = tn.Communicator(1, 2, "auth-half", 0, tn.Options(timeout=1.0, connect_timeout=3.0, token=b"t"))
+    a = tn.Communicator(0, 2, "auth-half", 0, tn.Options(timeout=1.0, connect_timeout=1.5))
+    b = tn.Communicator(1, 2, "auth-half", 0, tn.Options(timeout=1.0, connect_timeout=1.5, token=b"t"))
     try:
         addrs = [a.address, b.address]
         _, errors = run_ranks([a, b], lambda c: c.connect(addrs), timeout=20, raise_errors=False)
@@ -134,8 +135,8 @@ def test_token_on_one_side_only_cannot_connect():
     finally:
         close_all([a, b])
     # and the other way round: the dialer has a token, the acceptor none
-    a = tn.Communicator(0, 2, "auth-half2", 0, tn.Options(timeout=1.0, connect_timeout=3.0, token=b"t"))
-    b = tn.Communicator(1, 2, "auth-half2", 0, tn.Options(timeout=1.0, connect_timeout=3.0))
+    a = tn.Communicator(0, 2, "auth-half2", 0, tn.Options(timeout=1.0, connect_timeout=1.5, token=b"t"))
+    b = tn.Communicator(1, 2, "auth-half2", 0, tn.Options(timeout=1.0, connect_timeout=1.5))
     try:
         addrs = [a.address, b.address]
         started = time.monotonic()
@@ -154,6 +155,7 @@ def _wait_counter(comm, name, value, timeout=10.0):
         time.sleep(0.02)
 
 
+@pytest.mark.e2e  # slow: waits out a protocol timeout (over a second), not in the unit subset
 def test_stray_clients_are_dropped_and_counted_while_the_group_works():
     token = os.urandom(32)
     comms = make_group(3, job="auth-stray", timeout=1.0, token=token)

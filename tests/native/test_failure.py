@@ -64,6 +64,7 @@ def test_sigkill_during_64mib_allreduce(procs):
     _kill_and_collect(ps, victim)
 
 
+@pytest.mark.e2e  # slow: waits out a protocol timeout (over a second), not in the unit subset
 @pytest.mark.timeout(120)
 def test_sigstop_peer_is_declared_lost_after_timeout(procs):
     """A peer that stops answering (SIGSTOP: alive, socket open, silent) is named after ~timeout."""

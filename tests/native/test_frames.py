@@ -74,6 +74,7 @@ def test_fuzz_random_and_mutated_bytes():
         tn.parse_frame(s, "j")
 
 
+@pytest.mark.e2e  # slow: waits out a protocol timeout (over a second), not in the unit subset
 def test_garbage_connection_is_rejected_and_the_group_keeps_working():
     comms = make_group(3, job="garbage", timeout=1.0)
     try:

@@ -254,6 +254,7 @@ def test_resync_without_replacement():
         close_all(comms)
 
 
+@pytest.mark.e2e  # slow: waits out a protocol timeout (over a second), not in the unit subset
 def test_slow_peer_is_not_declared_lost():
     """A rank that is busy (not in the collective) for longer than the timeout is alive: its
     service thread heartbeats, so the others wait instead of failing."""
@@ -272,6 +273,7 @@ def test_slow_peer_is_not_declared_lost():
         close_all(comms)
 
 
+@pytest.mark.e2e  # slow: waits out a protocol timeout (over a second), not in the unit subset
 def test_loss_noticed_while_idle_is_raised_at_the_next_operation():
     """Rank 1 is busy (not in a collective) when its neighbour 2 dies: its service thread notices,
     forwards the abort notice, and rank 1's next operation raises at once."""

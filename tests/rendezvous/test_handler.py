@@ -204,6 +204,7 @@ def test_a_node_failing_after_the_others_finished_closes_the_job(three_nodes: li
     assert spare.handler.epoch == 0  # nobody was promoted
 
 
+@pytest.mark.e2e  # slow: waits out a protocol timeout (over a second), not in the unit subset
 def test_node_ids_and_group_ranks_follow_the_slurm_node_rank() -> None:
     """Agents that join out of order (SLURM node 2, then 0, then 1) take their SLURM node rank as
     their node id and group rank; an agent restarted on node 1 (same hint) gets a fresh id."""
@@ -227,6 +228,7 @@ def test_node_ids_and_group_ranks_follow_the_slurm_node_rank() -> None:
             handler.leave()
 
 
+@pytest.mark.e2e  # slow: waits out a protocol timeout (over a second), not in the unit subset
 def test_slurms_first_nodes_are_the_active_ones() -> None:
     """--nnodes 2 --standby 1 under SLURM: nodes 2 and 0 join first, yet the group waits (up to
     a grace) for node 1, so SLURM's first nodes are active and its last the standby."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import hashlib
 import os
 import time
@@ -74,10 +75,16 @@ def counted() -> Iterator[None]:
         COUNTS["exits"] += 1
 
 
+def _raw_bytes(tensor: torch.Tensor) -> bytes:
+    """A tensor's bytes without numpy (torch's CPU wheel does not need it, and CI may not have it)."""
+    dense = tensor.detach().contiguous()
+    return ctypes.string_at(dense.data_ptr(), dense.numel() * dense.element_size())
+
+
 def digest(*tensors_of: Any) -> str:
     sha = hashlib.sha256()
     for value in tensors_of:
-        sha.update(repr(value).encode() if not isinstance(value, torch.Tensor) else value.numpy().tobytes())
+        sha.update(repr(value).encode() if not isinstance(value, torch.Tensor) else _raw_bytes(value))
     return sha.hexdigest()
 
 
