@@ -19,7 +19,7 @@ import torch
 from tmrun.comm import native
 from tmrun.protocol import keys, messages as proto
 from tmrun.worker import drills, group
-from tmrun.worker.context import POLL, Context, Rejoin, Superseded, log
+from tmrun.worker.context import POLL, Context, RecoveryError, Rejoin, Superseded, log
 from tmrun.worker.migration import Migration
 from tmrun.worker.recovery import Recovery, heal
 from tmrun.worker.roles import Role
@@ -86,7 +86,12 @@ class Standby:
             f"tracked values {'finite' if finite else 'NOT finite'}); waiting"
         )
         key = keys.standby_assign(ctx.env.standby_id)
-        raw = ctx.await_key(key, float("inf"), poll=POLL / 2)
+        try:
+            raw = ctx.await_key(key, float("inf"), poll=POLL / 2)
+        except RecoveryError as gave_up:  # the controller abandoned in-place replacement: the group
+            # restarts with a new pool, this standby is not needed (a line, not a traceback)
+            log(f"standby {ctx.env.standby_id} leaves: {gave_up}")
+            raise SystemExit(0) from None
         self._assigned_at = time.monotonic()
         assignment = proto.Assignment.decode(key, raw)
         if assignment.stop:
