@@ -61,6 +61,10 @@ def test_restarts_are_counted_and_flagged() -> None:
         _e(2, 6.0, "replace", "epoch 2: node 1 restarts in place"),
     ]
     t = totals(events, now=10.0)
-    assert t["restarts"] == 2 and t["restarts_excluded"] and t["ettr"] == 1.0 and not t["finished"]
+    # the fallback and the new epoch it starts are ONE group restart
+    assert t["restarts"] == 1 and t["restarts_excluded"] and t["ettr"] == 1.0 and not t["finished"]
+    # a new epoch without a fallback (a node lost, no standby node) is a restart of its own
+    later = [*events, _e(3, 8.0, "replace", "epoch 3: node 0 restarts in place")]
+    assert totals(later, now=10.0)["restarts"] == 2
     assert "not in the downtime" in describe(t)
     assert totals([], now=5.0)["ettr"] == 1.0

@@ -101,6 +101,7 @@ def totals(events: list[dict[str, Any]], now: float | None = None) -> dict[str, 
     downtime = 0.0
     recoveries = migrations = failures = restarts = recomputed = 0
     planned_pending = False
+    fallback_pending = False  # a fallback's group restart shows as a new epoch next
     for event in events:
         kind = event.get("kind")
         if kind == "migrate":
@@ -108,10 +109,12 @@ def totals(events: list[dict[str, Any]], now: float | None = None) -> dict[str, 
             planned_pending = True
         elif kind == "replace":
             if _NEW_EPOCH.match(str(event.get("detail", ""))):
-                restarts += 1
+                restarts += 0 if fallback_pending else 1  # a fallback's own restart is counted once
+                fallback_pending = False
             planned_pending = False
         elif kind == "fallback":
             restarts += 1
+            fallback_pending = True
         elif kind == "failure":
             failures += 1
         elif kind == "recovered":
