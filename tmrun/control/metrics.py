@@ -145,5 +145,6 @@ def describe(t: dict[str, Any]) -> str:
             f"{t['recoveries']} in-place recoveries ({t['migrations']} planned), "
             f"{t['steps_recomputed']} steps recomputed")
     if t["restarts"]:
-        line += f", {t['restarts']} group restarts (not in the downtime)"
+        plural = "s" if t["restarts"] != 1 else ""
+        line += f", {t['restarts']} group restart{plural} (not in the downtime)"
     return line
