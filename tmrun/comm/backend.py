@@ -976,13 +976,85 @@ class TmrunProcessGroup(dist.ProcessGroup):
     def recv_anysource(self, tensors: Any, tag: int = 0) -> TmrunWork:
         raise UnsupportedError("tmrun: recv from any source is not supported; pass src=")
 
-    def alltoall(self, *args: Any, **kwargs: Any) -> TmrunWork:
-        raise UnsupportedError("tmrun: all_to_all is not supported")
+    def alltoall(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> TmrunWork:
+        """Block ``j`` of ``input_tensors`` goes to rank ``j``, which receives it into its
+        ``output_tensors[this rank]`` (point-to-point, in the rounds of :func:`_exchange_rounds`)."""
+        outs = _tensor_list(output_tensors, "all_to_all output")
+        ins = _tensor_list(input_tensors, "all_to_all input")
+        if len(outs) != self._size or len(ins) != self._size:
+            raise ValueError(f"tmrun all_to_all: {len(ins)} inputs and {len(outs)} outputs, the group has {self._size}")
+        for o, i in zip(outs, ins):
+            if o.dtype != i.dtype:
+                raise ValueError(f"tmrun all_to_all: dtypes differ ({i.dtype} -> {o.dtype})")
+        return self._exchange("all_to_all", outs, ins, [outs], opts)
 
-    def all_to_all_single(self, *args: Any, **kwargs: Any) -> TmrunWork:
-        raise UnsupportedError("tmrun: all_to_all_single is not supported")
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
+                          output_split_sizes: Any = None, input_split_sizes: Any = None,
+                          opts: Any = None) -> TmrunWork:
+        """``input`` split along dim 0 (``input_split_sizes``, or evenly): block ``j`` goes to
+        rank ``j``; ``output`` (``output_split_sizes``, or evenly) receives block ``r`` from
+        rank ``r``."""
+        _check_tensor("all_to_all_single output", output)
+        _check_tensor("all_to_all_single input", input)
+        if output.dtype != input.dtype:
+            raise ValueError(f"tmrun all_to_all_single: dtypes differ ({input.dtype} -> {output.dtype})")
+        ins = self._split("all_to_all_single input", input, input_split_sizes)
+        outs = self._split("all_to_all_single output", output, output_split_sizes)
+        return self._exchange("all_to_all_single", outs, ins, [output], opts, whole=(output, input))
 
     alltoall_base = all_to_all_single
+
+    def _split(self, what: str, t: torch.Tensor, sizes: Any) -> list:
+        sizes = [int(x) for x in (sizes or [])]
+        rows = t.shape[0] if t.dim() else 1
+        if not sizes:
+            if rows % self._size:
+                raise ValueError(f"tmrun {what}: dim 0 ({rows}) is not divisible by the group size {self._size}")
+            sizes = [rows // self._size] * self._size
+        if len(sizes) != self._size or sum(sizes) != rows or min(sizes) < 0:
+            raise ValueError(f"tmrun {what}: split sizes {sizes} do not split dim 0 ({rows}) into {self._size}")
+        if not t.dim():
+            return [t]
+        return list(torch.split(t, sizes, dim=0))
+
+    def _exchange(self, name: str, outs: list, ins: list, result: list, opts: Any,
+                  whole: Optional[tuple] = None) -> TmrunWork:
+        """Send ``ins[j]`` to rank ``j`` and receive ``outs[j]`` from it, for every ``j``."""
+        me = self._rank
+        for j, (o, i) in enumerate(zip(outs, ins)):
+            if j == me and o.numel() != i.numel():
+                raise ValueError(f"tmrun {name}: this rank's own block: {i.numel()} elements in, {o.numel()} out")
+        op = _Op(name, result)
+
+        def local() -> None:  # the sandbox: every peer sent what this rank sends itself
+            for o, i in zip(outs, ins):
+                if o.numel() == i.numel():
+                    o.copy_(i.reshape(o.shape))
+                else:
+                    o.zero_()
+
+        op.local = local
+
+        def launch(comm: Any) -> None:
+            outs[me].copy_(ins[me].reshape(outs[me].shape))
+            for peer in _exchange_rounds(self._size, me):
+                sending = [(ins[peer], True), (outs[peer], False)]
+                for t, is_send in (sending if me < peer else sending[::-1]):  # the lower rank sends first
+                    if not t.numel():
+                        continue
+                    if is_send:
+                        host = staging.to_host(t)
+                        op.native.append(comm.send_async(_raw(host), peer, _A2A_TAG))
+                        op.keep += [t, host]
+                    else:
+                        host = staging.to_host(t, copy=False)
+                        op.native.append(comm.recv_async(_raw(host), peer, _A2A_TAG))
+                        op.keep += [t, host]
+                        if host is not t:
+                            op.finish.append(lambda t=t, host=host: staging.from_host(t, host))
+            op.keep += [outs, ins, whole]
+
+        return self._run(op, opts, launch)
 
     def monitored_barrier(self, *args: Any, **kwargs: Any) -> None:
         raise UnsupportedError("tmrun: monitored_barrier is not supported; use barrier()")
@@ -993,10 +1065,11 @@ class TmrunProcessGroup(dist.ProcessGroup):
         op = _Op(name, result)
         ops = [w._op for w in works]
 
-        def finish_all() -> None:
+        def finish_all(wait: bool = True) -> None:
             error = None
             for o in ops:
-                o.done.wait()
+                if wait:
+                    o.done.wait()
                 error = error or o.error
             op.complete(error)
 
@@ -1011,7 +1084,9 @@ class TmrunProcessGroup(dist.ProcessGroup):
                     remaining[0] -= 1
                     last = remaining[0] == 0
                 if last:
-                    finish_all()
+                    # not o.done: the last op runs this callback from its own complete(), before
+                    # it sets its done event (waiting for it here deadlocked); its error is set
+                    finish_all(wait=False)
 
             for o in ops:
                 o.future.add_done_callback(one_done)
@@ -1019,6 +1094,27 @@ class TmrunProcessGroup(dist.ProcessGroup):
 
 
 # ---------------------------------------------------------------------------------------- helpers
+_A2A_TAG = (1 << 28) - 2  # the tag of all-to-all's point-to-point messages (native tags are < 2**28)
+
+
+def _exchange_rounds(n: int, me: int) -> list:
+    """This rank's partner in each round of a round-robin tournament (the circle method): in a
+    round every rank exchanges with at most one partner, the lower rank sending first, so a
+    pairwise exchange never waits in a cycle however large the blocks (blocking sends included)."""
+    m = n + (n % 2)  # a dummy rank n pads an odd group; its partner sits the round out
+    partners = []
+    for k in range(m - 1):
+        if me == m - 1:
+            p = next(j for j in range(m - 1) if (2 * j) % (m - 1) == k % (m - 1))
+        else:
+            p = (k - me) % (m - 1)
+            if p == me:
+                p = m - 1
+        if p < n and p != me:
+            partners.append(p)
+    return partners
+
+
 def _async(opts: Any) -> Any:
     opts.asyncOp = True
     return opts

@@ -1,0 +1,235 @@
+"""One rank of a multi-process test of torch's parallel APIs over a backend ("tmrun" or "gloo").
+
+    python mesh_worker.py SCENARIO --backend B --rank R --world N --port P
+
+Prints JSON lines on stdout ({"event": ...}); the last one is {"event": "ok", ...} with what
+the test compares across backends (digests of results / of this rank's local state). Scenarios:
+
+* groups: dist.new_group (several, overlapping, a rank outside some) and dist.split_group;
+  allreduce / allgather / reduce_scatter / broadcast / all_to_all on each.
+* mesh: init_device_mesh("cpu", (2, 2)) with ("replicate", "shard") and ("dp", "tp"): the
+  dimension groups' ranks and a reduction along each.
+* fsdp: FSDP2 fully_shard on a 1-D mesh of all ranks; a few AdamW steps of a tiny GPT.
+* hsdp: fully_shard on a 2-D ("replicate", "shard") mesh (HSDP).
+* tp: ColwiseParallel / RowwiseParallel on the "tp" dim of a ("dp", "tp") mesh, gradients
+  averaged over "dp".
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import faulthandler
+import hashlib
+import json
+import os
+import sys
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import tmrun  # noqa: E402,F401  (registers the backend)
+import gpt  # noqa: E402
+
+TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def say(**kw) -> None:
+    sys.stdout.write(json.dumps(kw) + "\n")
+    sys.stdout.flush()
+
+
+def hexdigest(tensors) -> str:
+    sha = hashlib.sha256()
+    for t in tensors:
+        sha.update(gpt._bytes(t))
+    return sha.hexdigest()
+
+
+def data(seed: int, *shape: int, dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+# ------------------------------------------------------------------------------------- groups
+def scenario_groups(args) -> dict:
+    r, n = args.rank, args.world
+    out: list[torch.Tensor] = []
+    halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank calls every new_group
+    evens = dist.new_group([0, 2])
+    mine = halves[r // 2]
+    assert dist.get_world_size(mine) == 2 and dist.get_rank(mine) == r % 2
+    assert (dist.get_rank(evens) == r // 2) if r % 2 == 0 else dist.get_rank(evens) == -1
+    for g in (mine, evens) if r % 2 == 0 else (mine,):
+        gn = dist.get_world_size(g)
+        t = data(10 + r, 6)
+        dist.all_reduce(t, group=g)
+        out.append(t)
+        t = data(20 + r, 5)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
+        out.append(t)
+        gathered = [torch.empty(3) for _ in range(gn)]
+        dist.all_gather(gathered, data(30 + r, 3), group=g)
+        out += gathered
+        big = torch.empty(3 * gn)
+        dist.all_gather_into_tensor(big, data(40 + r, 3), group=g)
+        out.append(big)
+        rs = torch.empty(4)
+        dist.reduce_scatter_tensor(rs, data(50 + r, 4 * gn), group=g)
+        out.append(rs)
+        b = data(60 + r, 4)
+        dist.broadcast(b, src=dist.get_global_rank(g, gn - 1), group=g)
+        out.append(b)
+        a2a = torch.empty(2 * gn)
+        dist.all_to_all_single(a2a, data(70 + r, 2 * gn), group=g)
+        out.append(a2a)
+        dist.barrier(group=g)
+    # split_group: on a host without an accelerator torch 2.13 refuses it for every backend
+    # (it splits the accelerator's backend of a group bound to a device): record what it says
+    try:
+        split = dist.split_group(split_ranks=[[0, 3], [1, 2]], group_desc="pairs")
+        t = data(80 + r, 7)
+        dist.all_reduce(t, group=split)
+        out.append(t)
+        split_error = ""
+    except RuntimeError as exc:
+        split, split_error = None, str(exc)
+    names = sorted({g.group_name for g in (mine, evens, split) if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER})
+    return {"digest": hexdigest(out), "groups": names, "n": n, "split_error": split_error}
+
+
+# ------------------------------------------------------------------------------------- mesh
+def scenario_mesh(args) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    r = args.rank
+    out: list[torch.Tensor] = []
+    info = {}
+    for names in (("replicate", "shard"), ("dp", "tp")):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
+        for dim in names:
+            g = mesh.get_group(dim)
+            ranks = dist.get_process_group_ranks(g)
+            info[dim] = ranks
+            assert r in ranks and mesh.get_local_rank(dim) == ranks.index(r)
+            t = data(100 + r, 5)
+            dist.all_reduce(t, group=g)
+            out.append(t)
+            big = torch.empty(4)
+            dist.all_gather_into_tensor(big, data(110 + r, 2), group=g)
+            out.append(big)
+        info[f"backend_{names[0]}"] = dist.get_backend(mesh.get_group(names[0]))
+    return {"digest": hexdigest(out), "ranks": info}
+
+
+# ------------------------------------------------------------------------------------- fsdp / hsdp
+def _train(model: torch.nn.Module, cfg: gpt.GPTConfig, dp_rank: int, steps: int) -> torch.optim.Optimizer:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        idx, target = gpt.batch(step, dp_rank, cfg)
+        loss = gpt.loss_of(model, idx, target)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return opt
+
+
+def _sharded(mesh, cfg: gpt.GPTConfig) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = gpt.GPT(cfg)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _full_digest(model: torch.nn.Module) -> str:
+    """The full parameters (a collective: every rank gathers them), for the reference check."""
+    return hexdigest([p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.state_dict().values()])
+
+
+def scenario_fsdp(args) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cfg = gpt.GPTConfig()
+    mesh = init_device_mesh("cpu", (args.world,))
+    model = _sharded(mesh, cfg)
+    opt = _train(model, cfg, args.rank, args.steps)
+    return {"digest": gpt.digest(model, opt), "full": _full_digest(model)}
+
+
+def scenario_hsdp(args) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cfg = gpt.GPTConfig()
+    mesh = init_device_mesh("cpu", (2, args.world // 2), mesh_dim_names=("replicate", "shard"))
+    model = _sharded(mesh, cfg)
+    opt = _train(model, cfg, args.rank, args.steps)
+    return {"digest": gpt.digest(model, opt), "full": _full_digest(model)}
+
+
+# ------------------------------------------------------------------------------------- tp
+def scenario_tp(args) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    cfg = gpt.GPTConfig()
+    mesh = init_device_mesh("cpu", (2, args.world // 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = gpt.GPT(cfg)
+    plan = {}
+    for i in range(cfg.layers):
+        plan[f"blocks.{i}.mlp.up"] = ColwiseParallel()
+        plan[f"blocks.{i}.mlp.down"] = RowwiseParallel()
+    parallelize_module(model, mesh["tp"], plan)
+    dp = mesh.get_group("dp")
+    dp_rank = mesh.get_local_rank("dp")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(args.steps):
+        idx, target = gpt.batch(step, dp_rank, cfg)
+        gpt.loss_of(model, idx, target).backward()
+        for p in model.parameters():
+            g = gpt.local(p.grad)
+            dist.all_reduce(g, group=dp)
+            g.div_(dist.get_world_size(dp))
+        opt.step()
+        opt.zero_grad()
+    return {"digest": gpt.digest(model, opt), "full": _full_digest(model)}
+
+
+SCENARIOS = {"groups": scenario_groups, "mesh": scenario_mesh, "fsdp": scenario_fsdp, "hsdp": scenario_hsdp,
+             "tp": scenario_tp}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("scenario", choices=sorted(SCENARIOS))
+    p.add_argument("--backend", default="tmrun")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--watchdog", type=float, default=90.0, help="dump every thread's stack and exit after S s")
+    args = p.parse_args()
+    faulthandler.dump_traceback_later(args.watchdog, exit=True)
+    torch.set_num_threads(1)
+    try:
+        store = dist.TCPStore("127.0.0.1", args.port, None, args.rank == 0, timeout=TIMEOUT, wait_for_workers=False)
+        dist.init_process_group(args.backend, store=store, rank=args.rank, world_size=args.world, timeout=TIMEOUT)
+        result = SCENARIOS[args.scenario](args)
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001
+        say(event="failed", error=f"{type(exc).__name__}: {exc}", tb=traceback.format_exc())
+        return 1
+    say(event="ok", rank=args.rank, **result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
