@@ -26,13 +26,13 @@ import os
 import sys
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import tmrun  # noqa: E402,F401  (registers the backend)
-import gpt  # noqa: E402
+import tiny_gpt as gpt  # noqa: E402  (examples/tiny_gpt.py)
 
 TIMEOUT = datetime.timedelta(seconds=60)
 
@@ -148,9 +148,15 @@ def _sharded(mesh, cfg: gpt.GPTConfig) -> torch.nn.Module:
     return model
 
 
+SAVE = ""  # --save: rank 0 writes the full parameters there (torch.save)
+
+
 def _full_digest(model: torch.nn.Module) -> str:
     """The full parameters (a collective: every rank gathers them), for the reference check."""
-    return hexdigest([p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.state_dict().values()])
+    full = {k: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for k, p in model.state_dict().items()}
+    if SAVE and dist.get_rank() == 0:
+        torch.save(full, SAVE)
+    return hexdigest(full.values())
 
 
 def scenario_fsdp(args) -> dict:
@@ -215,7 +221,10 @@ def main() -> int:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--watchdog", type=float, default=90.0, help="dump every thread's stack and exit after S s")
+    p.add_argument("--save", default="")
     args = p.parse_args()
+    global SAVE
+    SAVE = args.save
     faulthandler.dump_traceback_later(args.watchdog, exit=True)
     torch.set_num_threads(1)
     try:

@@ -37,6 +37,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -1192,7 +1193,7 @@ def create_process_group(store: Any, rank: int, world_size: int, timeout: Option
     options = options if options is not None else Options()
     if not isinstance(options, Options):
         raise TypeError(f"tmrun backend: pg_options must be tmrun.comm.backend.Options, got {type(options).__name__}")
-    local = options.local if options.local is not None else _env_flag(ENV_LOCAL)
+    local = options.local if options.local is not None else (_env_flag(ENV_LOCAL) or _sandboxed())
     job_id = options.job_id or default_job_id(group_name)
     comm = options.comm
     if comm is None and not local:
@@ -1206,7 +1207,30 @@ def create_process_group(store: Any, rank: int, world_size: int, timeout: Option
                          f"the group wants rank {rank} of {world_size}")
     pg = TmrunProcessGroup(rank, world_size, comm, local=local, job_id=job_id,
                            failure_handler=options.failure_handler)
+    pg.setGroupName(str(group_name))
+    _CREATED.append(weakref.ref(pg))
     return pg
+
+
+_CREATED: list = []  # weak references to every group this process created, in creation order
+
+
+def created_groups() -> list:
+    """The tmrun groups this process created and still alive, in creation order (the default
+    group first): what a replacement must repair besides the default group (docs/mesh.md)."""
+    alive = [ref() for ref in _CREATED]
+    return [pg for pg in alive if pg is not None and not pg._closed]
+
+
+def _sandboxed() -> bool:
+    """True when this process's default group is a tmrun group in local mode (a standby's
+    sandbox): the subgroups it creates (``new_group``, ``init_device_mesh``) are local too; there
+    is nobody to connect to."""
+    try:
+        default = dist.distributed_c10d._get_default_group()
+    except (RuntimeError, ValueError):  # not initialised yet: this is the default group itself
+        return False
+    return isinstance(default, TmrunProcessGroup) and default.local
 
 
 def _creator(common: Any, backend_options: Any) -> TmrunProcessGroup:

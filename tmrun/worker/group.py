@@ -68,13 +68,15 @@ def attach(communicator: Any) -> None:
 
 
 def traffic() -> dict[str, int]:
-    """Collectives served locally and bytes this process put on the network (a standby's
-    sandbox must show zero bytes)."""
-    b = _backend()
-    counters = b.counters()
-    return {
-        "local_ops": int(b.stats().get("local_ops", 0)),
-        "network_ops": int(b.stats().get("network_ops", 0)),
-        "bytes_sent": int(counters.get("bytes_sent", 0)),
-        "bytes_recv": int(counters.get("bytes_recv", 0)),
-    }
+    """Collectives served locally and bytes this process put on the network, over every tmrun
+    group it created (the default group, and the subgroups of ``new_group`` / a device mesh): a
+    standby's sandbox must show zero bytes."""
+    total = {"local_ops": 0, "network_ops": 0, "bytes_sent": 0, "bytes_recv": 0}
+    groups = tmrun_backend.created_groups() or [_backend()]
+    for b in groups:
+        counters, stats = b.counters(), b.stats()
+        total["local_ops"] += int(stats.get("local_ops", 0))
+        total["network_ops"] += int(stats.get("network_ops", 0))
+        total["bytes_sent"] += int(counters.get("bytes_sent", 0))
+        total["bytes_recv"] += int(counters.get("bytes_recv", 0))
+    return total

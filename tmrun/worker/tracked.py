@@ -31,9 +31,18 @@ class TensorSpec:
     dtype: str
 
 
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``t``: a DTensor's local shard (FSDP2, HSDP, tensor parallel:
+    a view sharing storage with the live parameter or optimizer state, so receiving into it
+    writes the live tensor), or ``t`` itself. Healing moves local shards only (docs/mesh.md)."""
+    inner = getattr(t, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else t
+
+
 def _module_tensors(prefix: str, module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     # state_dict() tensors share storage with the live parameters and buffers.
-    return [(f"{prefix}.{key}", value) for key, value in module.state_dict().items() if isinstance(value, torch.Tensor)]
+    return [(f"{prefix}.{key}", local_shard(value)) for key, value in module.state_dict().items()
+            if isinstance(value, torch.Tensor)]
 
 
 def _optimizer_tensors(prefix: str, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
@@ -44,7 +53,7 @@ def _optimizer_tensors(prefix: str, optimizer: torch.optim.Optimizer) -> list[tu
             state = optimizer.state.get(param, {})
             for key in sorted(state):
                 if isinstance(state[key], torch.Tensor):
-                    found.append((f"{prefix}.state.{index}.{key}", state[key]))
+                    found.append((f"{prefix}.state.{index}.{key}", local_shard(state[key])))
             index += 1
     return found
 
@@ -161,7 +170,11 @@ class TrackedState:
             params = [p for group in optimizer.param_groups for p in group["params"]]
             param = params[int(index_text)]
             dtype = getattr(torch, spec.dtype.removeprefix("torch."))
-            optimizer.state.setdefault(param, {})[key] = torch.zeros(spec.shape, dtype=dtype, device=param.device)
+            if local_shard(param) is not param and spec.shape and tuple(local_shard(param).shape) == spec.shape:
+                value = torch.zeros_like(param, dtype=dtype)  # a DTensor sharded as its parameter
+            else:
+                value = torch.zeros(spec.shape, dtype=dtype, device=param.device)
+            optimizer.state.setdefault(param, {})[key] = value
 
     def specs(self) -> list[TensorSpec]:
         return [TensorSpec(name, tuple(t.shape), str(t.dtype)) for name, t in self.tensors()]

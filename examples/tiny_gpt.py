@@ -1,6 +1,6 @@
-"""A tiny GPT-style transformer (token embedding, causal self-attention, MLP blocks), the model
-of the mesh tests and of examples/train_hsdp.py; plus helpers shared by them: deterministic
-batches and a digest of (possibly sharded) state."""
+"""A tiny GPT-style transformer (token embedding, causal self-attention, MLP blocks): the model
+of examples/train_hsdp.py and of the mesh tests (tests/scripts/mesh_worker.py); plus what they
+share: deterministic batches, a stateful data loader and a digest of (possibly sharded) state."""
 
 from __future__ import annotations
 
@@ -101,6 +101,41 @@ def batch(step: int, dp_rank: int, cfg: GPTConfig, size: int = 4) -> tuple[torch
 def loss_of(model: nn.Module, idx: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     logits = model(idx)
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+class TokenLoader:
+    """A data loader over a synthetic token corpus with a position a job can save and restore
+    (``state_dict`` / ``load_state_dict``: what ``tm.track`` needs): each epoch a seeded
+    permutation of the sequences, cut into batches, every data-parallel rank its own slice."""
+
+    def __init__(self, cfg: GPTConfig, dp_rank: int, dp_size: int, sequences: int = 256, batch: int = 4,
+                 seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(0, cfg.vocab, (sequences, cfg.seq + 1), generator=g)
+        self.dp_rank, self.dp_size, self.batch, self.seed = dp_rank, dp_size, batch, seed
+        self.epoch = 0
+        self.position = 0  # batches of this epoch already handed out
+
+    def _order(self) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1000 + self.epoch)
+        return torch.randperm(len(self.tokens), generator=g)
+
+    def batches_per_epoch(self) -> int:
+        return len(self.tokens) // (self.batch * self.dp_size)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.position >= self.batches_per_epoch():
+            self.epoch, self.position = self.epoch + 1, 0
+        start = (self.position * self.dp_size + self.dp_rank) * self.batch
+        rows = self.tokens[self._order()[start:start + self.batch]]
+        self.position += 1
+        return rows[:, :-1], rows[:, 1:]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
