@@ -99,3 +99,28 @@ def test_fsdp_four_ranks_close_to_gloo(tmp_path) -> None:
     assert sa.keys() == sb.keys()
     for k in sa:
         assert torch.allclose(sa[k], sb[k], rtol=1e-4, atol=1e-6), k
+
+
+def test_standby_sandbox_builds_the_mesh_and_trains_locally() -> None:
+    """A standby's sandbox (the default group in local mode, no store, no peer): init_device_mesh
+    creates its subgroups local too (before: they waited for peers in a HashStore), FSDP2/HSDP
+    steps run with every collective served locally and no byte on the network, and the tracked
+    tensors are the DTensors' local shards."""
+    (ev,) = _sandbox()
+    assert ev["traffic"]["bytes_sent"] == ev["traffic"]["bytes_recv"] == 0
+    assert ev["traffic"]["network_ops"] == 0 and ev["traffic"]["local_ops"] > 10
+    assert ev["groups"] == [["0", 4, True], ["1", 2, True], ["3", 2, True]]  # world, its replicate and shard groups
+    assert ev["dtensors"] == 0 and ev["shapes"] == {"model.blocks.0.mlp.up.weight": [64, 32]}  # 128 rows / 2 shards
+    assert ev["finite"]
+
+
+def _sandbox() -> list[dict]:
+    proc = start([sys.executable, str(WORKER), "sandbox", "--rank", "0", "--world", "4", "--port", "0",
+                  "--watchdog", "80"], env=ENV)
+    try:
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        kill_tree(proc)
+    lines = [json.loads(x) for x in out.decode(errors="replace").splitlines() if x.startswith("{")]
+    assert proc.returncode == 0 and lines and lines[-1]["event"] == "ok", out.decode(errors="replace")[-4000:]
+    return [lines[-1]]

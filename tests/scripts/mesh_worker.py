@@ -208,7 +208,32 @@ def scenario_tp(args) -> dict:
     return {"digest": gpt.digest(model, opt), "full": _full_digest(model)}
 
 
-SCENARIOS = {"groups": scenario_groups, "mesh": scenario_mesh, "fsdp": scenario_fsdp, "hsdp": scenario_hsdp,
+# ------------------------------------------------------------------------------------- sandbox
+def scenario_sandbox(args) -> dict:
+    """A standby's sandbox (tmrun.worker.group.init_local: the default group in local mode, no
+    store, no peer): the mesh's subgroups are created local too, and FSDP2/HSDP steps run with
+    every collective served locally; tm.track sees the DTensors' local shards."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tmrun.comm import backend as tb
+    from tmrun.worker import group
+    from tmrun.worker.tracked import TrackedState
+
+    cfg = gpt.GPTConfig()
+    mesh = init_device_mesh("cpu", (2, args.world // 2), mesh_dim_names=("replicate", "shard"))
+    model = _sharded(mesh, cfg)
+    opt = _train(model, cfg, 0, 2)
+    groups = tb.created_groups()
+    tracked = TrackedState()
+    tracked.track(model=model, optimizer=opt)
+    tensors = tracked.tensors()
+    return {"traffic": group.traffic(), "groups": [(g.getGroupName(), g.size(), g.local) for g in groups],
+            "dtensors": sum(hasattr(t, "to_local") for _, t in tensors),
+            "shapes": {n: list(t.shape) for n, t in tensors if n.endswith("blocks.0.mlp.up.weight")},
+            "finite": all(bool(torch.isfinite(t).all()) for _, t in tensors if t.is_floating_point())}
+
+
+SCENARIOS = {"sandbox": scenario_sandbox, "groups": scenario_groups, "mesh": scenario_mesh, "fsdp": scenario_fsdp, "hsdp": scenario_hsdp,
              "tp": scenario_tp}
 
 
@@ -228,8 +253,14 @@ def main() -> int:
     faulthandler.dump_traceback_later(args.watchdog, exit=True)
     torch.set_num_threads(1)
     try:
-        store = dist.TCPStore("127.0.0.1", args.port, None, args.rank == 0, timeout=TIMEOUT, wait_for_workers=False)
-        dist.init_process_group(args.backend, store=store, rank=args.rank, world_size=args.world, timeout=TIMEOUT)
+        if args.scenario == "sandbox":
+            from tmrun.worker import group
+
+            group.init_local(args.world)
+        else:
+            store = dist.TCPStore("127.0.0.1", args.port, None, args.rank == 0, timeout=TIMEOUT,
+                                  wait_for_workers=False)
+            dist.init_process_group(args.backend, store=store, rank=args.rank, world_size=args.world, timeout=TIMEOUT)
         result = SCENARIOS[args.scenario](args)
         dist.barrier()
         dist.destroy_process_group()

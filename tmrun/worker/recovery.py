@@ -160,7 +160,7 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float, repl
     comm = group.comm()
     settle_heal(ctx, skip=replaced, in_change=True)  # what the previous change left to read first
     plan = agree(comm, ctx.committed_step, ctx.tracked.layout_digest(), ctx.fresh, ctx.env.heal_reads,
-                 state_tensors=ctx.tracked.tensors())
+                 state_tensors=ctx.tracked.tensors(), shard_key=ctx.tracked.shard_key())
     step_meta = {"committed_step": ctx.committed_step}
     healed = transfer_state(comm, ctx.tracked, plan, step_meta, on_donate=lambda: ctx.fire("transfer"),
                             board=StoreCrcBoard(store, ctx.gen))

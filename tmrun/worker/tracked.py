@@ -39,6 +39,21 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
     return inner if isinstance(inner, torch.Tensor) else t
 
 
+def _shard_coordinates(t: Any) -> tuple[tuple[int, int], ...]:
+    """(mesh dimension, this rank's coordinate) for every dimension along which the DTensor
+    ``t`` differs between ranks (a ``Shard`` or ``Partial`` placement); () for a plain tensor or
+    a DTensor replicated everywhere, or on a rank outside its mesh."""
+    placements = getattr(t, "placements", None)
+    mesh = getattr(t, "device_mesh", None)
+    if placements is None or mesh is None:
+        return ()
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return ()
+    return tuple((dim, int(coordinate[dim])) for dim, placement in enumerate(placements)
+                 if not placement.is_replicate())
+
+
 def _module_tensors(prefix: str, module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     # state_dict() tensors share storage with the live parameters and buffers.
     return [(f"{prefix}.{key}", local_shard(value)) for key, value in module.state_dict().items()
@@ -175,6 +190,24 @@ class TrackedState:
             else:
                 value = torch.zeros(spec.shape, dtype=dtype, device=param.device)
             optimizer.state.setdefault(param, {})[key] = value
+
+    def shard_key(self) -> int:
+        """Which shard of the model this member holds, as a 63-bit digest: for every tracked
+        module tensor that is a DTensor, its name and its mesh coordinate along each dimension
+        where it is sharded (``Shard``) or partial; ``Replicate`` dimensions (HSDP's
+        "replicate") do not count. Members with equal keys are replicas and can heal each other;
+        0 when nothing is sharded (DDP: every member is a replica). docs/mesh.md."""
+        sharded = []
+        for name, obj in self._objects.items():
+            if not isinstance(obj, torch.nn.Module):
+                continue
+            for key, value in obj.state_dict().items():
+                coords = _shard_coordinates(value)
+                if coords:
+                    sharded.append((f"{name}.{key}", coords))
+        if not sharded:
+            return 0
+        return int.from_bytes(hashlib.sha256(repr(sharded).encode()).digest()[:8], "little") >> 1 or 1
 
     def specs(self) -> list[TensorSpec]:
         return [TensorSpec(name, tuple(t.shape), str(t.dtype)) for name, t in self.tensors()]
