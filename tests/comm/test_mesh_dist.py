@@ -73,12 +73,16 @@ def test_hsdp_2x2_bitwise_as_gloo() -> None:
     same(tm, gl)
     same(tm, gl, "full")
     assert tm[0]["digest"] == tm[2]["digest"] and tm[1]["digest"] == tm[3]["digest"] != tm[0]["digest"]
+    keys = [x["shard_key"] for x in tm]  # healing's view: replicas share a shard key
+    assert keys[0] == keys[2] and keys[1] == keys[3] and keys[0] != keys[1] and 0 not in keys
 
 
 def test_tensor_parallel_bitwise_as_gloo() -> None:
     tm, gl = launch("tp", "tmrun"), launch("tp", "gloo")
     same(tm, gl)
     same(tm, gl, "full")
+    keys = [x["shard_key"] for x in tm]  # the "dp" replicas of each tp shard share a key
+    assert keys[0] == keys[2] and keys[1] == keys[3] and keys[0] != keys[1]
 
 
 def test_fsdp_two_ranks_bitwise_as_gloo() -> None:
@@ -95,6 +99,7 @@ def test_fsdp_four_ranks_close_to_gloo(tmp_path) -> None:
     tm = launch("fsdp", "tmrun", 4, "--save", str(a))
     launch("fsdp", "gloo", 4, "--save", str(b))
     assert len({x["full"] for x in tm}) == 1  # every rank gathered the same parameters
+    assert len({x["shard_key"] for x in tm}) == 4  # pure FSDP: no shard has a replica
     sa, sb = torch.load(a), torch.load(b)
     assert sa.keys() == sb.keys()
     for k in sa:

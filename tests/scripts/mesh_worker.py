@@ -151,6 +151,15 @@ def _sharded(mesh, cfg: gpt.GPTConfig) -> torch.nn.Module:
 SAVE = ""  # --save: rank 0 writes the full parameters there (torch.save)
 
 
+def _shard_key(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+    """Which shard this rank holds, as the runtime's healing sees it (docs/mesh.md)."""
+    from tmrun.worker.tracked import TrackedState
+
+    tracked = TrackedState()
+    tracked.track(model=model, optimizer=opt)
+    return tracked.shard_key()
+
+
 def _full_digest(model: torch.nn.Module) -> str:
     """The full parameters (a collective: every rank gathers them), for the reference check."""
     full = {k: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for k, p in model.state_dict().items()}
@@ -166,7 +175,7 @@ def scenario_fsdp(args) -> dict:
     mesh = init_device_mesh("cpu", (args.world,))
     model = _sharded(mesh, cfg)
     opt = _train(model, cfg, args.rank, args.steps)
-    return {"digest": gpt.digest(model, opt), "full": _full_digest(model)}
+    return {"digest": gpt.digest(model, opt), "full": _full_digest(model), "shard_key": _shard_key(model, opt)}
 
 
 def scenario_hsdp(args) -> dict:
@@ -176,7 +185,7 @@ def scenario_hsdp(args) -> dict:
     mesh = init_device_mesh("cpu", (2, args.world // 2), mesh_dim_names=("replicate", "shard"))
     model = _sharded(mesh, cfg)
     opt = _train(model, cfg, args.rank, args.steps)
-    return {"digest": gpt.digest(model, opt), "full": _full_digest(model)}
+    return {"digest": gpt.digest(model, opt), "full": _full_digest(model), "shard_key": _shard_key(model, opt)}
 
 
 # ------------------------------------------------------------------------------------- tp
@@ -205,7 +214,7 @@ def scenario_tp(args) -> dict:
             g.div_(dist.get_world_size(dp))
         opt.step()
         opt.zero_grad()
-    return {"digest": gpt.digest(model, opt), "full": _full_digest(model)}
+    return {"digest": gpt.digest(model, opt), "full": _full_digest(model), "shard_key": _shard_key(model, opt)}
 
 
 # ------------------------------------------------------------------------------------- sandbox
