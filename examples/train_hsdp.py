@@ -68,9 +68,12 @@ def main() -> None:
         fully_shard(block, mesh=mesh)  # HSDP: shard over "shard", replicate over "replicate"
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    tm.track(model=model, optimizer=opt)  # local shards; opt.step() now goes through tmrun's guard
+    # the scheduler after tm.track: it wraps the guarded step (made before, it warns each step
+    # that optimizer.step() was overridden after it)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(warmup=2, total=args.steps))
     loader = TokenLoader(cfg, dp_rank=tm.rank, dp_size=world)  # every rank is data-parallel in HSDP
-    tm.track(model=model, optimizer=opt, scheduler=sched, loader=loader)
+    tm.track(scheduler=sched, loader=loader)
 
     for step in tm.steps(args.steps):
         idx, target = loader.next()

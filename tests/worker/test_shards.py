@@ -43,3 +43,13 @@ def test_shard_key_of_plain_state_is_zero() -> None:
     tracked = TrackedState()
     tracked.track(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     assert tracked.shard_key() == 0
+
+
+def test_a_joiner_with_sandbox_built_shards_is_refused_by_every_member() -> None:
+    """A promoted standby built its mesh and shards as rank 0 of its sandbox: its state is for the
+    wrong coordinates, so the plan fails on every member (they all run replica_donors on the
+    same allgathered keys) instead of healing it from rank 0's replicas."""
+    from tmrun.worker.transfer import MISPLACED
+
+    with pytest.raises(NoReplicaError, match="rank 1 joined with sharded state built in a standby's sandbox"):
+        replica_donors([11, MISPLACED, 11, 22], [0, 2, 3], [1])

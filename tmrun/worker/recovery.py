@@ -29,7 +29,7 @@ from tmrun.protocol import keys, messages as proto
 from tmrun.worker import group, rng
 from tmrun.worker.context import FAST_POLL, Context, RecoveryError, log
 from tmrun.worker.roles import Role
-from tmrun.worker.transfer import READ_TIMEOUT, TransferError, agree, heal as transfer_state
+from tmrun.worker.transfer import MISPLACED, READ_TIMEOUT, TransferError, agree, heal as transfer_state
 
 
 class Recovery:
@@ -159,8 +159,11 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float, repl
     store = ctx.require_store()
     comm = group.comm()
     settle_heal(ctx, skip=replaced, in_change=True)  # what the previous change left to read first
+    shard_key = ctx.tracked.shard_key()
+    if ctx.fresh and shard_key:  # a promoted standby built its mesh and shards as rank 0 of its sandbox
+        shard_key = MISPLACED  # every member refuses the plan at once (docs/mesh.md: not supported yet)
     plan = agree(comm, ctx.committed_step, ctx.tracked.layout_digest(), ctx.fresh, ctx.env.heal_reads,
-                 state_tensors=ctx.tracked.tensors(), shard_key=ctx.tracked.shard_key())
+                 state_tensors=ctx.tracked.tensors(), shard_key=shard_key)
     step_meta = {"committed_step": ctx.committed_step}
     healed = transfer_state(comm, ctx.tracked, plan, step_meta, on_donate=lambda: ctx.fire("transfer"),
                             board=StoreCrcBoard(store, ctx.gen))

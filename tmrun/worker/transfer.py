@@ -144,10 +144,19 @@ def agree(comm: tmrun_native.Communicator, committed_step: int, digest: int, fre
     return dataclasses.replace(plan, defer=defer)
 
 
+MISPLACED = -1  # the shard key of a joiner whose sharded state was built for other coordinates
+
+
 def replica_donors(keys: list[int], donors: list[int], needy: list[int]) -> dict[int, list[int]]:
     """For every needy member, the donors holding its shard (equal shard keys). Raises
     :class:`NoReplicaError` naming every shard that no live donor holds: pure FSDP (a shard has
     one holder) or every replica of a shard lost."""
+    misplaced = [m for m in needy if keys[m] == MISPLACED]
+    if misplaced:
+        raise NoReplicaError(
+            f"rank{'s' if len(misplaced) > 1 else ''} {', '.join(map(str, misplaced))} joined with sharded state "
+            "built in a standby's sandbox (at rank 0's mesh coordinates): replacing a rank of a sharded job in "
+            "place is not supported yet (docs/mesh.md); falling back to the group restart")
     found = {m: [d for d in donors if keys[d] == keys[m]] for m in needy}
     orphans = [m for m, held_by in found.items() if not held_by]
     if orphans:
