@@ -35,6 +35,7 @@ import tmrun  # noqa: E402,F401  (registers the backend)
 import tiny_gpt as gpt  # noqa: E402  (examples/tiny_gpt.py)
 
 TIMEOUT = datetime.timedelta(seconds=60)
+STORE = None  # this process's TCPStore
 
 
 def say(**kw) -> None:
@@ -242,7 +243,78 @@ def scenario_sandbox(args) -> dict:
             "finite": all(bool(torch.isfinite(t).all()) for _, t in tensors if t.is_floating_point())}
 
 
-SCENARIOS = {"sandbox": scenario_sandbox, "groups": scenario_groups, "mesh": scenario_mesh, "fsdp": scenario_fsdp, "hsdp": scenario_hsdp,
+# ------------------------------------------------------------------------------------- regroup
+REGROUP_STEPS = 6
+
+
+def _regroup_groups() -> list:
+    """The job's subgroups, created in the same order by every rank and by a joiner."""
+    return [dist.new_group([0, 1]), dist.new_group([2, 3]), dist.new_group([0, 2]), dist.new_group([1, 3])]
+
+
+def _regroup_steps(r: int, groups: list, first: int, results: list) -> None:
+    mine = [None] + [g for g in groups if r in dist.get_process_group_ranks(g)]  # None: the default group
+    for step in range(first, REGROUP_STEPS):
+        for i, g in enumerate(mine):
+            t = data(1000 * step + 10 * r + i, 5)
+            dist.all_reduce(t, group=g)
+            results.append(t)
+
+
+def scenario_regroup(args) -> dict:
+    """Rank 3 leaves after step K (--kill-step; 0: a reference run without it) while every rank
+    is between steps; the survivors repair the default group and every subgroup that holds rank
+    3, in creation order (TmrunProcessGroup.prepare_replacement + commit), and a joiner (--standby)
+    takes rank 3 by creating the same groups in join mode (tmrun.comm.backend.set_joining). The
+    results of the steps from K on must equal the reference run's, rank by rank."""
+    from tmrun.comm import backend as tb
+
+    r, k = args.rank, args.kill_step
+    results: list = []
+    if args.standby:  # the joiner: nothing of the job exists in this process before its assignment
+        key = "regroup/assign"
+        STORE.wait([key], datetime.timedelta(seconds=60))
+        gen = int(STORE.get(key))
+        tb.set_joining(gen)
+        dist.init_process_group("tmrun", store=STORE, rank=r, world_size=args.world, timeout=TIMEOUT)
+        groups = _regroup_groups()
+        tb.set_joining(None)
+        _regroup_steps(r, groups, k, results)
+        return {"digest": hexdigest(results), "commits": _commits(r, groups)}
+    groups = _regroup_groups()
+    first = 0
+    if k:
+        _regroup_steps(r, groups, 0, [])  # steps 0 .. K-1 (before the change: not compared)
+        first = k
+        dist.barrier()
+        if r == 3:
+            os._exit(0)  # leaves between steps (the survivors know whom to replace: no detection here)
+        if r == 0:
+            STORE.set("regroup/assign", "1")
+        for g in [dist.group.WORLD] + groups:  # creation order: the joiner's order
+            ranks = dist.get_process_group_ranks(g)
+            if r in ranks and 3 in ranks:
+                pg = tb.get_group(g)
+                pg.prepare_replacement([ranks.index(3)], 1)
+                pg.comm.commit()
+                pg.clear_aborted()
+    results = []
+    _regroup_steps(r, groups, first, results)
+    if not k:  # the reference: only the steps from --compare-from on count
+        results = results[-len(results) * (REGROUP_STEPS - args.compare_from) // REGROUP_STEPS:]
+    return {"digest": hexdigest(results), "commits": _commits(r, groups)}
+
+
+def _commits(r: int, groups: list) -> list:
+    """Per group of this rank (the default group first, then in creation order): its ranks and
+    how many replacements its communicator committed."""
+    from tmrun.comm import backend as tb
+
+    mine = [dist.group.WORLD] + [g for g in groups if r in dist.get_process_group_ranks(g)]
+    return [[dist.get_process_group_ranks(g), tb.get_group(g).counters()["commits"]] for g in mine]
+
+
+SCENARIOS = {"regroup": scenario_regroup, "sandbox": scenario_sandbox, "groups": scenario_groups, "mesh": scenario_mesh, "fsdp": scenario_fsdp, "hsdp": scenario_hsdp,
              "tp": scenario_tp}
 
 
@@ -256,20 +328,26 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--watchdog", type=float, default=90.0, help="dump every thread's stack and exit after S s")
     p.add_argument("--save", default="")
+    p.add_argument("--kill-step", type=int, default=0)
+    p.add_argument("--compare-from", type=int, default=0)
+    p.add_argument("--standby", action="store_true")
     args = p.parse_args()
     global SAVE
     SAVE = args.save
     faulthandler.dump_traceback_later(args.watchdog, exit=True)
     torch.set_num_threads(1)
     try:
-        if args.scenario == "sandbox":
+        global STORE
+        if args.scenario == "regroup" and args.standby:
+            STORE = dist.TCPStore("127.0.0.1", args.port, None, False, timeout=TIMEOUT)
+        elif args.scenario == "sandbox":
             from tmrun.worker import group
 
             group.init_local(args.world)
         else:
-            store = dist.TCPStore("127.0.0.1", args.port, None, args.rank == 0, timeout=TIMEOUT,
+            STORE = dist.TCPStore("127.0.0.1", args.port, None, args.rank == 0, timeout=TIMEOUT,
                                   wait_for_workers=False)
-            dist.init_process_group(args.backend, store=store, rank=args.rank, world_size=args.world, timeout=TIMEOUT)
+            dist.init_process_group(args.backend, store=STORE, rank=args.rank, world_size=args.world, timeout=TIMEOUT)
         result = SCENARIOS[args.scenario](args)
         dist.barrier()
         dist.destroy_process_group()

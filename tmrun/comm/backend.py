@@ -61,7 +61,7 @@ from tmrun.protocol import environment, keys
 
 try:  # ``import tmrun`` must work without a build of the native module (the CLI, a source tree)
     import tmrun_native as tn
-    from tmrun.comm.native import as_buffer, connect_via_store, make_options
+    from tmrun.comm.native import as_buffer, connect_via_store, join_via_store, make_options
 
     _NATIVE_ERROR: Optional[BaseException] = None
 except (ImportError, AttributeError) as _exc:  # pragma: no cover - only without a build
@@ -460,6 +460,19 @@ class TmrunProcessGroup(dist.ProcessGroup):
             if comm is not None:
                 self._rank = int(comm.rank)
         return old
+
+    def prepare_replacement(self, replaced: Sequence[int], generation: int) -> None:
+        """Survivor side of a replacement of this group's ranks ``replaced`` (group ranks) in
+        ``generation``: publish this rank's address and wait for the joiners' (a joiner creates
+        the group in join mode: :func:`set_joining`), then prepare the communicator. Call
+        ``pg.comm.commit()`` next (it returns once the joiners are connected) and
+        :meth:`clear_aborted`. Groups without a replaced rank need none of this."""
+        store = getattr(self, "store", None)
+        if store is None or self._comm is None:
+            raise RuntimeError("tmrun prepare_replacement: the group has no store or no communicator")
+        from tmrun.comm.native import prepare_replacement
+
+        prepare_replacement(store, self._comm, list(replaced), generation, prefix=REPLACE_PREFIX)
 
     def set_local(self, local: bool = True) -> None:
         """Local (sandbox) mode: every later collective is served locally, at once, with no
@@ -1196,7 +1209,13 @@ def create_process_group(store: Any, rank: int, world_size: int, timeout: Option
     local = options.local if options.local is not None else (_env_flag(ENV_LOCAL) or _sandboxed())
     job_id = options.job_id or default_job_id(group_name)
     comm = options.comm
-    if comm is None and not local:
+    joining = _JOINING
+    if comm is None and not local and joining is not None:
+        # a joiner re-creating the job's groups: take this rank in the survivors' repaired
+        # communicator of the same group (they called pg.prepare_replacement(..., joining))
+        comm = join_via_store(store, rank, world_size, job_id, joining,
+                              options=_native_options(timeout, options.native), prefix=REPLACE_PREFIX)
+    elif comm is None and not local:
         # every rank adds 1: ranks of the same creation read the same group_seq
         group_seq = (int(store.add(_GROUP_COUNT_KEY, 1)) - 1) // world_size
         comm = connect_via_store(store, rank, world_size, job_id, options.epoch,
@@ -1208,8 +1227,24 @@ def create_process_group(store: Any, rank: int, world_size: int, timeout: Option
     pg = TmrunProcessGroup(rank, world_size, comm, local=local, job_id=job_id,
                            failure_handler=options.failure_handler)
     pg.setGroupName(str(group_name))
+    pg.store = store  # the store torch handed over (prefixed with the group's name): replacements use it
     _CREATED.append(weakref.ref(pg))
     return pg
+
+
+REPLACE_PREFIX = f"{STORE_PREFIX}/replace"  # a group's addresses for a replacement (keys carry the generation)
+_JOINING: Optional[int] = None
+
+
+def set_joining(generation: Optional[int]) -> None:
+    """Join mode (docs/mesh.md): every tmrun group this process creates from now on (the default
+    group, ``new_group``, a device mesh's groups) joins the survivors' communicator of that group
+    for ``generation`` instead of bootstrapping a new one: the survivors repaired it with
+    :meth:`TmrunProcessGroup.prepare_replacement`. ``None`` ends it. The joiner must create its
+    groups in the order the job did (torch requires that of every rank anyway): survivors
+    repair them in that order, each waiting for the joiner's address."""
+    global _JOINING
+    _JOINING = None if generation is None else int(generation)
 
 
 _CREATED: list = []  # weak references to every group this process created, in creation order
