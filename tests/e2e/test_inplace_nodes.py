@@ -13,12 +13,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import threading
 import time
 from functools import partial
 from pathlib import Path
+from typing import Callable
 
+import psutil
 import pytest
 
 from tests.helpers import EXAMPLES, free_port, kill_tree, leftovers, start, tmrun_cmd, wait_until
@@ -40,10 +43,11 @@ def _steps(work: Path) -> dict[int, list[tuple[int, int]]]:
     return out
 
 
-def _run_nodes(work: Path, agents: int, *tmrun_args: str,
-               script_args: list[str] | None = None) -> tuple[list[int], list[str], str]:
+def _run_nodes(work: Path, agents: int, *tmrun_args: str, script_args: list[str] | None = None,
+               during: Callable[[list[subprocess.Popen[bytes]]], None] | None = None,
+               env: dict[str, str] | None = None) -> tuple[list[int], list[str], str]:
     """Start ``agents`` agents in order (the first hosts the store); returns their exit codes,
-    their logs and the final digest."""
+    their logs and the final digest. ``during(agents)``: run in a thread once every agent started."""
     work.mkdir()
     port = free_port()
     procs: list[subprocess.Popen[bytes]] = []
@@ -55,10 +59,13 @@ def _run_nodes(work: Path, agents: int, *tmrun_args: str,
                 *tmrun_args, str(EXAMPLES / "train_inplace.py"), *SCRIPT_ARGS, *(script_args or []),
                 "--step-log", str(work / "steps-{rank}.log"), "--final", str(work / "final"),
             )  # fmt: skip
-            procs.append(start(cmd, log=work / f"agent{node}.log", env={"TMRUN_STATE_DIR": str(work / "state")}))
+            procs.append(start(cmd, log=work / f"agent{node}.log", env={"TMRUN_STATE_DIR": str(work / "state"),
+                                                                          **(env or {})}))
             # join in order: node ids follow the order of the agents
             assert wait_until(lambda n=node: f"node {n} " in (work / "agent0.log").read_text(), 60), (
                 (work / "agent0.log").read_text())
+        if during is not None:
+            threading.Thread(target=during, args=(procs,), daemon=True).start()
         codes = [proc.wait(timeout=JOB_TIMEOUT) for proc in procs]
     finally:
         for proc in procs:
@@ -230,3 +237,52 @@ def test_straggler_node_is_migrated_while_training_goes_on(tmp_path: Path, refer
     # downtime counts from the switch only
     assert recovered["phases"]["overlap"] >= 1.0, recovered
     assert recovered["seconds"] < recovered["phases"]["overlap"], recovered
+
+
+def test_node_cut_off_is_replaced_and_leaves_when_it_comes_back(tmp_path: Path, reference: str) -> None:
+    """Node 1's agent and both its workers SIGSTOPped mid-training (a node cut off: nothing it
+    holds closes). Survivors lose ranks 2 and 3 after the comm timeout; the leader declares node 1
+    lost after heartbeat_timeout (3 s here) and the standby node takes its ranks in place. Then
+    node 1 is SIGCONTed: its agent finds it was replaced and leaves in one line; its workers do
+    not rejoin (the result is still bitwise equal), and nothing of it is left."""
+    work = tmp_path / "cutoff"
+    events: list[str] = []
+
+    def cut_off(procs: list[subprocess.Popen[bytes]]) -> None:
+        steps2 = work / "steps-2.log"
+        # at step 2 (the standby node may still warm up: the leader waits for it, --standby-wait)
+        if not wait_until(lambda: steps2.exists() and len(steps2.read_text().splitlines()) >= 2, 120):
+            events.append("never ready")
+            return
+        agent = psutil.Process(procs[1].pid)
+        stopped = [agent, *agent.children(recursive=True)]
+        for proc in stopped:  # the agent first, so that it cannot react
+            proc.send_signal(signal.SIGSTOP)
+        events.append(f"stopped {[p.pid for p in stopped]}")
+        replaced = wait_until(lambda: "replace: generation 1" in (work / "agent0.log").read_text(), 90)
+        events.append(f"replaced: {replaced}")
+        time.sleep(1.0)  # the new generation trains on a little before node 1 comes back
+        for proc in stopped:
+            try:
+                proc.send_signal(signal.SIGCONT)
+            except psutil.NoSuchProcess:
+                pass
+        continued = time.monotonic()
+        # on their own (the test's cleanup comes later): node 1's agent and workers leave
+        gone = wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in stopped), 15)
+        events.append(f"gone after {time.monotonic() - continued:.1f}s: {gone}")
+        events.append("continued")
+
+    codes, logs, final = _run_nodes(work, 3, "--rdzv-conf", "heartbeat_interval=0.5,heartbeat_timeout=3",
+                                    script_args=["--step-time", "0.3"], during=cut_off,
+                                    env={"TMRUN_COMM_TIMEOUT": "2"})  # survivors lose ranks 2 and 3 sooner
+    everything = "\n".join(logs)
+    assert events[-1:] == ["continued"], (events, everything)
+    assert codes == [0, 0, 0], everything
+    assert "gone after" in events[-2] and events[-2].endswith("True"), (events, everything)
+    assert re.search(r"lost: node 1 \(active\): no heartbeat for 3 s", logs[0]), everything
+    # node 1's agent, back, finds it was replaced and leaves in one line; nothing reported anew
+    assert "node 1 was declared lost and its ranks were taken over in place" in logs[1], logs[1]
+    assert "this node leaves, the job goes on" in logs[1] and "this node failed" not in logs[1], logs[1]
+    assert "failure: node 1" in logs[0] and logs[0].count("failure: node") == 1, logs[0]
+    _check_in_place(work, logs, final, reference)

@@ -252,3 +252,25 @@ def test_no_warm_standby_falls_back_to_a_group_restart(tmp_path: Path, reference
     assert code == 0, log
     assert "no standby ready within 0s: falling back to restarting the worker group" in log
     assert final == reference
+
+
+def test_joiner_killed_during_a_migration(tmp_path: Path, migration_reference: str) -> None:
+    """tmrun-ctl migrate 1, and the migration's joiner SIGKILLed during its promotion: a failure
+    during a planned change (docs/reliability.md). The leaver gives up its handover at once (the
+    newer generation shows its joiner was lost) and leaves; rank 0, which lost the joiner in the
+    switch's healing, recovers into the new generation, whose standby heals from it. Bitwise
+    equal to a run without failure; rank 0 keeps its process; at most the step in flight redone.
+    Before: rank 0 raised out of the switch and the leaver waited 60 s for the dead joiner's
+    address; the job fell back to a group restart."""
+    code, log, final, by_rank = _migrate_while_training(tmp_path, "joinerkill", "--inject-failure", "rank=1,who=joiner")
+    assert code == 0, log
+    assert final == migration_reference, log
+    assert "falling back" not in log, log
+    assert "nobody to hand over to: leaving" in log, log
+    assert "lost a member during the migration's switch" in log, log
+    assert re.search(r"in-place replacement, generation 2: rank 1 \(pid \d+, signal SIGKILL\)", log), log
+    for rank in (0, 1):
+        done = [s for s, _ in by_rank[rank]]
+        assert sorted(set(done)) == list(range(MIGRATION_STEPS)), (rank, done)
+        assert len(done) - len(set(done)) <= 1, (rank, done)
+    assert len({pid for _, pid in by_rank[0]}) == 1, "rank 0 changed process"

@@ -14,6 +14,8 @@ import pytest
 from tests.etcd.server import start_etcd, why_no_etcd
 from tmrun.protocol.etcd import EtcdConfig, EtcdConfigError, EtcdError, EtcdStore
 
+pytestmark = pytest.mark.e2e  # each test starts an etcd of its own: not in the quick unit subset
+
 
 def _need_etcd() -> None:
     reason = why_no_etcd() or ("" if shutil.which("openssl") else "no openssl to make certificates")
@@ -29,11 +31,11 @@ def _certificates(directory: Path) -> Path:
     """A CA, a server certificate for 127.0.0.1 and a client certificate, all signed by the CA."""
     certs = directory / "certs"
     certs.mkdir()
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
+    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
              "-subj", "/CN=tmrun-test-ca", cwd=certs)
     (certs / "san.cnf").write_text("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
     for name in ("server", "client"):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+        _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
                  "-subj", f"/CN={name}", cwd=certs)
         _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
                  "-out", f"{name}.crt", "-days", "2", "-extfile", "san.cnf", cwd=certs)

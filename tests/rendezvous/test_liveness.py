@@ -36,3 +36,29 @@ def test_goodbye_is_a_departure_not_a_loss() -> None:
         assert monitor.take_departed() == []
     finally:
         monitor.close()
+
+
+def test_silent_and_foreign_connections_are_dropped_and_the_agent_stays(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A port scanner's connections (silent, garbage, a huge node id) never become peers, never
+    hold a file descriptor past the hello timeout, and never cost the real agent anything."""
+    import socket
+
+    from tmrun.rendezvous import liveness
+
+    monkeypatch.setattr(liveness, "HELLO_TIMEOUT", 0.3)
+    monitor = LivenessMonitor("run", heartbeat_timeout=30)
+    agent = LivenessBeacon("127.0.0.1", monitor.port, "run", 3, interval=0.05)
+    noise = [socket.create_connection(("127.0.0.1", monitor.port)) for _ in range(3)]
+    try:
+        noise[1].sendall(b"\x00garbage\n")
+        noise[2].sendall(liveness.HELLO + b"run " + b"9" * 4400 + b"\n")  # int() would raise ValueError
+        lost: list = []
+        _poll_until(monitor, lost, lambda: [p.node_id for p in monitor._peers.values()] == [3],  # noqa: SLF001
+                    timeout=5.0)
+        assert [p.node_id for p in monitor._peers.values()] == [3]  # noqa: SLF001
+        assert lost == []
+    finally:
+        for sock in noise:
+            sock.close()
+        agent.close()
+        monitor.close()

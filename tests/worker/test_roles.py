@@ -16,7 +16,10 @@ ALLOWED = {
     (Role.ACTIVE, Role.SWITCHING),
     (Role.ACTIVE, Role.LEAVING),
     (Role.RECOVERING, Role.ACTIVE),
+    (Role.RECOVERING, Role.LEAVING),
+    (Role.RECOVERING, Role.JOINING),  # a joiner whose generation was superseded joins the newer one  # a migration's leaver that lost a member before its switch
     (Role.SWITCHING, Role.ACTIVE),
+    (Role.SWITCHING, Role.RECOVERING),  # a member lost during a migration's switch
 }
 
 

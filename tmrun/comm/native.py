@@ -24,7 +24,7 @@ Replacement (see ``docs/native.md``)::
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from tmrun.protocol import auth, keys
 
@@ -90,8 +90,11 @@ def _get(store: Any, key: str) -> str:
     return value.decode() if isinstance(value, (bytes, bytearray)) else str(value)
 
 
-def _addresses(store: Any, job_id: str, epoch: int, world_size: int, prefix: str) -> list[str]:
-    return [_get(store, address_key(job_id, epoch, r, prefix)) for r in range(world_size)]
+Getter = Callable[[Any, str], str]  # (store, key) -> value: how a waiting caller reads a peer's address
+
+
+def _addresses(store: Any, job_id: str, epoch: int, world_size: int, prefix: str, get: Getter = _get) -> list[str]:
+    return [get(store, address_key(job_id, epoch, r, prefix)) for r in range(world_size)]
 
 
 def connect_via_store(
@@ -102,17 +105,56 @@ def connect_via_store(
     epoch: int = 0,
     options: Optional[Options] = None,
     prefix: str = DEFAULT_PREFIX,
+    get: Optional[Getter] = None,
+    watch: Optional[Callable[[], None]] = None,
     **kwargs: Any,
 ) -> Communicator:
-    """Create, publish and connect the communicator of ``rank`` for ``epoch``."""
+    """Create, publish and connect the communicator of ``rank`` for ``epoch``. ``get``: how to
+    wait for a peer's address (default: the store's blocking ``get``, up to its timeout; tmrun's
+    workers give one that also gives up when a newer generation superseded ``epoch``);
+    ``watch``: called every 20 ms while connecting, raises to give up (the connect is ended)."""
     comm = Communicator(rank, world_size, job_id, epoch, make_options(options, **kwargs))
     try:
         store.set(address_key(job_id, epoch, rank, prefix), comm.address)
-        comm.connect(_addresses(store, job_id, epoch, world_size, prefix))
+        addresses = _addresses(store, job_id, epoch, world_size, prefix, get or _get)
+        if watch is None:
+            comm.connect(addresses)
+        else:
+            _connect_watched(comm, addresses, watch)
     except BaseException:
         comm.close()
         raise
     return comm
+
+
+def _connect_watched(comm: Communicator, addresses: list[str], watch: Callable[[], None]) -> None:
+    """``comm.connect(addresses)`` (it releases the GIL) in a helper thread while this one calls
+    ``watch()`` every 20 ms; when ``watch`` raises, the communicator is closed, which ends the
+    connect's dialling and waiting at once, and the exception propagates."""
+    import threading
+
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            comm.connect(addresses)
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001  (handed to the caller)
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, name="tmrun-connect", daemon=True)
+    thread.start()
+    try:
+        while thread.is_alive():
+            thread.join(0.02)
+            if thread.is_alive():
+                watch()
+    except BaseException:
+        comm.close()
+        thread.join(10.0)
+        raise
+    if outcome and outcome[0] is not None:
+        raise outcome[0]
 
 
 def join_via_store(
@@ -123,6 +165,8 @@ def join_via_store(
     epoch: int,
     options: Optional[Options] = None,
     prefix: str = DEFAULT_PREFIX,
+    get: Optional[Getter] = None,
+    watch: Optional[Callable[[], None]] = None,
     **kwargs: Any,
 ) -> Communicator:
     """The joiner side of a replacement: take ``rank`` in the new ``epoch``.
@@ -130,7 +174,7 @@ def join_via_store(
     Survivors publish their (unchanged) addresses under the new epoch in
     :func:`prepare_replacement`; this returns once the survivors have committed.
     """
-    return connect_via_store(store, rank, world_size, job_id, epoch, options, prefix, **kwargs)
+    return connect_via_store(store, rank, world_size, job_id, epoch, options, prefix, get, watch, **kwargs)
 
 
 def prepare_replacement(
@@ -139,6 +183,7 @@ def prepare_replacement(
     replaced: Iterable[int],
     new_epoch: int,
     prefix: str = DEFAULT_PREFIX,
+    get: Optional[Getter] = None,
 ) -> None:
     """The survivor side of phase 1: republish this rank's address under ``new_epoch``, read the
     joiners' addresses and call :meth:`Communicator.prepare` (which connects in the background).
@@ -147,7 +192,8 @@ def prepare_replacement(
     store.set(address_key(comm.job_id, new_epoch, comm.rank, prefix), comm.address)
     # every joiner's new address, not only the ring neighbours': a point-to-point link to a
     # joiner that is not a neighbour (state transfer) is dialled lazily, at that address
-    new_addresses = {r: _get(store, address_key(comm.job_id, new_epoch, r, prefix)) for r in replaced}
+    get = get or _get
+    new_addresses = {r: get(store, address_key(comm.job_id, new_epoch, r, prefix)) for r in replaced}
     comm.prepare(replaced, new_addresses, new_epoch)
 
 

@@ -58,9 +58,28 @@ def live_runs() -> list[dict[str, object]]:
         return runs
     for path in directory.glob("*.json"):
         try:
-            data = json.loads(path.read_text())
-            os.kill(int(data["pid"]), 0)
-        except (OSError, ValueError, KeyError):
+            data = read_runfile(path.read_text())
+            if data is None:
+                continue
+            os.kill(int(data["pid"]), 0)  # type: ignore[call-overload]
+        except (OSError, ValueError):
             continue
         runs.append(data)
     return sorted(runs, key=lambda r: float(r["started"]), reverse=True)  # type: ignore[arg-type]
+
+
+def read_runfile(text: str) -> dict[str, object] | None:
+    """A run file's content, or None when it is not one (another program's file, a damaged one):
+    a JSON object with a positive integer ``pid`` and a finite ``started`` time; never raises."""
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    pid, started = data.get("pid"), data.get("started")
+    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < 1 << 31:
+        return None
+    if not isinstance(started, (int, float)) or isinstance(started, bool) or not abs(started) < float("inf"):
+        return None
+    return data

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from tmrun.protocol import environment
 
 ENV = environment.ENV_INJECT_FAILURE
-POINTS = ("step", "forward", "backward", "optimizer", "transfer", "promotion", "handover")
-ANY_STEP = ("promotion", "handover")  # points that happen once, whatever the step
+POINTS = ("step", "forward", "backward", "optimizer", "transfer", "promotion", "handover", "switch", "recovery")
+ANY_STEP = ("promotion", "handover", "switch", "recovery")  # points that happen once, whatever the step
 STEP_OPTIONAL = (*ANY_STEP, "transfer")  # without step=, a transfer drill fires at the first donation
 
 
@@ -56,6 +56,8 @@ class Drill:
             seconds = float(fields.get("time", "-1"))
         except ValueError:
             raise DrillSpecError("--inject-failure: rank, node and step must be integers, time a number") from None
+        if not abs(seconds) < float("inf"):  # nan never fired; inf crashed the worker's timer thread
+            raise DrillSpecError(f"--inject-failure: time={fields['time']!r} must be a finite number of seconds")
         if "slow" in fields:
             return cls._parse_slow(fields, rank, step)
         at = fields.get("at", "promotion" if fields.get("who") == "joiner" else "step")

@@ -83,9 +83,19 @@ def _number(env: Mapping[str, str], name: str, default: float) -> float:
         value = float(raw)
     except ValueError:
         raise LaunchEnvError(f"{name}={raw!r} is not a number") from None
+    if value != value:
+        raise LaunchEnvError(f"{name}={raw!r} is not a number")
     if value < 0:
         raise LaunchEnvError(f"{name}={raw!r} must not be negative")
     return value
+
+
+def _count(env: Mapping[str, str], name: str, default: int) -> int:
+    """A count given as a number (``2`` or ``2.0``): finite, not negative."""
+    value = _number(env, name, default)
+    if value == float("inf"):
+        raise LaunchEnvError(f"{name}={env.get(name)!r} must be finite")
+    return int(value)
 
 
 DEFAULT_PREFIX = "tmrun/ip/"
@@ -152,7 +162,7 @@ class LaunchEnv:
         elif store:
             mode = Mode.STANDBY if role == "standby" else Mode.ACTIVE
             host, _, port_text = store.rpartition(":")
-            if not host or not port_text.isdigit():
+            if not host or not port_text.isascii() or not port_text.isdigit() or int(port_text) > 65535:
                 raise LaunchEnvError(f"{ENV_STORE}={store!r} is not host:port")
             port = int(port_text)
         handover = env.get(ENV_HANDOVER, "") or "auto"
@@ -163,7 +173,7 @@ class LaunchEnv:
             raise LaunchEnvError(f"{ENV_HEAL_PATH}={heal_path!r} must be memory or socket")
         try:
             entrypoint = json.loads(env.get(ENV_ENTRYPOINT, "") or "[]")
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deeply
             raise LaunchEnvError(f"{ENV_ENTRYPOINT} is not a JSON list") from None
         if not isinstance(entrypoint, list):
             raise LaunchEnvError(f"{ENV_ENTRYPOINT} is not a JSON list")
@@ -178,10 +188,10 @@ class LaunchEnv:
             store_options=env.get(ENV_STORE_OPTIONS, ""),
             store_prefix=env.get(ENV_PREFIX, "") or DEFAULT_PREFIX,
             gen_file=env.get(ENV_GEN_FILE, ""),
-            run_id=env.get(ENV_RUN_ID, "") or env.get(ENV_TORCHELASTIC_RUN_ID, "none"),
+            run_id=env.get(ENV_RUN_ID, "") or env.get(ENV_TORCHELASTIC_RUN_ID, "") or "none",
             standby_id=_integer(env, ENV_STANDBY_ID, -1),
             agent_pid=_integer(env, ENV_AGENT_PID, 0),
-            shadow_steps=int(_number(env, ENV_SHADOW_STEPS, 2)),
+            shadow_steps=_count(env, ENV_SHADOW_STEPS, 2),
             recovery_timeout=_number(env, ENV_RECOVERY_TIMEOUT, 120.0),
             comm_timeout=_number(env, ENV_COMM_TIMEOUT, 5.0),
             same_host_reads=handover == "auto",

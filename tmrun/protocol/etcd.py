@@ -38,7 +38,7 @@ DEFAULT_PORT = 2379
 SCHEME = "etcd://"
 NAMESPACE_ROOT = "/tmrun/"
 _POLL = 0.005  # seconds between checks of a key that get() or wait() waits for (doubling to _POLL_MAX)
-_POLL_MAX = 0.05
+_POLL_MAX = 0.02
 # torch reaches a Python store's methods through the Python object: once that object is gone, a
 # PrefixStore that wraps it fails with "Not implemented". A process opens a handful of these
 # stores, so each is kept for the life of the process.

@@ -10,6 +10,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 
+from tmrun.protocol.messages import ProtocolMessageError, _int, _int_list, _load, _show, _str
+
 
 class Phase(str, Enum):
     """Life cycle of a job's membership."""
@@ -21,6 +23,7 @@ class Phase(str, Enum):
 
 
 CLOSED_PHASES = frozenset({Phase.SUCCEEDED, Phase.FAILED})
+_PHASES = tuple(phase.value for phase in Phase)
 
 
 @dataclass
@@ -41,18 +44,23 @@ class Membership:
         return json.dumps(data, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> Membership:
-        if isinstance(text, bytes):
-            text = text.decode()
-        data = json.loads(text)
+    def from_json(cls, text: str | bytes, key: str = "membership") -> Membership:
+        """Raises :class:`~tmrun.protocol.messages.ProtocolMessageError` (one line) on anything
+        but a membership."""
+        data = _load(key, text)
+        phase = data.get("phase")
+        if not isinstance(phase, str) or phase not in _PHASES:
+            raise ProtocolMessageError(f"{key}: field 'phase' must be one of {', '.join(_PHASES)}, got {_show(phase)}")
+        if "retired" not in data:
+            data = {**data, "retired": []}
         return cls(
-            epoch=int(data["epoch"]),
-            phase=Phase(data["phase"]),
-            active=[int(n) for n in data["active"]],
-            standby=[int(n) for n in data["standby"]],
-            dead=[int(n) for n in data["dead"]],
-            retired=[int(n) for n in data.get("retired", [])],
-            reason=str(data.get("reason", "")),
+            epoch=_int(key, data, "epoch"),
+            phase=Phase(phase),
+            active=_int_list(key, data, "active"),
+            standby=_int_list(key, data, "standby"),
+            dead=_int_list(key, data, "dead"),
+            retired=_int_list(key, data, "retired"),
+            reason=_str(key, data, "reason", ""),
         )
 
     def group_rank_of(self, node_id: int) -> int | None:

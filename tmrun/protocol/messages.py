@@ -46,16 +46,35 @@ def _load(key: str, raw: bytes | str) -> dict[str, Any]:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ProtocolMessageError(f"{key}: not JSON ({exc})") from None
+    except RecursionError:  # json's scanner recurses per nested array or object
+        raise ProtocolMessageError(f"{key}: not JSON (nested too deeply)") from None
     if not isinstance(data, dict):
         raise ProtocolMessageError(f"{key}: expected a JSON object")
     return data
 
 
+def _show(value: Any, limit: int = 80) -> str:
+    """A value in an error message: its repr, cut to ``limit`` characters (one short line)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _int(key: str, data: dict[str, Any], name: str, minimum: int = 0) -> int:
     value = data.get(name)
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ProtocolMessageError(f"{key}: field {name!r} must be an integer >= {minimum}, got {value!r}")
+        raise ProtocolMessageError(f"{key}: field {name!r} must be an integer >= {minimum}, got {_show(value)}")
     return value
+
+
+def _float(key: str, data: dict[str, Any], name: str, default: float = 0.0) -> float:
+    """An optional JSON number (any sign; NaN and infinities as json reads them)."""
+    value = data.get(name, default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ProtocolMessageError(f"{key}: field {name!r} must be a number, got {_show(value)}")
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond a double's range
+        raise ProtocolMessageError(f"{key}: field {name!r} is out of range") from None
 
 
 @dataclass(frozen=True)
@@ -87,9 +106,9 @@ class ReplacementPlan:
             try:
                 rank = int(rank_text)
             except ValueError:
-                raise ProtocolMessageError(f"{key}: rank {rank_text!r} is not an integer") from None
+                raise ProtocolMessageError(f"{key}: rank {_show(rank_text)} is not an integer") from None
             if not 0 <= rank < world or not isinstance(sid, int) or sid < 0:
-                raise ProtocolMessageError(f"{key}: bad replacement {rank_text!r} -> {sid!r}")
+                raise ProtocolMessageError(f"{key}: bad replacement {_show(rank_text)} -> {_show(sid)}")
             replaced[rank] = sid
         return cls(
             gen=gen,
@@ -97,7 +116,7 @@ class ReplacementPlan:
             replaced=replaced,
             reason=str(data.get("reason", "")),
             planned=bool(data.get("planned", False)),
-            created=float(data.get("created", 0.0)),
+            created=_float(key, data, "created"),
         )
 
 
@@ -192,13 +211,13 @@ class AbortNotice:
     @classmethod
     def decode(cls, key: str, raw: bytes | str) -> AbortNotice:
         data = _load(key, raw)
-        return cls(reason=str(data.get("reason", "unknown")), gen=int(data.get("gen", 0) or 0))
+        return cls(reason=str(data.get("reason", "unknown")), gen=_int(key, data, "gen") if data.get("gen") else 0)
 
 
 def _str(key: str, data: dict[str, Any], name: str, default: str | None = None) -> str:
     value = data.get(name, default)
     if not isinstance(value, str):
-        raise ProtocolMessageError(f"{key}: field {name!r} must be a string, got {value!r}")
+        raise ProtocolMessageError(f"{key}: field {name!r} must be a string, got {_show(value)}")
     return value
 
 
@@ -206,7 +225,7 @@ def _int_list(key: str, data: dict[str, Any], name: str) -> list[int]:
     value = data.get(name)
     if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
                                               for v in value):
-        raise ProtocolMessageError(f"{key}: field {name!r} must be a list of integers >= 0, got {value!r}")
+        raise ProtocolMessageError(f"{key}: field {name!r} must be a list of integers >= 0, got {_show(value)}")
     return list(value)
 
 
@@ -252,7 +271,7 @@ class NodeInfo(_Json):
     def decode(cls, key: str, raw: bytes | str) -> NodeInfo:
         data = _load(key, raw)
         return cls(host=_str(key, data, "host"), addr=_str(key, data, "addr", ""), pid=_int(key, data, "pid"),
-                   node_rank_hint=_int(key, data, "node_rank_hint", -1), time=float(data.get("time", 0.0)))
+                   node_rank_hint=_int(key, data, "node_rank_hint", -1), time=_float(key, data, "time"))
 
 
 def registered_node(store: Any, ordinal: int) -> tuple[int, NodeInfo] | None:
@@ -296,7 +315,9 @@ class WorkersInfo(_Json):
         if not isinstance(workers, list) or not isinstance(standby, list):
             raise ProtocolMessageError(f"{key}: workers and standby_workers must be lists")
         group_rank = data.get("group_rank")
-        return cls(epoch=_int(key, data, "epoch"), group_rank=group_rank if isinstance(group_rank, int) else None,
+        if not isinstance(group_rank, int) or isinstance(group_rank, bool):
+            group_rank = None
+        return cls(epoch=_int(key, data, "epoch"), group_rank=group_rank,
                    agent_pid=_int(key, data, "agent_pid"), workers=workers, standby_workers=standby)
 
 
@@ -420,7 +441,7 @@ class Event(_Json):
     def decode(cls, key: str, raw: bytes | str, seq: int = -1) -> Event:
         data = _load(key, raw)
         extra = {k: v for k, v in data.items() if k not in cls.BASE and k != "seq"}
-        return cls(time=float(data.get("time", 0.0)), kind=_str(key, data, "kind"), epoch=_int(key, data, "epoch"),
+        return cls(time=_float(key, data, "time"), kind=_str(key, data, "kind"), epoch=_int(key, data, "epoch"),
                    detail=str(data.get("detail", "")), seq=seq, fields=extra)
 
 
@@ -430,8 +451,11 @@ class Event(_Json):
 def _number(key: str, data: dict[str, Any], name: str) -> float:
     value = data.get(name)
     if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value or value < 0:
-        raise ProtocolMessageError(f"{key}: field {name!r} must be a number >= 0, got {value!r}")
-    return float(value)
+        raise ProtocolMessageError(f"{key}: field {name!r} must be a number >= 0, got {_show(value)}")
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond a double's range
+        raise ProtocolMessageError(f"{key}: field {name!r} is out of range") from None
 
 
 @dataclass(frozen=True)
@@ -456,7 +480,7 @@ class RankProgress(_Json):
             raise ProtocolMessageError(f"{key}: each rank's progress must be a JSON object")
         step = data.get("step")
         if not isinstance(step, int) or isinstance(step, bool) or step < -1:
-            raise ProtocolMessageError(f"{key}: field 'step' must be an integer >= -1, got {step!r}")
+            raise ProtocolMessageError(f"{key}: field 'step' must be an integer >= -1, got {_show(step)}")
         return cls(rank=_int(key, data, "rank"), step=step, step_seconds=_number(key, data, "step_seconds"),
                    busy_seconds=_number(key, data, "busy_seconds"), time=_number(key, data, "time"),
                    pid=_int(key, data, "pid"), role=_str(key, data, "role", ""))

@@ -37,7 +37,10 @@ def parse_address(text: str) -> tuple[str, int]:
     """"host:port" (``[v6]:port`` too) -> (host, port); raises :class:`OpsError` on bad input."""
     host, sep, port = text.strip().rpartition(":")
     host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    # a host name or address: no brackets left, no spaces or control characters (" ", "[\x1f[")
+    bad_host = not host.isprintable() or any(c.isspace() or c in "[]" for c in host)
+    # isascii: str.isdigit() is true of digits int() refuses ("\u00b2")
+    if not sep or not host or bad_host or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
         raise OpsError(f"malformed operations endpoint {text!r} (expected HOST:PORT)")
     return host, int(port)
 
@@ -48,7 +51,7 @@ def decode_request(line: bytes) -> dict[str, Any]:
         raise OpsRequestError(f"request longer than {MAX_REQUEST} bytes")
     try:
         data = json.loads(line)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested too deeply
         raise OpsRequestError("request is not JSON") from None
     if not isinstance(data, dict):
         raise OpsRequestError("request must be a JSON object")
@@ -126,12 +129,18 @@ def ask(address: tuple[str, int], request: dict[str, Any], timeout: float = 5.0,
             if proof.startswith(b"{") and b"authentication failed" in proof:
                 raise OpsError(f"authentication failed: the job at {where} refused this job token ({TOKEN_HINT})")
             raise OpsError(f"{where} did not prove the job token (not this job's operations endpoint?)")
+    return decode_reply(data, where)
+
+
+def decode_reply(raw: bytes, where: str) -> dict[str, Any]:
+    """One reply of the endpoint at ``where``; raises :class:`OpsError` (one line) on anything
+    that is not a reply object."""
     try:
-        reply = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
-        raise OpsError(f"{host}:{port} is not a tmrun operations endpoint (unreadable reply)") from None
+        reply = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise OpsError(f"{where} is not a tmrun operations endpoint (unreadable reply)") from None
     if not isinstance(reply, dict) or "ok" not in reply:
-        raise OpsError(f"{host}:{port} is not a tmrun operations endpoint")
+        raise OpsError(f"{where} is not a tmrun operations endpoint")
     return reply
 
 

@@ -294,6 +294,10 @@ class TmrunRendezvousHandler(RendezvousHandler):
         membership = self._read_membership()
         if self.node_id is not None and self.node_id in membership.retired:
             raise NodeRetiredError(f"node {self.node_id}'s ranks were taken over in place ({membership.reason})")
+        if self.node_id is not None and self.node_id in membership.dead and self.node_id not in membership.active:
+            # declared lost (no heartbeat: it was stopped or cut off) while it lived on
+            raise NodeRetiredError(f"node {self.node_id} was declared lost and its ranks were taken over in place "
+                                   f"({membership.reason})")
 
     def report_failure(self, by_signal: bool, detail: str) -> None:
         """Tell the leader that a worker of this node failed in the current epoch."""

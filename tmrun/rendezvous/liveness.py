@@ -17,8 +17,31 @@ from tmrun.console import say
 from tmrun.protocol import auth
 
 HELLO = b"TMRUN-LIVE1 "
-MAX_HELLO = 256
+MAX_HELLO = 4096  # bytes of a hello line, newline included (a run id may be long)
+MAX_NODE_DIGITS = 18  # a node id fits in an int64
+HELLO_TIMEOUT = 10.0  # seconds a connection may take to authenticate and say its hello
+REFUSED_LOG_INTERVAL = 10.0  # at most one "refused" line per interval (a port scanner floods it)
 GOODBYE = b"!"
+
+
+def parse_hello(line: bytes, run_id: bytes) -> int | None:
+    """The node id of an agent's hello line (``HELLO + b"<run id> <node id>"``, newline
+    excluded), or None for anything else: never raises."""
+    if len(line) >= MAX_HELLO or not line.startswith(HELLO):
+        return None
+    parts = line[len(HELLO) :].split(b" ")
+    if len(parts) != 2 or parts[0] != run_id or not parts[1].isdigit() or len(parts[1]) > MAX_NODE_DIGITS:
+        return None
+    return int(parts[1])
+
+
+def read_hello(buffer: bytes, run_id: bytes) -> int | None | bool:
+    """What a connection's first bytes say: its node id (an int), False (refuse it: not one of
+    ours), or None (wait for more)."""
+    if b"\n" not in buffer:
+        return False if len(buffer) >= MAX_HELLO else None
+    node_id = parse_hello(buffer.split(b"\n", 1)[0], run_id)
+    return False if node_id is None else node_id
 
 
 @dataclass
@@ -39,10 +62,11 @@ class LivenessMonitor:
     """
 
     def __init__(self, run_id: str, heartbeat_timeout: float, bind_host: str = "", token: str | None = None,
-                 hello_timeout: float = 10.0) -> None:
+                 hello_timeout: float | None = None) -> None:
         self._run_id = run_id.encode()
         self._token = token or None  # None: no authentication (unit tests); the launcher always sets one
-        self._hello_timeout = hello_timeout  # a connection must authenticate and say hello within this
+        # a connection must authenticate and say hello within this
+        self._hello_timeout = HELLO_TIMEOUT if hello_timeout is None else hello_timeout
         self.auth_failures = 0
         self._timeout = heartbeat_timeout
         self._selector = selectors.DefaultSelector()
@@ -52,6 +76,8 @@ class LivenessMonitor:
         self._peers: dict[int, _Peer] = {}  # fd -> peer
         self.port: int = self._listener.getsockname()[1]
         self._departed: list[int] = []  # nodes whose agent said goodbye and closed
+        self._refused = 0  # connections refused since the last "refused" line
+        self._refused_logged = -REFUSED_LOG_INTERVAL
 
     def take_departed(self) -> list[int]:
         """Nodes whose agent left on purpose (goodbye, then EOF) since the last call."""
@@ -135,34 +161,28 @@ class LivenessMonitor:
                     self._drop(peer)
                     return
                 peer.nonce = b""
-            if b"\n" not in peer.buffer:
-                if len(peer.buffer) > MAX_HELLO:
-                    self._drop(peer)  # not one of ours: ignore it
-                return
-            line = peer.buffer.split(b"\n", 1)[0]
-            node_id = self._parse_hello(line)
-            if node_id is None:
-                say("liveness: refused a connection that is not from this job")
-                self._drop(peer)
-                return
-            peer.node_id = node_id
-
-    def _parse_hello(self, line: bytes) -> int | None:
-        if not line.startswith(HELLO):
-            return None
-        parts = line[len(HELLO) :].split(b" ")
-        if len(parts) != 2 or parts[0] != self._run_id or not parts[1].isdigit():
-            return None
-        return int(parts[1])
+            hello = read_hello(peer.buffer, self._run_id)
+            if hello is False:
+                self._refuse(peer, None)
+            elif hello is not None:
+                peer.node_id = hello
+                peer.buffer = b""
 
     def _refuse(self, peer: _Peer, failure: str | None) -> None:
-        """Drop a connection that did not identify itself; ``failure``: it failed authentication
-        (counted, one line)."""
+        """Drop a connection that is not one of this job's agents; ``failure``: it failed
+        authentication (counted). Said at most once per :data:`REFUSED_LOG_INTERVAL`, with a
+        count (a port scanner must not flood the log)."""
+        self._drop(peer)
         if failure is not None:
             self.auth_failures += 1
-            say(f"liveness: refused a connection that failed authentication ({failure}; "
-                f"{self.auth_failures} so far)")
-        self._drop(peer)
+        self._refused += 1
+        now = time.monotonic()
+        if now - self._refused_logged >= REFUSED_LOG_INTERVAL:
+            why = f"it failed authentication: {failure}" if failure is not None else "not from this job"
+            more = f"; {self._refused} refused since the last report" if self._refused > 1 else ""
+            total = f"; {self.auth_failures} authentication failures so far" if self.auth_failures else ""
+            say(f"liveness: refused a connection ({why}{more}{total})")
+            self._refused, self._refused_logged = 0, now
 
     def _drop(self, peer: _Peer) -> None:
         fd = peer.sock.fileno()

@@ -41,6 +41,24 @@ class RecoveryError(RuntimeError):
     """In-place recovery could not complete (the job falls back to the agent's restart)."""
 
 
+class Rejoin(Exception):
+    """The controller gave this joiner its rank again in a newer generation (the one it was
+    joining was superseded before it recovered): join again with ``assignment``."""
+
+    def __init__(self, assignment: proto.Assignment) -> None:
+        super().__init__(f"rejoin as rank {assignment.rank} in generation {assignment.gen}")
+        self.assignment = assignment
+
+
+class Superseded(RecoveryError):
+    """A newer generation was published while this process waited inside the change to
+    ``gen`` (a rank lost while that generation recovered): the wait is over at once."""
+
+    def __init__(self, gen: int, newest: int, what: str) -> None:
+        super().__init__(f"generation {newest} superseded generation {gen} while waiting for {what}")
+        self.gen, self.newest = gen, newest
+
+
 def log(message: str) -> None:
     """One line of the worker: ``[tmrun worker PID HH:MM:SS.mmm] message`` on stderr."""
     say(message, worker=True)
@@ -154,6 +172,96 @@ class Context:
                 raise SystemExit(1) from None
             raise RecoveryError(f"lost the job's store while waiting for {key} ({type(exc).__name__})") from None
 
+    def newest_gen(self, wake: "GenerationFile | None" = None, ask_store: bool = True) -> int:
+        """The controller's current generation: its file on this node when it has one (``wake``
+        re-reads it), else (or with ``ask_store``) the store's ``gen`` key."""
+        newest = -1
+        if wake is not None and wake.usable:
+            wake.changed()
+            newest = wake.value()
+        if newest < 0 or ask_store:
+            newest = max(newest, proto.read_gen(self.require_store()))
+        return newest
+
+    def address_getter(self, gen: int) -> Callable[[Any, str], str]:
+        """How a change to generation ``gen`` waits for a peer's address (the native bootstrap,
+        :mod:`tmrun.comm.native`): polled, and given up at once (:class:`Superseded`) when the
+        controller published a newer generation meanwhile (the peer was lost: it will never
+        publish), instead of waiting up to the store's timeout. Also watches what
+        :meth:`await_key` watches (abort, SIGTERM, the agent's death, the recovery timeout)."""
+
+        def get(store: Any, key: str) -> str:
+            watch = self.generation_watch(gen, key)
+            polls = 0
+            while not store.check([key]):
+                watch()
+                polls += 1
+                # fast while a peer is about to publish (the downtime), then at a standby's pace
+                time.sleep(FAST_POLL if polls < 100 else POLL)
+            value = store.get(key)
+            return value.decode() if isinstance(value, (bytes, bytearray)) else str(value)
+
+        return get
+
+    def generation_watch(self, gen: int, what: str) -> Callable[[], None]:
+        """A check to call while waiting inside the change to ``gen``: raises :class:`Superseded`
+        once the controller published a newer generation (the node's generation file at every
+        call when there is one, the store every tenth), and stops as :meth:`await_key` does
+        (abort, SIGTERM, the agent's death, the recovery timeout)."""
+        wake = GenerationFile(self.env.gen_file)
+        deadline = time.monotonic() + self.env.recovery_timeout
+        calls = [0]
+
+        def watch() -> None:
+            calls[0] += 1
+            tenth = calls[0] % 10 == 0
+            if tenth or wake.usable:
+                newest = self.newest_gen(wake, ask_store=tenth)
+                if newest > gen:
+                    raise Superseded(gen, newest, what)
+            if tenth:
+                self._check_waiting(deadline, what)
+
+        return watch
+
+    def reassignment(self, after_gen: int) -> proto.Assignment | None:
+        """This standby's assignment, when the controller wrote one newer than ``after_gen``."""
+        if self.env.standby_id < 0:
+            return None
+        key = keys.standby_assign(self.env.standby_id)
+        store = self.require_store()
+        if not store.check([key]):
+            return None
+        assignment = proto.Assignment.decode(key, store.get(key))
+        return assignment if assignment.gen > after_gen else None
+
+    def await_reassignment(self, after_gen: int, why: str) -> proto.Assignment:
+        """A joiner whose generation was superseded: the controller gives it its rank again in
+        the newer generation (an unplanned one, while the superseded one recovers). Without one
+        within a few seconds the joiner leaves (its rank is replaced like a lost joiner)."""
+        deadline = time.monotonic() + 5.0
+        while True:
+            assignment = self.reassignment(after_gen)
+            if assignment is not None and not assignment.stop:
+                return assignment
+            if time.monotonic() > deadline or (assignment is not None and assignment.stop):
+                log(f"joiner: {why}; no new assignment: this joiner leaves (its rank is replaced)")
+                raise SystemExit(1)
+            self._check_waiting(float("inf"), why)
+            time.sleep(POLL)
+
+    def _check_waiting(self, deadline: float, what: str) -> None:
+        store = self.require_store()
+        if store.check([keys.ABORT]):
+            notice = proto.AbortNotice.decode(keys.ABORT, store.get(keys.ABORT))
+            raise RecoveryError(f"in-place recovery abandoned by the controller: {notice.reason}")
+        if self.stop_requested:
+            raise SystemExit(0)
+        if self.env.agent_pid and os.getppid() != self.env.agent_pid:
+            raise SystemExit(0)  # orphaned: the agent is gone
+        if time.monotonic() > deadline:
+            raise RecoveryError(f"nothing within {self.env.recovery_timeout:.0f}s ({what})")
+
     def _await_key(self, key: str, deadline: float, poll: float) -> bytes:
         store = self.require_store()
         wake = GenerationFile(self.env.gen_file)
@@ -201,3 +309,10 @@ class GenerationFile:
     def changed(self) -> bool:
         previous = self._last
         return self._read() != previous
+
+    def value(self) -> int:
+        """The generation last read (-1: none readable)."""
+        try:
+            return int(self._last or b"-1")
+        except ValueError:
+            return -1

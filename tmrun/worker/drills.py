@@ -13,7 +13,9 @@ Points (``at=``): ``step`` (start of the step, default), ``forward`` (the tracke
 forward), ``backward`` (while gradients are being reduced), ``optimizer`` (inside
 ``optimizer.step``), ``transfer`` (while donating state to a joiner; ``step=`` may be left out),
 ``promotion`` (a joiner, after it joined and before it received the state), ``handover`` (a
-migration's leaver, once its joiner is connected and before it sends anything). ``time=SECONDS`` fires that many seconds
+migration's leaver, once its joiner is connected and before it sends anything), ``switch`` (a
+rank that stays during a migration, once it prepared its links to the joiner, before the switch),
+``recovery`` (a survivor that read the next generation's plan, before it publishes its address). ``time=SECONDS`` fires that many seconds
 after the worker's runtime started instead of at a step.
 
 ``signal=STALL`` does not end the process: it stops the training loop at that point for good

@@ -67,6 +67,14 @@ def attach(communicator: Any) -> None:
     b.set_local(False)
 
 
+def attach_replacing(communicator: Any) -> Any:
+    """:func:`attach`, returning the communicator it replaces (None for a standby's first one)."""
+    b = _backend()
+    old = b.attach(communicator)
+    b.set_local(False)
+    return old
+
+
 def traffic() -> dict[str, int]:
     """Collectives served locally and bytes this process put on the network, over every tmrun
     group it created (the default group, and the subgroups of ``new_group`` / a device mesh): a

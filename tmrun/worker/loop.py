@@ -12,12 +12,13 @@ Per step: a STANDBY runs it as a shadow step until it is assigned and warm, then
 
 from __future__ import annotations
 
+import os
 import pickle
 from typing import Any, Iterator
 
 from tmrun.protocol import keys
 from tmrun.worker import rng
-from tmrun.worker.context import Context
+from tmrun.worker.context import Context, Rejoin, log
 from tmrun.worker.migration import Migration
 from tmrun.worker.recovery import Recovery, settle_heal
 from tmrun.worker.roles import Role
@@ -53,7 +54,7 @@ class StepLoop:
             if ctx.aborted_by is not None:
                 if ctx.committed_step < step:  # undo what the aborted step advanced
                     ctx.tracked.restore_stateful(self._stateful_at_start)
-                step = self._recovery.recover()
+                step = self._recover()
                 continue
             ctx.committed_step = step
             self._progress(step)
@@ -61,20 +62,36 @@ class StepLoop:
                 ctx.publish_first_step()  # the recovery's last phase (docs/events.md)
             plan = self._recovery.pending_plan()
             if plan is not None and not plan.planned:
-                step = self._recovery.recover()  # a failure elsewhere: this rank's step went through
+                step = self._recover()  # a failure elsewhere: this rank's step went through
                 continue
             step += 1
             self._record_rng(step)
             if plan is not None:
-                step = self._migration.at_boundary(plan, done_step=step - 1)
+                try:
+                    step = self._migration.at_boundary(plan, done_step=step - 1)
+                except Rejoin as again:
+                    step = self._standby.rejoin(again.assignment)
         ctx.loop_finished = True
         if ctx.in_place and not ctx.life.is_(Role.STANDBY):
             settle_heal(ctx)  # nobody may still be reading this process when it exits
         if ctx.in_place and not ctx.life.is_(Role.STANDBY):
             ctx.require_store().set(keys.done(ctx.rank), str(ctx.committed_step))
 
+    def _recover(self) -> int:
+        try:
+            return self._recovery.recover()
+        except Rejoin as again:  # a joiner whose generation was superseded before every rank recovered
+            return self._standby.rejoin(again.assignment)
+
     def _begin_step(self, step: int) -> None:
         ctx = self._ctx
+        if ctx.env.agent_pid and os.getppid() != ctx.env.agent_pid:
+            # The agent (supervisor, store, controller) was killed: nobody can replace a rank or
+            # collect this job's result any more. The job ends; every worker and standby leaves
+            # at its next step boundary (a peer's departure ends a collective in flight, whose
+            # recovery then finds the agent gone too), before writing anything of its result.
+            log(f"the tmrun agent (pid {ctx.env.agent_pid}) is gone; this worker exits (the job ends)")
+            raise SystemExit(1)
         ctx.current_step = step
         if ctx.progress.enabled and not ctx.life.is_(Role.STANDBY):
             ctx.progress.bind(ctx.rank, ctx.gen, ctx.life.role.value)

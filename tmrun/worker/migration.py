@@ -25,16 +25,18 @@ from typing import Any, NoReturn
 from tmrun.comm import native
 from tmrun.protocol import keys, messages as proto
 from tmrun.worker import group, rng
-from tmrun.worker.context import Context, RecoveryError, log
+from tmrun.worker.context import Context, RecoveryError, Rejoin, Superseded, log
 from tmrun.worker.leave import leave
-from tmrun.worker.recovery import heal, settle_heal
+from tmrun.worker.recovery import Recovery, heal, settle_heal
 from tmrun.worker.roles import Role
 from tmrun.worker.transfer import PendingPart, TransferError, hand_over, take_over
 
 
 class Migration:
-    def __init__(self, ctx: Context) -> None:
+    def __init__(self, ctx: Context, recovery: Recovery) -> None:
         self._ctx = ctx
+        self._recovery = recovery
+        recovery.on_replaced = self.leave_replaced
         self._prepared_gen = -1  # the generation whose links to the joiner are being built
         self._handover: tuple[Any, PendingPart, float] | None = None  # a joiner's state still arriving
 
@@ -50,8 +52,14 @@ class Migration:
         if not leaving and self._prepared_gen != plan.gen:
             # phase 1 while training goes on: links to the joiner are built in the background
             # (the native communicator's "epoch" is the generation)
-            native.prepare_replacement(ctx.comm_store(), group.comm(), plan.replaced.keys(), plan.gen)
+            try:
+                native.prepare_replacement(ctx.comm_store(), group.comm(), plan.replaced.keys(), plan.gen,
+                                           get=ctx.address_getter(plan.gen))
+            except Superseded as exc:  # the joiner was lost before it published its address
+                self._recovery.superseded(plan, exc)
+                return self._recovery.recover()
             self._prepared_gen = plan.gen
+            ctx.fire("switch")  # drills: a rank that stays, killed while the migration is under way
         if done_step < switch_at:
             return done_step + 1
         if done_step > switch_at:
@@ -59,12 +67,18 @@ class Migration:
         started = time.monotonic()
         if leaving:
             settle_heal(ctx, skip=plan.replaced.keys(), in_change=True)  # nobody reads this process any more
-            self._hand_over(plan, switch_at)
+            self._hand_over(plan, switch_at, rng.capture())
         ctx.loss_noticed = time.time()  # a migration's "noticed": training stopped at the switch
         ctx.life.to(Role.SWITCHING)
-        group.comm().commit()  # phase 2, at the step boundary
-        ctx.gen = plan.gen
-        return heal(ctx, started=started, aborted_step=-1, connected=time.time(), replaced=plan.replaced.keys())
+        try:
+            group.comm().commit()  # phase 2, at the step boundary
+            ctx.gen = plan.gen
+            return heal(ctx, started=started, aborted_step=-1, connected=time.time(), replaced=plan.replaced.keys())
+        except native.CommError as exc:  # a member (the joiner, another rank) lost during the switch
+            ctx.gen = max(ctx.gen, plan.gen)
+            self._recovery.on_comm_failure(exc)
+            log(f"rank {ctx.rank}: lost a member during the migration's switch ({exc}); waiting for the next plan")
+            return self._recovery.recover()
 
     def _handoff_comm(self, plan_gen: int, rank: int) -> Any:
         """A 2-member link between this rank's leaver (0) and joiner (1), made for generation
@@ -75,21 +89,49 @@ class Migration:
         return native.connect_via_store(
             ctx.comm_store(), rank, 2, f"{job_id}/handoff{plan_gen}/{ctx.rank}", 0,
             prefix=keys.handoff_prefix(plan_gen, ctx.rank), timeout=ctx.env.comm_timeout,
+            # the leaver gives up once a newer generation shows its joiner was lost; the joiner
+            # waits for its live leaver whatever happens elsewhere
+            get=ctx.address_getter(plan_gen) if rank == 0 else None,
             connect_timeout=ctx.env.recovery_timeout, op_timeout=ctx.env.recovery_timeout,
         )
 
     # -- the leaver -------------------------------------------------------------------------------
 
-    def _hand_over(self, plan: proto.ReplacementPlan, switch_at: int) -> NoReturn:
-        """ACTIVE -> LEAVING: stream the state to the joiner (the model first, then the
-        optimizer's state, which the joiner receives while it computes), then leave cleanly."""
+    def leave_replaced(self, plan: proto.ReplacementPlan) -> NoReturn:
+        """Recovering, this rank found a plan that gives it to another process. A migration's
+        leaver (a member was lost before the switch step) still hands its last committed state
+        to its joiner, then leaves; a process replaced by an unplanned plan (it was fenced, or
+        cut off, and came back) leaves at once: it must not touch the new generation."""
+        ctx = self._ctx
+        again = ctx.reassignment(plan.gen - 1)
+        if again is not None and again.gen == plan.gen and not again.stop:
+            raise Rejoin(again)  # a joiner that had not recovered: it reconnects for this generation
+        if not plan.planned:
+            log(f"rank {ctx.rank}: generation {plan.gen} gave this rank to another process; this process leaves")
+            raise SystemExit(1)
+        settle_heal(ctx, skip=plan.replaced.keys(), in_change=True)
+        redo = ctx.committed_step < ctx.current_step and ctx.step_rng is not None
+        log(f"rank {ctx.rank}: a member was lost before the switch step of generation {plan.gen}; "
+            f"handing over the state of step {ctx.committed_step}")
+        self._hand_over(plan, ctx.committed_step, ctx.step_rng if redo else rng.capture())
+
+    def _hand_over(self, plan: proto.ReplacementPlan, switch_at: int, rng_state: Any) -> NoReturn:
+        """ACTIVE (or RECOVERING) -> LEAVING: stream the state to the joiner (the model first,
+        then the optimizer's state, which the joiner receives while it computes), then leave
+        cleanly. ``rng_state``: the random state the joiner's first step starts from."""
         ctx = self._ctx
         ctx.life.to(Role.LEAVING)
         started = time.monotonic()
-        handoff = self._handoff_comm(plan.gen, 0)
+        try:
+            handoff = self._handoff_comm(plan.gen, 0)
+        except Superseded as exc:
+            # the joiner was lost before it connected: the newer generation gives this rank to
+            # another standby, which heals from the other ranks; nothing is left to hand over
+            log(f"rank {ctx.rank}: {exc}; nobody to hand over to: leaving")
+            leave()
         try:
             ctx.fire("handover")
-            meta = {"committed_step": switch_at, "rng": rng.capture()}
+            meta = {"committed_step": switch_at, "rng": rng_state}
             moved = hand_over(handoff, ctx.tracked, meta, same_host_reads=ctx.env.same_host_reads)
         finally:
             handoff.close()

@@ -21,13 +21,14 @@ import pickle
 import threading
 import time
 from collections.abc import Collection
+from typing import Callable, NoReturn
 
 import torch.distributed as dist
 
 from tmrun.comm import native
 from tmrun.protocol import keys, messages as proto
 from tmrun.worker import group, rng
-from tmrun.worker.context import FAST_POLL, Context, RecoveryError, log
+from tmrun.worker.context import FAST_POLL, Context, RecoveryError, Superseded, log
 from tmrun.worker.roles import Role
 from tmrun.worker.transfer import MISPLACED, READ_TIMEOUT, TransferError, agree, heal as transfer_state
 
@@ -39,6 +40,12 @@ class Recovery:
         # (generation, aborted_by) change together: a loss seen by the watcher thread for the
         # generation being left must not abort the first step of the next one
         self._lock = threading.Lock()
+        # ranks of a generation superseded before this rank's links to them were prepared: the
+        # next generation's prepare replaces their links too
+        self._folded: set[int] = set()
+        # a plan that gives this rank to another process (a migration's leaver that lost a
+        # member before its switch step, a fenced rank that came back): set by the migration
+        self.on_replaced: Callable[[proto.ReplacementPlan], NoReturn] | None = None
 
     # -- failures (any thread) ----------------------------------------------------------------
 
@@ -114,6 +121,23 @@ class Recovery:
         except (OSError, ValueError):
             return self._ctx.gen + 1  # unreadable: ask the store
 
+    def clear_abort(self) -> None:
+        """A joiner joining again (its generation was superseded): what the lost generation
+        aborted does not carry over to the new communicator."""
+        group.clear_aborted()
+        with self._lock:
+            self._ctx.aborted_by = None
+
+    def superseded(self, plan: proto.ReplacementPlan, exc: Superseded) -> None:
+        """A newer generation was published while this rank prepared for ``plan`` (a member was
+        lost meanwhile): skip ``plan``'s change; its joiners' links are replaced in the next."""
+        ctx = self._ctx
+        self._folded.update(plan.replaced.keys())
+        with self._lock:
+            ctx.gen = max(ctx.gen, plan.gen)
+            ctx.aborted_by = None
+        log(f"rank {ctx.rank}: {exc}; recovering into the newer generation")
+
     # -- recovering -------------------------------------------------------------------------------
 
     def recover(self) -> int:
@@ -130,18 +154,26 @@ class Recovery:
             key = keys.plan(ctx.gen + 1)
             raw = ctx.await_key(key, started + ctx.env.recovery_timeout, poll=FAST_POLL)
             plan = proto.ReplacementPlan.decode(key, raw)
+            if ctx.rank in plan.replaced and self.on_replaced is not None:
+                self.on_replaced(plan)  # never returns
+            ctx.fire("recovery")  # drills: a survivor lost once the plan is out, before its links
             try:
                 comm = group.comm()
                 # the native communicator's "epoch" is the generation
-                native.prepare_replacement(ctx.comm_store(), comm, plan.replaced.keys(), plan.gen)
+                replaced = self._folded | set(plan.replaced.keys())
+                native.prepare_replacement(ctx.comm_store(), comm, replaced, plan.gen,
+                                           get=ctx.address_getter(plan.gen))
                 comm.commit()
+                self._folded = set()
                 connected = time.time()
                 group.clear_aborted()  # (not under _lock: the backend calls on_comm_failure under its own)
                 with self._lock:
                     ctx.gen = plan.gen
                     ctx.aborted_by = None
                 return heal(ctx, started=started, aborted_step=aborted_step, connected=connected,
-                            replaced=plan.replaced.keys())
+                            replaced=replaced)
+            except Superseded as exc:
+                self.superseded(plan, exc)
             except native.CommError as exc:
                 with self._lock:
                     ctx.gen = max(ctx.gen, plan.gen)
@@ -234,9 +266,13 @@ def settle_heal(ctx: Context, skip: Collection[int] = (), in_change: bool = Fals
     gen, ranks = served
     store = ctx.require_store()
     deadline = time.monotonic() + READ_TIMEOUT
+    # in a change, a generation published meanwhile (a member lost) ends the wait at once (Superseded)
+    watch = ctx.generation_watch(max(ctx.gen, ctx.newest_gen()), "the healed members' reads") if in_change else None
     for rank in ranks:
         key = keys.heal_done(gen, rank)
         while rank not in skip and not store.check([key]):
+            if watch is not None:
+                watch()
             if time.monotonic() > deadline:
                 raise RecoveryError(f"rank {rank} did not finish reading the optimizer state within {READ_TIMEOUT:.0f}s")
             time.sleep(0.001)

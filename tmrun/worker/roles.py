@@ -24,7 +24,10 @@ The transitions (anything else raises :class:`IllegalTransition`)::
     ACTIVE     -> SWITCHING              this rank stays through a migration, at its switch step
     ACTIVE     -> LEAVING                this rank is a migration's leaver, at its switch step
     RECOVERING -> ACTIVE                 healed into the new generation
+    RECOVERING -> LEAVING                a migration's leaver that lost a member before its switch
+    RECOVERING -> JOINING                a joiner whose generation was superseded: it joins the newer one
     SWITCHING  -> ACTIVE                 the joiner is healed
+    SWITCHING  -> RECOVERING             a member was lost during the switch: wait for the next plan
 
 "Aborted" is not a role: it is a property of the current step (a collective of it lost a peer;
 set from the backend's completer thread) that makes an ACTIVE rank go RECOVERING at the end of
@@ -49,8 +52,8 @@ TRANSITIONS: dict[Role, frozenset[Role]] = {
     Role.STANDBY: frozenset({Role.JOINING}),
     Role.JOINING: frozenset({Role.ACTIVE, Role.RECOVERING}),
     Role.ACTIVE: frozenset({Role.RECOVERING, Role.SWITCHING, Role.LEAVING}),
-    Role.RECOVERING: frozenset({Role.ACTIVE}),
-    Role.SWITCHING: frozenset({Role.ACTIVE}),
+    Role.RECOVERING: frozenset({Role.ACTIVE, Role.LEAVING, Role.JOINING}),
+    Role.SWITCHING: frozenset({Role.ACTIVE, Role.RECOVERING}),
     Role.LEAVING: frozenset(),
 }
 

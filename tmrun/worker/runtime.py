@@ -49,7 +49,7 @@ class Runtime:
     def __init__(self, env: LaunchEnv) -> None:
         self._ctx = ctx = Context(env)
         self._recovery = Recovery(ctx)
-        self._migration = Migration(ctx)
+        self._migration = Migration(ctx, self._recovery)
         self._standby = Standby(ctx, self._recovery, self._migration)
         self._loop = StepLoop(ctx, self._recovery, self._migration, self._standby)
         ctx.connect(on_comm_failure=self._recovery.on_comm_failure, on_term=self._standby.on_term)

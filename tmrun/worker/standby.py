@@ -19,7 +19,7 @@ import torch
 from tmrun.comm import native
 from tmrun.protocol import keys, messages as proto
 from tmrun.worker import drills, group
-from tmrun.worker.context import POLL, Context, log
+from tmrun.worker.context import POLL, Context, Rejoin, Superseded, log
 from tmrun.worker.migration import Migration
 from tmrun.worker.recovery import Recovery, heal
 from tmrun.worker.roles import Role
@@ -97,22 +97,52 @@ class Standby:
 
     def _join(self, assignment: proto.Assignment) -> int:
         """STANDBY -> JOINING: connect as the assigned rank for the assigned generation, then
-        heal (JOINING -> ACTIVE)."""
+        heal (JOINING -> ACTIVE). A newer generation published before this joiner recovered
+        gives it its rank again: it joins that one (``Rejoin``)."""
+        while True:
+            try:
+                return self._join_once(assignment)
+            except Rejoin as again:
+                log(f"rank {assignment.rank}: generation {assignment.gen} was superseded before it recovered; "
+                    f"joining generation {again.assignment.gen}")
+                assignment = again.assignment
+
+    def rejoin(self, assignment: proto.Assignment) -> int:
+        """A promoted joiner, past its healing but in a generation not every rank recovered
+        into, given its rank again in the newer generation: it joins that one."""
+        log(f"rank {assignment.rank}: generation {self._ctx.gen} was superseded before every rank recovered; "
+            f"joining generation {assignment.gen}")
+        return self._join(assignment)
+
+    def _join_once(self, assignment: proto.Assignment) -> int:
         ctx = self._ctx
         store = ctx.require_store()
         started = self._assigned_at
         job_id = store.get(keys.JOB_ID).decode()
         # the native communicator's "epoch" is the generation
-        comm = native.join_via_store(
-            ctx.comm_store(), assignment.rank, ctx.world_size, job_id, assignment.gen, timeout=ctx.env.comm_timeout,
-            connect_timeout=ctx.env.recovery_timeout,
-        )
+        try:
+            comm = native.join_via_store(
+                ctx.comm_store(), assignment.rank, ctx.world_size, job_id, assignment.gen,
+                get=ctx.address_getter(assignment.gen),
+                watch=ctx.generation_watch(assignment.gen, f"the links of generation {assignment.gen}"),
+                timeout=ctx.env.comm_timeout,
+                connect_timeout=ctx.env.recovery_timeout,
+            )
+        except Superseded as exc:
+            # A member was lost before it published its address for this generation (or before
+            # this joiner's links were up): the controller published a newer one, which gives
+            # this joiner its rank again and whose members replace its links too
+            raise Rejoin(ctx.await_reassignment(assignment.gen, str(exc))) from None
         connected = time.time()
-        group.attach(comm)
+        old = group.attach_replacing(comm)
+        if old is not None:
+            old.close()  # the superseded generation's links (a joiner joining again)
+            self._recovery.clear_abort()
         group.set_failure_handler(self._recovery.on_comm_failure)
         ctx.rank = assignment.rank
         ctx.gen = assignment.gen
-        ctx.life.to(Role.JOINING)
+        if not ctx.life.is_(Role.JOINING):
+            ctx.life.to(Role.JOINING)
         ctx.fresh = True
         ctx.drills.rebind(ctx.rank, promoted=True)
         log(f"promoted to rank {ctx.rank} (generation {ctx.gen})")
@@ -121,6 +151,8 @@ class Standby:
             if assignment.planned:
                 self._migration.take_over(assignment.gen)
             return heal(ctx, started=started, aborted_step=-1, connected=connected)
+        except Superseded as exc:  # heal's waits: a newer generation gives this joiner its rank again
+            raise Rejoin(ctx.await_reassignment(assignment.gen, str(exc))) from None
         except native.CommError as exc:
             self._recovery.on_comm_failure(exc)
             log(f"rank {ctx.rank}: lost a member while joining ({exc}); waiting for the next plan")

@@ -208,14 +208,46 @@ def _send_json(comm: tmrun_native.Communicator, value: dict[str, Any], dst: int)
     _send_blob(comm, json.dumps(value).encode(), dst)
 
 
-def _recv_json(comm: tmrun_native.Communicator, src: int, what: str) -> dict[str, Any]:
+def decode_json(raw: bytes, what: str, src: int) -> dict[str, Any]:
+    """A JSON object a peer sent (hello, offer, choice, receipt); :class:`TransferError` (one
+    line) on anything else."""
     try:
-        value = json.loads(_recv_blob(comm, src))
-    except ValueError:
+        value = json.loads(raw)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         value = None
     if not isinstance(value, dict):
         raise TransferError(f"malformed {what} from rank {src}")
     return value
+
+
+def _recv_json(comm: tmrun_native.Communicator, src: int, what: str) -> dict[str, Any]:
+    return decode_json(_recv_blob(comm, src), what, src)
+
+
+def peer_pid(message: dict[str, Any], what: str, src: int) -> int:
+    """The ``pid`` field of a peer's hello or offer (0: none given)."""
+    pid = message.get("pid", 0)
+    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 <= pid < 1 << 31:
+        raise TransferError(f"malformed {what} from rank {src}: bad pid")
+    return pid
+
+
+def peer_addresses(message: dict[str, Any], name: str, what: str, src: int) -> list[int]:
+    """A list of addresses in a peer's offer (empty: none given)."""
+    value = message.get(name) or []
+    if not isinstance(value, list) or not all(
+            isinstance(a, int) and not isinstance(a, bool) and 0 <= a < 1 << 64 for a in value):
+        raise TransferError(f"malformed {what} from rank {src}: bad {name!r}")
+    return value
+
+
+def decode_hello(raw: bytes, src: int) -> tuple[int, str]:
+    """A joiner's hello on the handoff link: (its pid, its host identity; "" for none)."""
+    hello = decode_json(raw, "hello", src)
+    host = hello.get("host") or ""
+    if not isinstance(host, str):
+        raise TransferError(f"malformed hello from rank {src}: bad host")
+    return peer_pid(hello, "hello", src), host
 
 
 def _give_up(comm: tmrun_native.Communicator, owner: int, error: str) -> TransferError:
@@ -355,7 +387,8 @@ def _receive_deferred(comm: tmrun_native.Communicator, state: TrackedState, plan
     offers = {donor: _recv_json(comm, donor, "offer") for donor in donors}
     stripes = {donor: (_stripe(now_host.views, index, count), _stripe(later_host.views, index, count))
                for index, donor in enumerate(donors)}
-    reads = {donor: peer_read.BackgroundRead(int(offers[donor].get("pid", 0)), list(offers[donor].get("stripe") or []),
+    reads = {donor: peer_read.BackgroundRead(peer_pid(offers[donor], "offer", donor),
+                                             peer_addresses(offers[donor], "stripe", "offer", donor),
                                              stripes[donor][0], f"the model's stripe of rank {donor}", READ_TIMEOUT)
              for donor in donors}
     healed = Healed(dict(header["meta"]), received=True)
@@ -375,8 +408,8 @@ def _receive_deferred(comm: tmrun_native.Communicator, state: TrackedState, plan
             healed.add(PATH_SOCKET, _receive_part(comm, now, donor) + _receive_part(comm, later, donor))
             continue
         _send_json(comm, {"ok": True, "path": PATH_MEMORY}, donor)
-        remote_later = list(offers[donor].get("later") or [])
-        later_reads.append((peer_read.BackgroundRead(int(offers[donor].get("pid", 0)), remote_later, later,
+        remote_later = peer_addresses(offers[donor], "later", "offer", donor)
+        later_reads.append((peer_read.BackgroundRead(peer_pid(offers[donor], "offer", donor), remote_later, later,
                                                      f"the optimizer state's stripe of rank {donor}", READ_TIMEOUT),
                             donor))
         healed.add(PATH_MEMORY, read.nbytes + sum(v.numel() for v in later))
@@ -491,8 +524,7 @@ def _receive(comm: tmrun_native.Communicator, state: TrackedState, plan: HealPla
 def _read_stripe(comm: tmrun_native.Communicator, donor: int, views: list[torch.Tensor]) -> peer_read.BackgroundRead:
     """Start copying ``donor``'s stripe out of its memory, as its offer says."""
     where = _recv_json(comm, donor, "offer")
-    remote = where.get("stripe")
-    return peer_read.BackgroundRead(int(where.get("pid", 0)), list(remote) if isinstance(remote, list) else [],
+    return peer_read.BackgroundRead(peer_pid(where, "offer", donor), peer_addresses(where, "stripe", "offer", donor),
                                     views, f"the stripe of rank {donor}", timeout=READ_TIMEOUT)
 
 
@@ -553,12 +585,12 @@ def _split(state: TrackedState, load: bool) -> tuple[HostBytes, HostBytes]:
 def hand_over(comm: tmrun_native.Communicator, state: TrackedState, step_meta: dict[str, object],
               joiner: int = 1, same_host_reads: bool = True) -> int:
     """The leaver's side. Returns the bytes handed over (sent, or read by the joiner)."""
-    hello = _recv_json(comm, joiner, "hello")
+    pid, host = decode_hello(_recv_blob(comm, joiner), joiner)
     now_host, later_host = _split(state, load=True)
     now, later = now_host.views, later_host.views
     offer = None
-    if same_host_reads and hello.get("host") and hello.get("host") == peer_read.host_identity():
-        offer = peer_read.offer(int(hello.get("pid", 0)), now=now, later=later)
+    if same_host_reads and host and host == peer_read.host_identity():
+        offer = peer_read.offer(pid, now=now, later=later)
     _send_header(comm, state, step_meta, joiner, peer=offer)
     choice = _recv_json(comm, joiner, "choice").get("path")
     if choice != PATH_MEMORY or offer is None:

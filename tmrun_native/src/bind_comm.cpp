@@ -488,6 +488,14 @@ a Work. Operations run in submission order on the communicator's worker thread.)
       [](py::buffer data, std::optional<std::string> job_id) {
         py::buffer_info info = data.request();
         size_t n = size_t(info.size) * size_t(info.itemsize);
+        // The parser reads n bytes from ptr: a strided view (memoryview(b)[::2], [::-1]) would
+        // make it read other bytes than the view's, or before or past its object.
+        ssize_t step = info.itemsize;
+        for (ssize_t i = info.ndim - 1; i >= 0; --i) {
+          if (info.shape[size_t(i)] > 1 && info.strides[size_t(i)] != step)
+            throw py::type_error("parse_frame needs a C-contiguous buffer");
+          step *= info.shape[size_t(i)];
+        }
         const auto* p = static_cast<const uint8_t*>(info.ptr);
         tmrun::FrameHeader h;
         std::string err;

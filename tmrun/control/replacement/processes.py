@@ -75,6 +75,11 @@ class ProcessReplacement:
         self.replacements = 0
         self.detection = detection  # hangs, stragglers, unhealthy GPUs (control.detection)
         self._waiting_for_standby = core.MigrationsWaiting("it moves")  # ranks to move once a standby is warm
+        # rank -> its joiner in the last unplanned generation, while that generation recovers: a
+        # generation published meanwhile (a rank lost during the recovery) gives each live one
+        # its rank again, so that every member replaces its links the same way (the joiner
+        # reconnects for the new generation instead of waiting for a dead rank's address)
+        self._joining: dict[int, StandbyProcess] = {}
 
     def adopt(self, processes: dict[int, subprocess.Popen[bytes]]) -> None:
         """The worker group just started: ``processes`` rank -> its process."""
@@ -259,12 +264,23 @@ class ProcessReplacement:
     def _promote_all(self, moves: dict[int, StandbyProcess], started: float, reason: str, planned: bool,
                      asked: float = 0.0) -> None:
         """Publish ONE generation in which each standby of ``moves`` plays its rank."""
-        self.gen = self._generations.publish(self._world_size, {r: m.index for r, m in moves.items()},
-                                             reason, planned)
+        carried: dict[int, StandbyProcess] = {}
+        if self._recoveries and not planned:
+            for rank, member in self._joining.items():
+                slot = self.slots.get(rank)
+                if rank not in moves and member.process.poll() is None and slot is not None \
+                        and slot.process is member.process:
+                    carried[rank] = member
+        assigned = {r: m.index for r, m in {**moves, **carried}.items()}
+        self.gen = self._generations.publish(self._world_size, assigned, reason, planned)
         self._recoveries.begin(self._store, self.gen, self._world_size, started, asked=asked)
         for rank, member in moves.items():
             self._pool.take(member)
             self.slots.replace(rank, member.process, leaving=planned)
+        for rank, member in carried.items():
+            say(f"generation {self.gen}: rank {rank}'s joiner (standby {member.index}, pid {member.process.pid}) "
+                f"had not recovered into generation {self.gen - 1}: it reconnects for generation {self.gen}")
+        self._joining = {} if planned else {**moves, **carried}
 
     def _abandon(self, failed: dict[int, int], why: str) -> Outcome:
         say(f"{_ranks(failed)} failed and {why}: falling back to restarting the worker group (as torchrun)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -33,10 +34,14 @@ if TYPE_CHECKING:
     from tmrun.rendezvous.handler import TmrunRendezvousHandler
 
 
+STOPPED_GAP = 1.0  # seconds between two looks at the workers after which the agent asks whether it was replaced
+
+
 class NodeRole(AgentRole):
     def __init__(self, agent: TmrunAgent, settings: AgentSettings, handler: TmrunRendezvousHandler) -> None:
         super().__init__(agent)
         self._handler = handler
+        self._last_monitor = 0.0  # monotonic: the previous look at the workers
         self._standby_log_dir = settings.standby_log_dir
         self._dir = tempfile.mkdtemp(prefix="tmrun-node-")
         self._watch: NodeWatch | None = None
@@ -115,6 +120,13 @@ class NodeRole(AgentRole):
         if watch is None or not watch.enabled():
             self.agent.wait_for_exit(min(self.agent.wait_interval, 0.1))
             return self.agent.elastic_check(worker_group)
+        now = time.monotonic()
+        if self._last_monitor and now - self._last_monitor > STOPPED_GAP:
+            # this agent did not run for a while (stopped, cut off, starved): the leader may have
+            # declared its node lost and given its ranks to a standby node meanwhile; then it
+            # leaves at once, before its workers' failures are reported as a new failure
+            self._handler.check_retired()
+        self._last_monitor = now
         self.agent.wait_for_exit(0.05, watch.slots.pids())
         outcome = watch.step()
         if outcome.finished or outcome.failed:
