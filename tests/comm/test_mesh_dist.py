@@ -46,30 +46,46 @@ def same(a: list[dict], b: list[dict], key: str = "digest") -> None:
     assert [x[key] for x in a] == [x[key] for x in b]
 
 
-def test_new_group_subgroups_bitwise_as_gloo() -> None:
+ALL = "groups,mesh,hsdp,tp,fsdp"  # the 4-rank scenarios: one job per backend runs them all
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Every 4-rank scenario on both backends: {backend: {scenario: [result per rank]}}, plus the
+    saved FSDP parameters. Process starts dominate these tests on 2 cores: one job per backend."""
+    out: dict = {}
+    for backend in ("tmrun", "gloo"):
+        saved = tmp_path_factory.mktemp("mesh") / f"{backend}.pt"
+        ranks = launch(ALL, backend, 4, "--save", str(saved), timeout=240.0)
+        out[backend] = {name: [r["scenarios"][name] for r in ranks] for name in ALL.split(",")}
+        out[backend]["saved"] = saved
+    return out
+
+
+def test_new_group_subgroups_bitwise_as_gloo(runs: dict) -> None:
     """Overlapping subgroups (pairs, evens; a rank outside some), every collective on each:
     allreduce SUM/MAX, all_gather (list and tensor), reduce_scatter_tensor, broadcast,
     all_to_all_single, barrier. split_group: torch refuses it without an accelerator, the same
     way for both backends."""
-    tm, gl = launch("groups", "tmrun"), launch("groups", "gloo")
+    tm, gl = runs["tmrun"]["groups"], runs["gloo"]["groups"]
     same(tm, gl)
     same(tm, gl, "groups")  # the same group names (torch names them; the backend keeps them)
     assert tm[0]["split_error"] == gl[0]["split_error"] != ""
 
 
-def test_device_mesh_named_dims_bitwise_as_gloo() -> None:
-    tm, gl = launch("mesh", "tmrun"), launch("mesh", "gloo")
+def test_device_mesh_named_dims_bitwise_as_gloo(runs: dict) -> None:
+    tm, gl = runs["tmrun"]["mesh"], runs["gloo"]["mesh"]
     same(tm, gl)
     assert [x["ranks"]["replicate"] for x in tm] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert [x["ranks"]["tp"] for x in tm] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert tm[0]["ranks"]["backend_dp"] == "tmrun"
 
 
-def test_hsdp_2x2_bitwise_as_gloo() -> None:
+def test_hsdp_2x2_bitwise_as_gloo(runs: dict) -> None:
     """FSDP2 on a ("replicate", "shard") mesh: reduce-scatter over "shard", allreduce over
     "replicate" (2-way sums: order-free), AdamW: every rank's local shards and optimizer state
     equal gloo's; replicas (ranks 0 and 2, 1 and 3) hold the same shard."""
-    tm, gl = launch("hsdp", "tmrun"), launch("hsdp", "gloo")
+    tm, gl = runs["tmrun"]["hsdp"], runs["gloo"]["hsdp"]
     same(tm, gl)
     same(tm, gl, "full")
     assert tm[0]["digest"] == tm[2]["digest"] and tm[1]["digest"] == tm[3]["digest"] != tm[0]["digest"]
@@ -77,8 +93,8 @@ def test_hsdp_2x2_bitwise_as_gloo() -> None:
     assert keys[0] == keys[2] and keys[1] == keys[3] and keys[0] != keys[1] and 0 not in keys
 
 
-def test_tensor_parallel_bitwise_as_gloo() -> None:
-    tm, gl = launch("tp", "tmrun"), launch("tp", "gloo")
+def test_tensor_parallel_bitwise_as_gloo(runs: dict) -> None:
+    tm, gl = runs["tmrun"]["tp"], runs["gloo"]["tp"]
     same(tm, gl)
     same(tm, gl, "full")
     keys = [x["shard_key"] for x in tm]  # the "dp" replicas of each tp shard share a key
@@ -90,17 +106,15 @@ def test_fsdp_two_ranks_bitwise_as_gloo() -> None:
     same(tm, gl)
 
 
-def test_fsdp_four_ranks_close_to_gloo(tmp_path) -> None:
+def test_fsdp_four_ranks_close_to_gloo(runs: dict) -> None:
     """4-way sums: the native ring and gloo add in different orders, so the bits may differ;
     the parameters agree to float32 rounding."""
     import torch
 
-    a, b = tmp_path / "tmrun.pt", tmp_path / "gloo.pt"
-    tm = launch("fsdp", "tmrun", 4, "--save", str(a))
-    launch("fsdp", "gloo", 4, "--save", str(b))
+    tm = runs["tmrun"]["fsdp"]
     assert len({x["full"] for x in tm}) == 1  # every rank gathered the same parameters
     assert len({x["shard_key"] for x in tm}) == 4  # pure FSDP: no shard has a replica
-    sa, sb = torch.load(a), torch.load(b)
+    sa, sb = torch.load(runs["tmrun"]["saved"]), torch.load(runs["gloo"]["saved"])
     assert sa.keys() == sb.keys()
     for k in sa:
         assert torch.allclose(sa[k], sb[k], rtol=1e-4, atol=1e-6), k

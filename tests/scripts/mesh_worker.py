@@ -320,7 +320,8 @@ SCENARIOS = {"regroup": scenario_regroup, "sandbox": scenario_sandbox, "groups":
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("scenario", choices=sorted(SCENARIOS))
+    p.add_argument("scenario", help="one of " + ", ".join(sorted(SCENARIOS)) + ", or several joined by commas "
+                   "(run one after another, each in a process group of its own; the result per scenario)")
     p.add_argument("--backend", default="tmrun")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
@@ -332,6 +333,9 @@ def main() -> int:
     p.add_argument("--compare-from", type=int, default=0)
     p.add_argument("--standby", action="store_true")
     args = p.parse_args()
+    names = args.scenario.split(",")
+    if any(name not in SCENARIOS for name in names) or (len(names) > 1 and {"regroup", "sandbox"} & set(names)):
+        p.error(f"unknown or unsupported scenario list {args.scenario!r}")
     global SAVE
     SAVE = args.save
     faulthandler.dump_traceback_later(args.watchdog, exit=True)
@@ -347,7 +351,20 @@ def main() -> int:
         else:
             STORE = dist.TCPStore("127.0.0.1", args.port, None, args.rank == 0, timeout=TIMEOUT,
                                   wait_for_workers=False)
-            dist.init_process_group(args.backend, store=STORE, rank=args.rank, world_size=args.world, timeout=TIMEOUT)
+        if len(names) > 1:  # several scenarios, one process group each (one process start for all)
+            results = {}
+            for index, name in enumerate(names):
+                dist.init_process_group(args.backend, store=dist.PrefixStore(f"scenario{index}", STORE),
+                                        rank=args.rank, world_size=args.world, timeout=TIMEOUT)
+                results[name] = SCENARIOS[name](args)
+                dist.barrier()
+                dist.destroy_process_group()
+            say(event="ok", rank=args.rank, scenarios=results)
+            return 0
+        if args.scenario not in ("regroup", "sandbox") or (args.scenario == "regroup" and not args.standby):
+            if not dist.is_initialized():
+                dist.init_process_group(args.backend, store=STORE, rank=args.rank, world_size=args.world,
+                                        timeout=TIMEOUT)
         result = SCENARIOS[args.scenario](args)
         dist.barrier()
         dist.destroy_process_group()
