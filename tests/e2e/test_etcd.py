@@ -34,12 +34,13 @@ def _agent_cmd(work: Path, endpoint: str, run_id: str, *extra: str) -> list[str]
     )  # fmt: skip
 
 
-def _start_agents(work: Path, endpoint: str, *extra: str) -> list[subprocess.Popen[bytes]]:
-    """Three agents, one after another (node ids follow their order)."""
+def _start_agents(work: Path, endpoint: str, *extra: str, agents: int = 3) -> list[subprocess.Popen[bytes]]:
+    """``agents`` agents (three: two active nodes and a standby node), one after another (node
+    ids follow their order)."""
     work.mkdir(parents=True, exist_ok=True)
     run_id = f"etcd-{uuid.uuid4().hex[:8]}"
     procs: list[subprocess.Popen[bytes]] = []
-    for node in range(3):
+    for node in range(agents):
         procs.append(start(_agent_cmd(work, endpoint, run_id, *extra), log=work / f"agent{node}.log",
                            env={"TMRUN_STATE_DIR": str(work / "state")}))
         assert wait_until(lambda n=node: f"node {n} " in (work / f"agent{n}.log").read_text(), 60), (
@@ -97,7 +98,7 @@ def test_etcd_lost_every_agent_ends_in_one_line(tmp_path: Path) -> None:
     work = tmp_path / "gone"
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        procs = _start_agents(work, server.endpoint)
+        procs = _start_agents(work, server.endpoint, agents=2)  # the two active nodes
         assert wait_until(lambda: (work / "steps-0.log").exists() and
                           len((work / "steps-0.log").read_text().splitlines()) >= 2, 90)
         server.stop()
@@ -107,7 +108,7 @@ def test_etcd_lost_every_agent_ends_in_one_line(tmp_path: Path) -> None:
     finally:
         server.stop()
         _stop(procs)
-    for n in range(3):
+    for n in range(2):
         log = (work / f"agent{n}.log").read_text()
         assert codes[n] != 0, log
         assert "Traceback" not in log, log

@@ -141,11 +141,15 @@ class AgentLease:
     def _campaign(self) -> None:
         key = self._job + LEADER_KEY
         try:
-            existed = self._store.check([self._job + keys.STATE])
             if not self._store.create(key, self._identity, lease=self._lease):
-                return
+                return  # one etcd call per tick while another agent leads
         except EtcdError:
             return  # etcd unreachable for now: the lease thread decides when that is fatal
+        try:  # a leader before this one wrote the membership (only a leader writes it)
+            existed = self._store.check([self._job + keys.STATE])
+        except EtcdError:
+            existed = True  # this agent holds the lead now; a leader taking over reads what is there
+
         say("this agent leads the job" + (" (took over: the previous leader's lease expired)" if existed else ""))
         try:
             leader: Leading = self._start_leader(existed)

@@ -250,7 +250,10 @@ class Context:
             self._check_waiting(float("inf"), why)
             time.sleep(POLL)
 
-    def _check_waiting(self, deadline: float, what: str) -> None:
+    def _check_waiting(self, deadline: float, what: str, missing: str = "nothing") -> None:
+        """Between two looks at what a waiting worker waits for: the controller gave up, this
+        process is asked to stop, its agent is gone, or ``deadline`` passed (``missing`` names
+        what did not come, in the error)."""
         store = self.require_store()
         if store.check([keys.ABORT]):
             notice = proto.AbortNotice.decode(keys.ABORT, store.get(keys.ABORT))
@@ -260,7 +263,7 @@ class Context:
         if self.env.agent_pid and os.getppid() != self.env.agent_pid:
             raise SystemExit(0)  # orphaned: the agent is gone
         if time.monotonic() > deadline:
-            raise RecoveryError(f"nothing within {self.env.recovery_timeout:.0f}s ({what})")
+            raise RecoveryError(f"{missing} within {self.env.recovery_timeout:.0f}s ({what})")
 
     def _await_key(self, key: str, deadline: float, poll: float) -> bytes:
         store = self.require_store()
@@ -275,15 +278,7 @@ class Context:
             if polls % 10 and poll < POLL:
                 time.sleep(poll)
                 continue  # the other checks at POLL's pace
-            if store.check([keys.ABORT]):
-                notice = proto.AbortNotice.decode(keys.ABORT, store.get(keys.ABORT))
-                raise RecoveryError(f"in-place recovery abandoned by the controller: {notice.reason}")
-            if self.stop_requested:
-                raise SystemExit(0)
-            if self.env.agent_pid and os.getppid() != self.env.agent_pid:
-                raise SystemExit(0)  # orphaned standby: the agent is gone
-            if time.monotonic() > deadline:
-                raise RecoveryError(f"no replacement plan within {self.env.recovery_timeout:.0f}s ({key})")
+            self._check_waiting(deadline, key, missing="no replacement plan")
             time.sleep(poll)
 
 
