@@ -13,8 +13,8 @@ in its sandbox (every collective of every group served locally) until it is prom
 --final PATH writes the SHA-256 of this rank's local shards (parameters and optimizer state)
 and of the scheduler's and loader's state; ``{rank}`` in PATH is replaced by the rank. Replicas
 (the same position along "shard") must agree, and runs under tmrun and torchrun must give the
-same bits. (Replacing a rank of a sharded job in place is the next step of issue 14:
-docs/mesh.md.)
+same bits. A rank lost during training is replaced in place by the standby, which waits in
+``tmrun.init()`` and then builds its mesh and model as that rank (docs/mesh.md).
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--dim", type=int, default=32)
     parser.add_argument("--final", default="")
+    parser.add_argument("--step-log", default="", help="one line per completed step (step time pid); {rank}: the rank")
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (a slower job)")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -84,6 +85,9 @@ def main() -> None:
         opt.zero_grad()
         if args.step_time:
             time.sleep(args.step_time)
+        if args.step_log and not tm.is_shadow and not tm.aborted:
+            with open(args.step_log.replace("{rank}", str(tm.rank)), "a") as log:
+                log.write(f"{step} {time.time():.6f} {os.getpid()}\n")
         if tm.rank == 0 and not tm.is_shadow and not tm.aborted:
             print(f"step {step} loss {loss.item():.4f} lr {sched.get_last_lr()[0]:.2e}", flush=True)
 

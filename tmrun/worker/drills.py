@@ -167,6 +167,34 @@ def install_hooks(module: torch.nn.Module, fire: Callable[[str], None]) -> None:
         params[-1].register_hook(lambda grad: (fire("backward"), grad)[1])
 
 
+def install_sharded_hooks(module: torch.nn.Module, fire: Callable[[str], None]) -> None:
+    """The "forward" and "backward" points of a tracked FSDP2 module (``fully_shard``; no
+    ``tm.ddp``): "forward" at the start of its forward (after its own parameters were gathered),
+    "backward" when the gradient of its first sharded submodule's output is ready: every later
+    submodule's backward ran and issued its gradient reduction by then."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+
+    module.register_forward_pre_hook(lambda *_: fire("forward"))
+    inner = [m for m in module.modules() if m is not module and isinstance(m, FSDPModule)]
+    target = inner[0] if inner else module
+
+    def on_output(_module: torch.nn.Module, _inputs: object, output: object) -> None:
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda grad: (fire("backward"), grad)[1])
+
+    target.register_forward_hook(on_output)
+
+
+def is_sharded(module: object) -> bool:
+    """An FSDP2 module (``fully_shard``)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(module, FSDPModule)
+
+
 STANDBY_DELAY_ENV = "TMRUN_TEST_STANDBY_DELAY"  # tests only: "ID:SECONDS[,ID:SECONDS]"
 
 

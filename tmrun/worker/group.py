@@ -31,6 +31,14 @@ def init_active(store: dist.Store, rank: int, world_size: int, comm_timeout: flo
                             timeout=timedelta(minutes=10), pg_options=options)
 
 
+def init_joined(store: dist.Store, communicator: Any, comm_timeout: float) -> None:
+    """A standby promoted in ``tmrun.init()``: the default group over ``communicator``, its
+    rank's link in the survivors' repaired communicator (the group is named like theirs)."""
+    options = tmrun_backend.Options(native={"timeout": comm_timeout, "connect_timeout": 30.0}, comm=communicator)
+    dist.init_process_group(BACKEND, store=store, rank=int(communicator.rank), world_size=int(communicator.world_size),
+                            timeout=timedelta(minutes=10), pg_options=options)
+
+
 def init_local(world_size: int) -> None:
     """A standby: the same world size, every collective served locally (no network)."""
     os.environ[tmrun_backend.ENV_LOCAL] = "1"
@@ -46,6 +54,11 @@ def process_group() -> dist.ProcessGroup:
 
 def _backend() -> Any:
     return tmrun_backend.get_group(process_group())
+
+
+def backend() -> Any:
+    """The :class:`tmrun.comm.backend.TmrunProcessGroup` of the default group."""
+    return _backend()
 
 
 def comm() -> Any:

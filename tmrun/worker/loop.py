@@ -17,7 +17,7 @@ import pickle
 from typing import Any, Iterator
 
 from tmrun.protocol import keys
-from tmrun.worker import rng
+from tmrun.worker import rng, subgroups
 from tmrun.worker.context import Context, Rejoin, log
 from tmrun.worker.migration import Migration
 from tmrun.worker.recovery import Recovery, settle_heal
@@ -38,6 +38,8 @@ class StepLoop:
     def steps(self, total: int) -> Iterator[int]:
         ctx = self._ctx
         step = 0
+        if ctx.pending_join is not None:  # a standby promoted in tmrun.init(): its model is built now
+            step = self._standby.heal_after_init()
         while True:
             if ctx.life.is_(Role.STANDBY):
                 resume = self._standby.join_if_needed(step, total)
@@ -100,6 +102,10 @@ class StepLoop:
         ctx.step_rng = rng.capture()
         if ctx.in_place and not ctx.life.is_(Role.STANDBY):
             self._stateful_at_start = ctx.tracked.snapshot_stateful()
+            # the script made its groups by now: each gets the failure handler and a loss watcher
+            self._recovery.adopt_groups()
+            if ctx.rank == 0:
+                ctx.publish_subgroups(bool(subgroups.subgroups()))
         if self._rng_recorded_for != step:
             self._record_rng(step)
 
