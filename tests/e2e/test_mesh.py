@@ -1,38 +1,114 @@
 """End to end: examples/train_hsdp.py (FSDP2 HSDP on a 2 x 2 ("replicate", "shard") mesh, a tiny
-GPT, AdamW, an LR schedule and a data loader tracked) under tmrun with a standby, and under plain
-torchrun: no failure, the same final bits on every rank. (The standby's sandbox building the same
-mesh: tests/comm/test_mesh_dist.py.)"""
+GPT, AdamW, an LR schedule and a data loader tracked) under tmrun with a standby, compared with
+one run under plain torchrun (shared by the module):
+
+* no failure: the same final bits on every rank;
+* rank 1 SIGKILLed in forward, in backward, in the optimizer step: the standby (waiting in
+  ``tmrun.init()``) builds the mesh and model as rank 1, joins the survivors' repaired groups and
+  is healed from rank 3 (its shard's replica); every rank's final digest equals the reference,
+  survivors keep their processes, at most the step in flight is redone;
+* both replicas of a shard (ranks 1 and 3) lost at once: every member says so in one line and
+  the job falls back to the group restart at once, which ends with the reference's bits too.
+
+(The standby's sandbox building the same mesh, and the backend's repair of every group:
+tests/comm/test_mesh_dist.py.)"""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+
+import pytest
 
 from tests.helpers import EXAMPLES, kill_tree, leftovers, start, tmrun_cmd, torchrun_cmd
 
-SCRIPT = [str(EXAMPLES / "train_hsdp.py"), "--steps", "4", "--layers", "1"]
+pytestmark = pytest.mark.e2e
+
+STEPS = 5
+SCRIPT = [str(EXAMPLES / "train_hsdp.py"), "--steps", str(STEPS), "--layers", "1"]
 ENV = {"OMP_NUM_THREADS": "1"}
 
 
-def _run(cmd: list[str], log: Path) -> None:
+def _run(cmd: list[str], log: Path, expect_ok: bool = True) -> str:
     proc = start(cmd, log=log, env=ENV)
     try:
         code = proc.wait(timeout=150)
     finally:
         kill_tree(proc)
-    assert code == 0, log.read_text()[-4000:]
+    text = log.read_text()
+    if expect_ok:
+        assert code == 0, text[-6000:]
     assert leftovers(proc) == []
+    return text
 
 
-def _finals(tmp_path: Path, name: str) -> list[str]:
-    return [(tmp_path / f"{name}-{r}").read_text().strip() for r in range(4)]
+def _finals(work: Path) -> list[str]:
+    return [(work / f"final-{r}").read_text().strip() for r in range(4)]
 
 
-def test_hsdp_example_under_tmrun_equals_torchrun(tmp_path: Path) -> None:
-    _run(tmrun_cmd("--standalone", "--nproc-per-node", "4", "--standby", "1", "--console", "plain",
-                   *SCRIPT, "--final", str(tmp_path / "tmrun-{rank}")), tmp_path / "tmrun.log")
-    _run(torchrun_cmd("--standalone", "--nproc-per-node", "4", *SCRIPT, "--final", str(tmp_path / "torchrun-{rank}")),
-         tmp_path / "torchrun.log")
-    tm, ref = _finals(tmp_path, "tmrun"), _finals(tmp_path, "torchrun")
-    assert tm == ref  # bit for bit, rank by rank (shards, optimizer state, schedule, loader position)
-    assert tm[0] == tm[2] and tm[1] == tm[3] and tm[0] != tm[1]  # replicas agree, shards differ
-    assert "0 in-place recoveries" in (tmp_path / "tmrun.log").read_text()
+def _tmrun(work: Path, *args: str) -> str:
+    work.mkdir()
+    return _run(tmrun_cmd("--standalone", "--nproc-per-node", "4", "--console", "plain", *args, *SCRIPT,
+                          "--final", str(work / "final-{rank}"), "--step-log", str(work / "steps-{rank}")),
+                work / "agent.log")
+
+
+def _steps(work: Path, rank: int) -> list[tuple[int, int]]:
+    """(step, pid) of every step rank ``rank`` committed (the example logs no aborted step)."""
+    path = work / f"steps-{rank}"
+    rows = [line.split() for line in path.read_text().splitlines()] if path.exists() else []
+    return [(int(r[0]), int(r[2])) for r in rows]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Every rank's final digest of one run under plain torchrun (no failure)."""
+    work = tmp_path_factory.mktemp("torchrun")
+    _run(torchrun_cmd("--standalone", "--nproc-per-node", "4", *SCRIPT, "--final", str(work / "final-{rank}")),
+         work / "torchrun.log")
+    finals = _finals(work)
+    assert finals[0] == finals[2] and finals[1] == finals[3] and finals[0] != finals[1]  # replicas agree
+    return finals
+
+
+def test_hsdp_example_under_tmrun_equals_torchrun(tmp_path: Path, reference: list[str]) -> None:
+    log = _tmrun(tmp_path / "plain", "--standby", "1")
+    assert _finals(tmp_path / "plain") == reference  # bit for bit, rank by rank (shards, optimizer, schedule, loader)
+    assert "0 in-place recoveries" in log
+
+
+@pytest.mark.parametrize("point", ["forward", "backward", "optimizer"])
+def test_hsdp_rank_killed_is_replaced_in_place(tmp_path: Path, reference: list[str], point: str) -> None:
+    work = tmp_path / point
+    log = _tmrun(work, "--standby", "1", "--inject-failure", f"rank=1,step=2,at={point}")
+    assert _finals(work) == reference, log[-6000:]
+    assert "in-place replacement, generation 1: rank 1" in log
+    assert "promoted to rank 1 (generation 1) in tmrun.init()" in log  # built as rank 1, no sandbox
+    assert re.search(r"rank 1: recovered into generation 1 .*memory [0-9.]+ MB from 1 donor", log), log[-6000:]
+    assert "1 in-place recoveries" in log
+    redone = int(re.search(r"(\d+) steps recomputed", log).group(1))  # type: ignore[union-attr]
+    assert redone <= 1
+    for rank in (0, 2, 3):  # survivors: one process each, every step committed once
+        done = _steps(work, rank)
+        assert [s for s, _ in done] == list(range(STEPS)), (rank, done)
+        assert len({pid for _, pid in done}) == 1, f"rank {rank} changed process"
+    joiner = _steps(work, 1)  # its first process until the kill, then the promoted standby
+    # killed inside the optimizer step, rank 1 committed step 2 everywhere else: its joiner heals
+    # to step 2 and resumes at 3
+    expected = [0, 1, 3, 4] if point == "optimizer" else list(range(STEPS))
+    assert [s for s, _ in joiner] == expected and len({pid for _, pid in joiner}) == 2, joiner
+
+
+def test_every_replica_of_a_shard_lost_falls_back_to_the_group_restart(tmp_path: Path,
+                                                                       reference: list[str]) -> None:
+    """Ranks 1 and 3 hold the same shard (HSDP: replicas along "replicate"); both killed at the
+    same step, nobody can heal their joiners: every member fails the healing with one line, and
+    the controller falls back to the group restart at once (no waiting for standbys), which ends
+    with the reference's bits (the script restarts from step 0; the drills do not fire again)."""
+    work = tmp_path / "both"
+    log = _tmrun(work, "--standby", "2", "--inject-failure", "rank=1,step=2", "--inject-failure", "rank=3,step=2")
+    assert _finals(work) == reference, log[-6000:]
+    line = "no live replica holds the shard of ranks 1, 3"
+    assert re.search(rf"\[tmrun worker \d+ [0-9:.]+\] rank 0: {line}", log), log[-6000:]
+    assert re.search(rf"failed and {line} .*falling back to restarting the worker group", log), log[-6000:]
+    assert "waiting up to" not in log.split(line, 1)[1]  # the fallback did not wait for more standbys

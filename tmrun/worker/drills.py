@@ -168,10 +168,11 @@ def install_hooks(module: torch.nn.Module, fire: Callable[[str], None]) -> None:
 
 
 def install_sharded_hooks(module: torch.nn.Module, fire: Callable[[str], None]) -> None:
-    """The "forward" and "backward" points of a tracked FSDP2 module (``fully_shard``; no
-    ``tm.ddp``): "forward" at the start of its forward (after its own parameters were gathered),
-    "backward" when the gradient of its first sharded submodule's output is ready: every later
-    submodule's backward ran and issued its gradient reduction by then."""
+    """The "forward" and "backward" points of a tracked module with sharded parameters (FSDP2's
+    ``fully_shard``, tensor parallelism; no ``tm.ddp``): "forward" at the start of its forward
+    (after FSDP gathered its own parameters), "backward" when the gradient of its first FSDP
+    submodule's output is ready (every later submodule's backward ran and issued its gradient
+    reduction by then), or of its own output (the start of backward) without one."""
     import torch
     from torch.distributed.fsdp import FSDPModule
 
@@ -187,12 +188,17 @@ def install_sharded_hooks(module: torch.nn.Module, fire: Callable[[str], None]) 
 
 
 def is_sharded(module: object) -> bool:
-    """An FSDP2 module (``fully_shard``)."""
+    """A module with sharded parameters (DTensors: FSDP2's ``fully_shard``, tensor parallelism)
+    that is not a DDP model (``tm.ddp`` hooks those)."""
+    import torch
+
+    if not isinstance(module, torch.nn.Module) or isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        return False
     try:
-        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
     except ImportError:
         return False
-    return isinstance(module, FSDPModule)
+    return any(isinstance(p, DTensor) for p in module.parameters())
 
 
 STANDBY_DELAY_ENV = "TMRUN_TEST_STANDBY_DELAY"  # tests only: "ID:SECONDS[,ID:SECONDS]"

@@ -95,6 +95,11 @@ class StepLoop:
             log(f"the tmrun agent (pid {ctx.env.agent_pid}) is gone; this worker exits (the job ends)")
             raise SystemExit(1)
         ctx.current_step = step
+        if ctx.in_place and not ctx.life.is_(Role.STANDBY):
+            # the script made its groups by now: each gets the failure handler and a loss watcher,
+            # and the standbys learn whether to wait in tmrun.init() (docs/mesh.md, section 1)
+            self._recovery.adopt_groups()
+            ctx.publish_subgroups(bool(subgroups.subgroups()))
         if ctx.progress.enabled and not ctx.life.is_(Role.STANDBY):
             ctx.progress.bind(ctx.rank, ctx.gen, ctx.life.role.value)
         ctx.progress.begin_step()
@@ -102,10 +107,6 @@ class StepLoop:
         ctx.step_rng = rng.capture()
         if ctx.in_place and not ctx.life.is_(Role.STANDBY):
             self._stateful_at_start = ctx.tracked.snapshot_stateful()
-            # the script made its groups by now: each gets the failure handler and a loss watcher
-            self._recovery.adopt_groups()
-            if ctx.rank == 0:
-                ctx.publish_subgroups(bool(subgroups.subgroups()))
         if self._rng_recorded_for != step:
             self._record_rng(step)
 

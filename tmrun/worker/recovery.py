@@ -30,7 +30,8 @@ from tmrun.protocol import keys, messages as proto
 from tmrun.worker import group, rng, subgroups
 from tmrun.worker.context import FAST_POLL, Context, RecoveryError, Superseded, log
 from tmrun.worker.roles import Role
-from tmrun.worker.transfer import MISPLACED, READ_TIMEOUT, TransferError, agree, heal as transfer_state
+from tmrun.worker.transfer import (MISPLACED, READ_TIMEOUT, NoReplicaError, TransferError, agree,
+                                   heal as transfer_state)
 
 
 class Recovery:
@@ -233,8 +234,13 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float, repl
     shard_key = ctx.tracked.shard_key()
     if ctx.fresh and shard_key and not ctx.built_as_rank:  # built as rank 0 of a standby's sandbox
         shard_key = MISPLACED  # every member refuses the plan at once (docs/mesh.md: not supported yet)
-    plan = agree(comm, ctx.committed_step, ctx.tracked.layout_digest(), ctx.fresh, ctx.env.heal_reads,
-                 state_tensors=ctx.tracked.tensors(), shard_key=shard_key)
+    try:
+        plan = agree(comm, ctx.committed_step, ctx.tracked.layout_digest(), ctx.fresh, ctx.env.heal_reads,
+                     state_tensors=ctx.tracked.tensors(), shard_key=shard_key)
+    except NoReplicaError as exc:  # every member at once: the controller falls back without waiting
+        store.set(keys.UNHEALABLE, str(exc))
+        log(f"rank {ctx.rank}: {exc}")
+        raise RecoveryError(str(exc)) from None
     step_meta = {"committed_step": ctx.committed_step}
     healed = transfer_state(comm, ctx.tracked, plan, step_meta, on_donate=lambda: ctx.fire("transfer"),
                             board=StoreCrcBoard(store, ctx.gen))

@@ -95,6 +95,15 @@ def others_done(store: Store, ranks: Iterable[int]) -> bool:
     return bool(wanted) and store.check(wanted)
 
 
+def unhealable(store: Store) -> str:
+    """Why the members of the change under way found it cannot heal in place ('' when they did
+    not): a shard whose every replica was lost (docs/mesh.md, section 4)."""
+    if not store.check([keys.UNHEALABLE]):
+        return ""
+    raw = store.get(keys.UNHEALABLE)
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
 def any_done(store: Store, ranks: Iterable[int]) -> bool:
     """True when a rank in ``ranks`` already finished its steps (a planned switch can no longer
     happen: that rank will never reach the switch step)."""

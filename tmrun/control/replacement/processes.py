@@ -214,6 +214,8 @@ class ProcessReplacement:
                            final=True)
         if self._replacements_left < len(failed):
             return self._abandon(failed, "no in-place replacements left (--max-restarts)")
+        if core.unhealable(self._store):  # the members found the state cannot be healed: no use waiting
+            return self._abandon(failed, core.unhealable(self._store))
         started = time.monotonic()
         reserved: dict[int, StandbyProcess] = {}  # rank -> warm standby, published together below
 
@@ -234,6 +236,8 @@ class ProcessReplacement:
         while len(reserved) < len(failed) and time.monotonic() - started < self._standby_wait:
             if self._pool.failing:
                 return self._abandon(failed, self._pool.failing)
+            if core.unhealable(self._store):
+                return self._abandon(failed, core.unhealable(self._store))
             time.sleep(0.05)
             self._pool.fill()
             for rank, code in self.slots.failed().items():  # fold failures seen while waiting
