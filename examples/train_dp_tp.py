@@ -45,10 +45,13 @@ def main() -> None:
     cfg = GPTConfig(layers=args.layers)
     torch.manual_seed(0)
     model = GPT(cfg)
+    # src_data_rank=None: every rank shards its own copy (the same seed everywhere); the default
+    # (0) scatters rank 0's weights over "tp", a collective that a standby promoted later, which
+    # builds its model alone while the others train, could never match (docs/mesh.md)
     parallelize_module(model, mesh["tp"], {
         **{f"blocks.{i}.mlp.up": ColwiseParallel() for i in range(cfg.layers)},
         **{f"blocks.{i}.mlp.down": RowwiseParallel() for i in range(cfg.layers)},
-    })
+    }, src_data_rank=None)
     dp, dp_rank = mesh.get_group("dp"), mesh.get_local_rank("dp")
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     loader = TokenLoader(cfg, dp_rank=dp_rank, dp_size=args.dp)

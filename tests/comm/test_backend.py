@@ -473,6 +473,32 @@ def test_local_mode_without_store_or_network() -> None:
         pg.shutdown()
 
 
+def test_a_group_created_in_join_mode_refuses_collectives_until_the_joiner_is_healed() -> None:
+    """A joiner's script building its model with a collective (distribute_tensor's scatter from
+    rank 0) would wait forever for survivors that do not build theirs: it fails at once, with
+    the way out in the message; after set_joining(None) (healed) the group works."""
+    tb.set_joining(3)
+    try:
+        pg = tb.create_process_group(None, 1, 2, TIMEOUT, "5", tb.Options(local=True))
+    finally:
+        tb.set_joining(None)
+    other = tb.create_process_group(None, 1, 2, TIMEOUT, "6", tb.Options(local=True))
+    try:
+        assert pg.joined_in == 3 and other.joined_in is None
+        tb.set_joining(3)  # still joining: a later generation's joiner is not healed yet either
+        t = torch.ones(2)
+        with pytest.raises(tb.JoiningCollectiveError, match=r"allreduce on group '5' .*src_data_rank=None"):
+            pg.allreduce([t])
+        other.allreduce([t]).wait()  # a group of before the join is not concerned
+        tb.set_joining(None)
+        pg.allreduce([t]).wait()
+        assert torch.equal(t, torch.ones(2))
+    finally:
+        tb.set_joining(None)
+        pg.shutdown()
+        other.shutdown()
+
+
 def test_set_local_on_a_connected_group(groups) -> None:
     n = 3
     pgs = groups(n)

@@ -7,6 +7,8 @@ one run under plain torchrun (shared by the module):
   ``tmrun.init()``) builds the mesh and model as rank 1, joins the survivors' repaired groups and
   is healed from rank 3 (its shard's replica); every rank's final digest equals the reference,
   survivors keep their processes, at most the step in flight is redone;
+* examples/train_dp_tp.py (tensor parallel over "tp" of a ("dp", "tp") mesh) with rank 1 killed
+  in backward: the same, healed from its replica along "dp";
 * both replicas of a shard (ranks 1 and 3) lost at once: every member says so in one line and
   the job falls back to the group restart at once, which ends with the reference's bits too.
 
@@ -26,6 +28,7 @@ pytestmark = pytest.mark.e2e
 
 STEPS = 5
 SCRIPT = [str(EXAMPLES / "train_hsdp.py"), "--steps", str(STEPS), "--layers", "1"]
+DP_TP = [str(EXAMPLES / "train_dp_tp.py"), "--steps", str(STEPS), "--layers", "1"]
 ENV = {"OMP_NUM_THREADS": "1"}
 
 
@@ -46,9 +49,9 @@ def _finals(work: Path) -> list[str]:
     return [(work / f"final-{r}").read_text().strip() for r in range(4)]
 
 
-def _tmrun(work: Path, *args: str) -> str:
+def _tmrun(work: Path, *args: str, script: list[str] = SCRIPT) -> str:
     work.mkdir()
-    return _run(tmrun_cmd("--standalone", "--nproc-per-node", "4", "--console", "plain", *args, *SCRIPT,
+    return _run(tmrun_cmd("--standalone", "--nproc-per-node", "4", "--console", "plain", *args, *script,
                           "--final", str(work / "final-{rank}"), "--step-log", str(work / "steps-{rank}")),
                 work / "agent.log")
 
@@ -60,15 +63,24 @@ def _steps(work: Path, rank: int) -> list[tuple[int, int]]:
     return [(int(r[0]), int(r[2])) for r in rows]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    """Every rank's final digest of one run under plain torchrun (no failure)."""
+def _torchrun(tmp_path_factory: pytest.TempPathFactory, script: list[str]) -> list[str]:
+    """Every rank's final digest of one run of ``script`` under plain torchrun (no failure)."""
     work = tmp_path_factory.mktemp("torchrun")
-    _run(torchrun_cmd("--standalone", "--nproc-per-node", "4", *SCRIPT, "--final", str(work / "final-{rank}")),
+    _run(torchrun_cmd("--standalone", "--nproc-per-node", "4", *script, "--final", str(work / "final-{rank}")),
          work / "torchrun.log")
     finals = _finals(work)
     assert finals[0] == finals[2] and finals[1] == finals[3] and finals[0] != finals[1]  # replicas agree
     return finals
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    return _torchrun(tmp_path_factory, SCRIPT)
+
+
+@pytest.fixture(scope="module")
+def dp_tp_reference(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    return _torchrun(tmp_path_factory, DP_TP)
 
 
 def test_hsdp_example_under_tmrun_equals_torchrun(tmp_path: Path, reference: list[str]) -> None:
@@ -112,3 +124,19 @@ def test_every_replica_of_a_shard_lost_falls_back_to_the_group_restart(tmp_path:
     assert re.search(rf"\[tmrun worker \d+ [0-9:.]+\] rank 0: {line}", log), log[-6000:]
     assert re.search(rf"failed and {line} .*falling back to restarting the worker group", log), log[-6000:]
     assert "waiting up to" not in log.split(line, 1)[1]  # the fallback did not wait for more standbys
+
+
+def test_dp_tp_rank_killed_is_replaced_in_place(tmp_path: Path, dp_tp_reference: list[str]) -> None:
+    """examples/train_dp_tp.py: tensor parallel over "tp" (MLPs column / row split), gradients
+    averaged over "dp" by hand. Rank 1 (dp 0, tp 1) SIGKILLed at the start of step 2's backward:
+    its standby builds the mesh and the TP model as rank 1 and is healed from rank 3 (dp 1, tp 1);
+    every rank's final digest equals torchrun's, survivors keep their processes."""
+    work = tmp_path / "tp"
+    log = _tmrun(work, "--standby", "1", "--inject-failure", "rank=1,step=2,at=backward", script=DP_TP)
+    assert _finals(work) == dp_tp_reference, log[-6000:]
+    assert "promoted to rank 1 (generation 1) in tmrun.init()" in log
+    assert re.search(r"rank 1: recovered into generation 1 .*from 1 donor", log), log[-6000:]
+    assert "1 in-place recoveries" in log
+    for rank in (0, 2, 3):
+        done = _steps(work, rank)
+        assert [s for s, _ in done] == list(range(STEPS)) and len({pid for _, pid in done}) == 1, (rank, done)

@@ -403,6 +403,7 @@ class TmrunProcessGroup(dist.ProcessGroup):
         self.job_id = job_id
         self._group_name = ""
         self._group_desc = ""
+        self.joined_in: Optional[int] = None  # the generation whose join created this group (set_joining)
         if comm is not None:
             self.attach(comm)
 
@@ -572,6 +573,12 @@ class TmrunProcessGroup(dist.ProcessGroup):
     def _run(self, op: _Op, opts: Any, launch: Callable[[Any], None]) -> TmrunWork:
         """Serve ``op`` locally, or launch it on the communicator and complete it (here when the
         caller waits right away, else on the completer thread)."""
+        if self.joined_in is not None and _JOINING is not None:
+            raise JoiningCollectiveError(
+                f"tmrun {op.name} on group {self._group_name!r} while this process joins generation {_JOINING} "
+                "(a standby building its model as a lost rank): the other ranks are not building theirs, so they "
+                "never issue it. Build the model without collectives (every rank the same seed; e.g. "
+                "parallelize_module(..., src_data_rank=None), not distribute_tensor's scatter from rank 0)")
         if self._serve_locally():
             self._stats["local_ops"] += 1
             if op.local is not None:
@@ -1228,8 +1235,14 @@ def create_process_group(store: Any, rank: int, world_size: int, timeout: Option
                            failure_handler=options.failure_handler)
     pg.setGroupName(str(group_name))
     pg.store = store  # the store torch handed over (prefixed with the group's name): replacements use it
+    pg.joined_in = joining  # created in join mode: no collective until the joiner is healed (set_joining(None))
     _CREATED.append(weakref.ref(pg))
     return pg
+
+
+class JoiningCollectiveError(RuntimeError):
+    """A collective on a group a joiner re-created, before the joiner was healed: the survivors
+    are not building their model, so they would never issue it (the joiner would wait forever)."""
 
 
 REPLACE_PREFIX = f"{STORE_PREFIX}/replace"  # a group's addresses for a replacement (keys carry the generation)
