@@ -111,6 +111,22 @@ def test_hsdp_rank_killed_is_replaced_in_place(tmp_path: Path, reference: list[s
     assert [s for s, _ in joiner] == expected and len({pid for _, pid in joiner}) == 2, joiner
 
 
+def test_hsdp_two_failures_one_after_the_other(tmp_path: Path, reference: list[str]) -> None:
+    """Rank 1 killed in step 1's forward, then rank 2 in step 3's backward: two generations, the
+    second standby (started when the first was promoted) waits in tmrun.init() too; rank 1's
+    joiner is a survivor of the second change (its groups were joined, then repaired)."""
+    work = tmp_path / "two"
+    log = _tmrun(work, "--standby", "1", "--inject-failure", "rank=1,step=1,at=forward",
+                 "--inject-failure", "rank=2,step=3,at=backward")
+    assert _finals(work) == reference, log[-6000:]
+    assert "promoted to rank 2 (generation 2) in tmrun.init()" in log
+    assert re.search(r"rank 1: recovered into generation 2 .*healed \[2\]", log), log[-6000:]
+    assert "2 in-place recoveries" in log
+    for rank in (0, 3):
+        done = _steps(work, rank)
+        assert [s for s, _ in done] == list(range(STEPS)) and len({pid for _, pid in done}) == 1, (rank, done)
+
+
 def test_every_replica_of_a_shard_lost_falls_back_to_the_group_restart(tmp_path: Path,
                                                                        reference: list[str]) -> None:
     """Ranks 1 and 3 hold the same shard (HSDP: replicas along "replicate"); both killed at the
