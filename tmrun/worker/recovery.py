@@ -233,7 +233,7 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float, repl
     settle_heal(ctx, skip=replaced, in_change=True)  # what the previous change left to read first
     shard_key = ctx.tracked.shard_key()
     if ctx.fresh and shard_key and not ctx.built_as_rank:  # built as rank 0 of a standby's sandbox
-        shard_key = MISPLACED  # every member refuses the plan at once (docs/mesh.md: not supported yet)
+        shard_key = MISPLACED  # every member refuses the plan at once (a 1-D FSDP job: docs/mesh.md)
     try:
         plan = agree(comm, ctx.committed_step, ctx.tracked.layout_digest(), ctx.fresh, ctx.env.heal_reads,
                      state_tensors=ctx.tracked.tensors(), shard_key=shard_key)

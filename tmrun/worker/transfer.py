@@ -155,8 +155,8 @@ def replica_donors(keys: list[int], donors: list[int], needy: list[int]) -> dict
     if misplaced:
         raise NoReplicaError(
             f"rank{'s' if len(misplaced) > 1 else ''} {', '.join(map(str, misplaced))} joined with sharded state "
-            "built in a standby's sandbox (at rank 0's mesh coordinates): replacing a rank of a sharded job in "
-            "place is not supported yet (docs/mesh.md); falling back to the group restart")
+            "built in a standby's sandbox (at rank 0's mesh coordinates; a job without subgroups, e.g. 1-D FSDP, "
+            "whose shards have no replica anyway: docs/mesh.md); falling back to the group restart")
     found = {m: [d for d in donors if keys[d] == keys[m]] for m in needy}
     orphans = [m for m, held_by in found.items() if not held_by]
     if orphans:
