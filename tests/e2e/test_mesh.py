@@ -32,8 +32,8 @@ DP_TP = [str(EXAMPLES / "train_dp_tp.py"), "--steps", str(STEPS), "--layers", "1
 ENV = {"OMP_NUM_THREADS": "1"}
 
 
-def _run(cmd: list[str], log: Path, expect_ok: bool = True) -> str:
-    proc = start(cmd, log=log, env=ENV)
+def _run(cmd: list[str], log: Path, expect_ok: bool = True, env: dict[str, str] | None = None) -> str:
+    proc = start(cmd, log=log, env={**ENV, **(env or {})})
     try:
         code = proc.wait(timeout=150)
     finally:
@@ -49,11 +49,11 @@ def _finals(work: Path) -> list[str]:
     return [(work / f"final-{r}").read_text().strip() for r in range(4)]
 
 
-def _tmrun(work: Path, *args: str, script: list[str] = SCRIPT) -> str:
+def _tmrun(work: Path, *args: str, script: list[str] = SCRIPT, env: dict[str, str] | None = None) -> str:
     work.mkdir()
     return _run(tmrun_cmd("--standalone", "--nproc-per-node", "4", "--console", "plain", *args, *script,
                           "--final", str(work / "final-{rank}"), "--step-log", str(work / "steps-{rank}")),
-                work / "agent.log")
+                work / "agent.log", env=env)
 
 
 def _steps(work: Path, rank: int) -> list[tuple[int, int]]:
@@ -100,15 +100,19 @@ def test_hsdp_rank_killed_is_replaced_in_place(tmp_path: Path, reference: list[s
     assert "1 in-place recoveries" in log
     redone = int(re.search(r"(\d+) steps recomputed", log).group(1))  # type: ignore[union-attr]
     assert redone <= 1
-    for rank in (0, 2, 3):  # survivors: one process each, every step committed once
-        done = _steps(work, rank)
-        assert [s for s, _ in done] == list(range(STEPS)), (rank, done)
-        assert len({pid for _, pid in done}) == 1, f"rank {rank} changed process"
-    joiner = _steps(work, 1)  # its first process until the kill, then the promoted standby
-    # killed inside the optimizer step, rank 1 committed step 2 everywhere else: its joiner heals
-    # to step 2 and resumes at 3
-    expected = [0, 1, 3, 4] if point == "optimizer" else list(range(STEPS))
-    assert [s for s, _ in joiner] == expected and len({pid for _, pid in joiner}) == 2, joiner
+    for rank in (0, 2, 3):  # survivors: one process each, every step committed at most once
+        _check_committed(_steps(work, rank), processes=1, rank=rank)
+    _check_committed(_steps(work, 1), processes=2, rank=1)  # its first process, then the promoted standby
+
+
+def _check_committed(done: list[tuple[int, int]], processes: int, rank: int, failed: frozenset[int] = frozenset({2})) -> None:
+    """``done``: (step, pid) of the steps a rank committed. Steps in order, none twice, every one
+    but perhaps those of the failures (``failed``): a rank whose step the loss aborted may be healed to it by a rank
+    that committed it (the optimizer point: the others may have stepped before they noticed)."""
+    steps = [s for s, _ in done]
+    assert steps == sorted(set(steps)), (rank, done)
+    assert set(range(STEPS)) - failed <= set(steps), (rank, done)
+    assert len({pid for _, pid in done}) == processes, (rank, done)
 
 
 def test_hsdp_two_failures_one_after_the_other(tmp_path: Path, reference: list[str]) -> None:
@@ -123,8 +127,7 @@ def test_hsdp_two_failures_one_after_the_other(tmp_path: Path, reference: list[s
     assert re.search(r"rank 1: recovered into generation 2 .*healed \[2\]", log), log[-6000:]
     assert "2 in-place recoveries" in log
     for rank in (0, 3):
-        done = _steps(work, rank)
-        assert [s for s, _ in done] == list(range(STEPS)) and len({pid for _, pid in done}) == 1, (rank, done)
+        _check_committed(_steps(work, rank), processes=1, rank=rank, failed=frozenset({1, 3}))
 
 
 def test_every_replica_of_a_shard_lost_falls_back_to_the_group_restart(tmp_path: Path,
@@ -134,11 +137,17 @@ def test_every_replica_of_a_shard_lost_falls_back_to_the_group_restart(tmp_path:
     the controller falls back to the group restart at once (no waiting for standbys), which ends
     with the reference's bits (the script restarts from step 0; the drills do not fire again)."""
     work = tmp_path / "both"
-    log = _tmrun(work, "--standby", "2", "--inject-failure", "rank=1,step=2", "--inject-failure", "rank=3,step=2")
+    # both standbys say they are warm 4 s after the ranks' first step (tests only), long after the
+    # kills: both losses are in the first plan (with a warm standby the first loss gets a plan of
+    # its own, superseded by the second's, and the survivors wait out the first one's connect
+    # timeout: the double-failure path of docs/reliability.md, not the case under test)
+    log = _tmrun(work, "--standby", "2", "--inject-failure", "rank=1,step=2", "--inject-failure", "rank=3,step=2",
+                 env={"TMRUN_TEST_STANDBY_DELAY": "0:4,1:4"})
     assert _finals(work) == reference, log[-6000:]
     line = "no live replica holds the shard of ranks 1, 3"
     assert re.search(rf"\[tmrun worker \d+ [0-9:.]+\] rank 0: {line}", log), log[-6000:]
     assert re.search(rf"failed and {line} .*falling back to restarting the worker group", log), log[-6000:]
+    assert "in-place replacement, generation 1: rank 1 " in log and "generation 2" not in log  # one plan
     assert "waiting up to" not in log.split(line, 1)[1]  # the fallback did not wait for more standbys
 
 
@@ -154,5 +163,4 @@ def test_dp_tp_rank_killed_is_replaced_in_place(tmp_path: Path, dp_tp_reference:
     assert re.search(r"rank 1: recovered into generation 1 .*from 1 donor", log), log[-6000:]
     assert "1 in-place recoveries" in log
     for rank in (0, 2, 3):
-        done = _steps(work, rank)
-        assert [s for s, _ in done] == list(range(STEPS)) and len({pid for _, pid in done}) == 1, (rank, done)
+        _check_committed(_steps(work, rank), processes=1, rank=rank)

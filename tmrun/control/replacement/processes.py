@@ -215,10 +215,10 @@ class ProcessReplacement:
                 "the job ends failed (a restart would redo the whole training)")
             return Outcome(failed=failed, reason=f"rank {first} failed after every other rank finished",
                            final=True)
-        if self._replacements_left < len(failed):
-            return self._abandon(failed, "no in-place replacements left (--max-restarts)")
         if core.unhealable(self._store):  # the members found the state cannot be healed: no use waiting
             return self._abandon(failed, core.unhealable(self._store))
+        if self._replacements_left < len(failed):
+            return self._abandon(failed, "no in-place replacements left (--max-restarts)")
         started = time.monotonic()
         reserved: dict[int, StandbyProcess] = {}  # rank -> warm standby, published together below
 
