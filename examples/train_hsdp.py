@@ -85,7 +85,7 @@ def main() -> None:
         opt.zero_grad()
         if args.step_time:
             time.sleep(args.step_time)
-        if args.step_log and not tm.is_shadow and not tm.aborted:
+        if args.step_log and not tm.is_shadow and tm.committed_step == step:  # (a loss seen after the commit sets tm.aborted)
             with open(args.step_log.replace("{rank}", str(tm.rank)), "a") as log:
                 log.write(f"{step} {time.time():.6f} {os.getpid()}\n")
         if tm.rank == 0 and not tm.is_shadow and not tm.aborted:

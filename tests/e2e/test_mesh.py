@@ -57,7 +57,7 @@ def _tmrun(work: Path, *args: str, script: list[str] = SCRIPT, env: dict[str, st
 
 
 def _steps(work: Path, rank: int) -> list[tuple[int, int]]:
-    """(step, pid) of every step rank ``rank`` committed (the example logs no aborted step)."""
+    """(step, pid) of every step rank ``rank`` committed (the example logs a step once its optimizer stepped)."""
     path = work / f"steps-{rank}"
     rows = [line.split() for line in path.read_text().splitlines()] if path.exists() else []
     return [(int(r[0]), int(r[2])) for r in rows]
