@@ -178,3 +178,15 @@ def test_every_group_of_a_lost_rank_repaired_in_one_generation() -> None:
     assert commits[0] == {(0, 1, 2, 3): 1, (0, 1): 0, (0, 2): 0}
     assert commits[1] == {(0, 1, 2, 3): 1, (0, 1): 0, (1, 3): 1}
     assert commits[2] == {(0, 1, 2, 3): 1, (2, 3): 1, (0, 2): 0}
+
+
+def test_a_group_that_lost_nobody_is_resynchronised_and_a_waiting_collective_released() -> None:
+    """The recovery's first phase for a subgroup without the lost rank (docs/mesh.md, section 2):
+    a survivor still inside one of the aborted step's collectives on it (its peer aborted before
+    issuing it) is released by the peer's epoch switch, absorbed by its failure handler, not left
+    to wait for a timeout; then both ranks' next collective on the group is right."""
+    got = launch("resync", "tmrun", 2, timeout=60.0)
+    assert all(x["same"] for x in got) and [x["commits"] for x in got] == [1, 1]
+    assert len(got[0]["absorbed"]) == 1 and "rank 1 switched to epoch 1" in got[0]["absorbed"][0], got[0]["absorbed"]
+    assert got[0]["stuck_for"] < 10.0  # released by rank 1's switch (about 1 s after), no timeout
+    assert got[1]["absorbed"] == []

@@ -305,6 +305,47 @@ def scenario_regroup(args) -> dict:
     return {"digest": hexdigest(results), "commits": _commits(r, groups)}
 
 
+def scenario_resync(args) -> dict:
+    """A subgroup that lost nobody, resynchronised in a recovery (docs/mesh.md, section 2): rank
+    1 aborted the step before it issued a collective on the group (served locally), rank 0
+    issued it and waits for rank 1's part, which never comes. Rank 1 moves the group to
+    generation 1 (prepare with nobody replaced, commit); its switch ends rank 0's collective
+    (absorbed by rank 0's failure handler), rank 0 switches too, and the group works again."""
+    import time
+
+    from tmrun.comm import backend as tb
+
+    r = args.rank
+    g = dist.new_group([0, 1])
+    pg = tb.get_group(g)
+    absorbed: list = []
+    pg.set_failure_handler(lambda exc: absorbed.append(f"{type(exc).__name__}: {exc}") or True)
+    t = data(10 + r, 4)
+    dist.all_reduce(t, group=g)  # generation 0 works
+    stuck_for = 0.0
+    if r == 0:
+        work = dist.all_reduce(data(20, 4), group=g, async_op=True)  # rank 1 never issues it
+        time.sleep(1.0)
+        assert not work.is_completed(), "the collective completed without rank 1's part"
+        started = time.monotonic()
+        pg.prepare_replacement([], 1)
+        pg.comm.commit()  # queued behind the stuck collective: returns once rank 1's switch ended it
+        work.wait()
+        stuck_for = time.monotonic() - started
+    else:
+        pg.abort_collectives()  # this rank's step was aborted: its collective is served locally
+        dist.all_reduce(data(21, 4), group=g)
+        time.sleep(2.0)  # rank 0 waits in its collective meanwhile
+        pg.prepare_replacement([], 1)
+        pg.comm.commit()
+    pg.clear_aborted()
+    after = data(30 + r, 4)
+    dist.all_reduce(after, group=g)
+    expect = data(30, 4) + data(31, 4)
+    return {"same": bool(torch.equal(after, expect)), "absorbed": absorbed, "stuck_for": stuck_for,
+            "commits": pg.counters()["commits"]}
+
+
 def _commits(r: int, groups: list) -> list:
     """Per group of this rank (the default group first, then in creation order): its ranks and
     how many replacements its communicator committed."""
@@ -314,7 +355,7 @@ def _commits(r: int, groups: list) -> list:
     return [[dist.get_process_group_ranks(g), tb.get_group(g).counters()["commits"]] for g in mine]
 
 
-SCENARIOS = {"regroup": scenario_regroup, "sandbox": scenario_sandbox, "groups": scenario_groups, "mesh": scenario_mesh, "fsdp": scenario_fsdp, "hsdp": scenario_hsdp,
+SCENARIOS = {"resync": scenario_resync, "regroup": scenario_regroup, "sandbox": scenario_sandbox, "groups": scenario_groups, "mesh": scenario_mesh, "fsdp": scenario_fsdp, "hsdp": scenario_hsdp,
              "tp": scenario_tp}
 
 
