@@ -26,6 +26,7 @@ from typing import Callable, NoReturn
 import torch.distributed as dist
 
 from tmrun.comm import native
+from tmrun.comm.backend import TmrunProcessGroup
 from tmrun.protocol import keys, messages as proto
 from tmrun.worker import group, rng, subgroups
 from tmrun.worker.context import FAST_POLL, Context, RecoveryError, Superseded, log
@@ -56,7 +57,7 @@ class Recovery:
 
     # -- failures (any thread) ----------------------------------------------------------------
 
-    def on_comm_failure(self, exc: BaseException, pg: object = None) -> bool:
+    def on_comm_failure(self, exc: BaseException, pg: TmrunProcessGroup | None = None) -> bool:
         """The backend's failure handler: True absorbs the error (the step is aborted). ``pg``:
         the subgroup whose collective failed (None: the default group); its lost rank is a
         group rank, reported as the global rank it stands for. Every other group of the
@@ -72,7 +73,7 @@ class Recovery:
         self._abort(lost, f"{type(exc).__name__}: {exc}", gen=None, skip=pg if pg is not None else group.backend())
         return True  # absorbed: the step is aborted, not the program
 
-    def on_subgroup_loss(self, epoch: int, lost: int, protocol: bool, message: str, pg: object) -> None:
+    def on_subgroup_loss(self, epoch: int, lost: int, protocol: bool, message: str, pg: TmrunProcessGroup) -> None:
         """:meth:`on_loss_seen` for a subgroup's communicator (``lost``: a group rank)."""
         self.on_loss_seen(epoch, subgroups.to_global(pg, lost), protocol, message)
 
@@ -94,7 +95,7 @@ class Recovery:
             return  # a migration under way retires links on purpose; its boundary handles losses
         self._abort(lost, f"PeerLostError: {message}", gen=epoch)
 
-    def _abort(self, lost: int, detail: str, gen: int | None, skip: object = None) -> None:
+    def _abort(self, lost: int, detail: str, gen: int | None, skip: TmrunProcessGroup | None = None) -> None:
         """Mark the current step aborted by ``lost`` (once), abort every group of the process
         (``skip``: the one whose failure handler runs) and report it; ``gen``: only if the loss
         belongs to this generation."""
@@ -212,14 +213,14 @@ class Recovery:
                 log(f"rank {ctx.rank}: lost a member again during recovery ({exc}); waiting for the next plan")
 
 
-def _repair(pg: object, replaced: list[int], gen: int) -> None:
+def _repair(pg: TmrunProcessGroup, replaced: list[int], gen: int) -> None:
     """Move subgroup ``pg``'s communicator to generation ``gen``: its members ``replaced``
     (group ranks) are taken by joiners, which connect as they re-create the group (join mode);
     with none replaced, every link only discards the aborted step's frames (a resynchronisation).
     A member still inside one of the aborted step's collectives on ``pg`` ends it when this
     rank's switch reaches it (its collective fails with the peer's epoch switch, absorbed)."""
-    pg.prepare_replacement(replaced, gen)  # type: ignore[attr-defined]
-    pg.comm.commit()  # type: ignore[attr-defined]
+    pg.prepare_replacement(replaced, gen)
+    pg.comm.commit()
 
 
 def heal(ctx: Context, started: float, aborted_step: int, connected: float, replaced: Collection[int] = ()) -> int:

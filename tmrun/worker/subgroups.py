@@ -10,37 +10,38 @@ runtime's failure handler and a loss watcher as the script creates them.
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Any, Callable
+from typing import Callable
 
 import torch.distributed as dist
 
 from tmrun.comm import backend as tmrun_backend
+from tmrun.comm.backend import TmrunProcessGroup
 from tmrun.worker.loss_watch import LossWatcher
 
 # (exc, group) -> absorbed: the runtime's handler, told which group failed
-GroupFailureHandler = Callable[[BaseException, Any], bool]
+GroupFailureHandler = Callable[[BaseException, TmrunProcessGroup], bool]
 # (epoch, lost group rank, protocol, message, group)
-GroupLossHandler = Callable[[int, int, bool, str, Any], None]
+GroupLossHandler = Callable[[int, int, bool, str, TmrunProcessGroup], None]
 
 
-def default_group() -> Any:
+def default_group() -> TmrunProcessGroup:
     return tmrun_backend.get_group()
 
 
-def subgroups() -> list[Any]:
+def subgroups() -> list[TmrunProcessGroup]:
     """Every tmrun group of this process except the default group, in creation order."""
     default = default_group()
     return [pg for pg in tmrun_backend.created_groups() if pg is not default]
 
 
-def members(pg: Any) -> list[int]:
+def members(pg: TmrunProcessGroup | None) -> list[int]:
     """The global ranks of ``pg``'s members, by group rank."""
     if pg is None or pg is default_group():
         return list(range(dist.get_world_size()))
     return [int(r) for r in dist.get_process_group_ranks(pg)]
 
 
-def to_global(pg: Any, group_rank: int) -> int:
+def to_global(pg: TmrunProcessGroup, group_rank: int) -> int:
     """The global rank of ``pg``'s member ``group_rank`` (-1 stays -1: unknown)."""
     if group_rank < 0:
         return -1
@@ -48,14 +49,14 @@ def to_global(pg: Any, group_rank: int) -> int:
     return ranks[group_rank] if group_rank < len(ranks) else -1
 
 
-def replaced_in(pg: Any, replaced: Collection[int]) -> list[int]:
+def replaced_in(pg: TmrunProcessGroup, replaced: Collection[int]) -> list[int]:
     """The group ranks of ``pg`` that the global ranks ``replaced`` hold (empty: ``pg`` only
     resynchronises in the replacement)."""
     ranks = members(pg)
     return sorted(ranks.index(r) for r in replaced if r in ranks)
 
 
-def abort_all(skip: Any = None) -> None:
+def abort_all(skip: TmrunProcessGroup | None = None) -> None:
     """Every tmrun group of this process enters the aborted state (``skip``: the group whose
     failure handler is running: it enters it by itself, and holds its lock)."""
     for pg in tmrun_backend.created_groups():
