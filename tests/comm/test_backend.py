@@ -397,7 +397,8 @@ def test_errors_are_clear_and_raised_before_any_traffic(groups) -> None:
         (tb.UnsupportedError, "BAND", lambda: pg.allreduce([torch.ones(2, dtype=torch.int32)], ar_opts(R.BAND))),
         (tb.UnsupportedError, "torch.bool", lambda: pg.allreduce([torch.ones(2, dtype=torch.bool)], ar_opts(R.AVG))),
         (tb.UnsupportedError, "complex", lambda: pg.allreduce([torch.ones(2, dtype=torch.complex64)], ar_opts(R.MAX))),
-        (tb.UnsupportedError, "all_to_all", lambda: pg.all_to_all_single(torch.empty(2), torch.empty(2), [], [])),
+        (ValueError, "not divisible", lambda: pg.all_to_all_single(torch.empty(3), torch.empty(3), [], [])),
+        (ValueError, "split sizes", lambda: pg.all_to_all_single(torch.empty(3), torch.empty(3), [1, 1], [1, 2])),
         (tb.UnsupportedError, "any source", lambda: pg.recv_anysource([f32], 0)),
         (tb.UnsupportedError, "meta", lambda: pg.allreduce([torch.ones(2, device="meta")], ar_opts())),
         (ValueError, "output list holds 1", lambda: pg.allgather([[f32]], [f32], AllgatherOptions())),
@@ -470,6 +471,32 @@ def test_local_mode_without_store_or_network() -> None:
             pg.set_local(False)
     finally:
         pg.shutdown()
+
+
+def test_a_group_created_in_join_mode_refuses_collectives_until_the_joiner_is_healed() -> None:
+    """A joiner's script building its model with a collective (distribute_tensor's scatter from
+    rank 0) would wait forever for survivors that do not build theirs: it fails at once, with
+    the way out in the message; after set_joining(None) (healed) the group works."""
+    tb.set_joining(3)
+    try:
+        pg = tb.create_process_group(None, 1, 2, TIMEOUT, "5", tb.Options(local=True))
+    finally:
+        tb.set_joining(None)
+    other = tb.create_process_group(None, 1, 2, TIMEOUT, "6", tb.Options(local=True))
+    try:
+        assert pg.joined_in == 3 and other.joined_in is None
+        tb.set_joining(3)  # still joining: a later generation's joiner is not healed yet either
+        t = torch.ones(2)
+        with pytest.raises(tb.JoiningCollectiveError, match=r"allreduce on group '5' .*src_data_rank=None"):
+            pg.allreduce([t])
+        other.allreduce([t]).wait()  # a group of before the join is not concerned
+        tb.set_joining(None)
+        pg.allreduce([t]).wait()
+        assert torch.equal(t, torch.ones(2))
+    finally:
+        tb.set_joining(None)
+        pg.shutdown()
+        other.shutdown()
 
 
 def test_set_local_on_a_connected_group(groups) -> None:
@@ -605,3 +632,93 @@ def test_attach_swaps_the_communicator_and_the_rank(groups) -> None:
     finally:
         for c in comms:
             c.close()
+
+
+# ------------------------------------------------------------------------------------- all-to-all
+def _a2a_opts(async_op: bool = True) -> Any:
+    from torch._C._distributed_c10d import AllToAllOptions
+
+    o = AllToAllOptions()
+    o.asyncOp = async_op
+    return o
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_all_to_all_single_even_and_uneven(groups, n: int) -> None:
+    """Block j of rank r's input lands in block r of rank j's output: even splits (blocks larger
+    than the 4 MiB socket buffers, so a cycle of blocking sends would hang), and uneven splits
+    with empty blocks; synchronous and asynchronous."""
+    pgs = groups(n)
+    rows = 1 << 20 if n < 4 else 3  # 4 MiB of float32 per block for 2 and 3 ranks
+
+    def even(r: int) -> None:
+        inp = torch.arange(n * rows, dtype=torch.float32) + 1000 * r
+        out = torch.empty_like(inp)
+        pgs[r].all_to_all_single(out, inp, [], [], _a2a_opts(async_op=r % 2 == 0)).wait()
+        want = torch.cat([torch.arange(r * rows, (r + 1) * rows, dtype=torch.float32) + 1000 * j for j in range(n)])
+        assert torch.equal(out, want)
+
+    run_threads(n, even)
+
+    def split(r: int, j: int) -> int:  # rows rank r sends to rank j (some empty)
+        return (r + 2 * j) % 3
+
+    def uneven(r: int) -> None:
+        send = [split(r, j) for j in range(n)]
+        recv = [split(j, r) for j in range(n)]
+        inp = torch.cat([torch.full((k, 2), float(100 * r + j), dtype=torch.float64) for j, k in enumerate(send)])
+        out = torch.empty(sum(recv), 2, dtype=torch.float64)
+        pgs[r].all_to_all_single(out, inp, recv, send, _a2a_opts()).wait()
+        want = torch.cat([torch.full((k, 2), float(100 * j + r), dtype=torch.float64) for j, k in enumerate(recv)])
+        assert torch.equal(out, want)
+
+    run_threads(n, uneven)
+
+
+def test_all_to_all_list_and_local_mode(groups) -> None:
+    n = 3
+    pgs = groups(n)
+
+    def body(r: int) -> None:
+        ins = [torch.full((j + 1,), 10 * r + j, dtype=torch.int64) for j in range(n)]
+        outs = [torch.empty(r + 1, dtype=torch.int64) for _ in range(n)]
+        work = pgs[r].alltoall(outs, ins, _a2a_opts())
+        assert work.get_future().wait() == [outs]
+        for j in range(n):
+            assert torch.equal(outs[j], torch.full((r + 1,), 10 * j + r, dtype=torch.int64))
+
+    run_threads(n, body)
+    pg = tb.create_process_group(None, 1, 4, TIMEOUT, "0", tb.Options(local=True))
+    try:  # the sandbox: every peer "sent" what this rank sends
+        inp = torch.arange(8.0)
+        out = torch.empty(8)
+        pg.all_to_all_single(out, inp, [], [], _a2a_opts()).wait()
+        assert torch.equal(out, inp) and pg.stats()["network_ops"] == 0
+    finally:
+        pg.shutdown()
+
+
+def test_coalesced_async_completes_from_the_completer(groups) -> None:
+    """An asynchronous coalesced op (what functional collectives and DTensor's full_tensor()
+    issue) completes when its last part does: that part's completion runs the join's callback
+    before its own done event is set (waiting for that event there deadlocked)."""
+    n = 2
+    pgs = groups(n)
+
+    def body(r: int) -> None:
+        outs = [torch.empty(2 * k) for k in (1, 3, 5)]
+        ins = [torch.full((k,), float(r + k)) for k in (1, 3, 5)]
+        o = AllgatherOptions()
+        o.asyncOp = True
+        work = pgs[r].all_gather_single_coalesced(outs, ins, o)
+        assert work.wait(10)
+        for k, out in zip((1, 3, 5), outs):
+            assert torch.equal(out, torch.cat([torch.full((k,), float(j + k)) for j in range(n)]))
+        rs_outs = [torch.empty(k) for k in (2, 4)]
+        rs_ins = [torch.full((2 * k,), float(r + 1)) for k in (2, 4)]
+        ro = ReduceScatterOptions()
+        ro.asyncOp = True
+        assert pgs[r].reduce_scatter_single_coalesced(rs_outs, rs_ins, ro).wait(10)
+        assert all(torch.equal(x, torch.full_like(x, 3.0)) for x in rs_outs)
+
+    run_threads(n, body, timeout=30)

@@ -167,3 +167,44 @@ def test_a_migration_asked_while_the_training_finishes_is_refused(tmp_path: Path
     controller.step()
     assert not store.check([keys.plan(1)]) and pool.members  # nothing published, the standby stays
     assert "training is finishing" in job.get(keys.event(0)).decode()
+
+
+def test_a_change_its_members_found_unhealable_falls_back_without_waiting(tmp_path: Path, procs) -> None:  # type: ignore[no-untyped-def]
+    """Every replica of a shard lost (docs/mesh.md, section 4): the members record why in the
+    store as they fail; the ranks that fail next are not waited for (no standby wait), the group
+    restarts at once with that reason, told to the workers."""
+    import time
+
+    survivor, victim = child("import time; time.sleep(60)"), child("raise SystemExit(1)")
+    procs += [survivor, victim]
+    store, controller = make(tmp_path, FakePool(), wait=30.0)
+    controller.adopt({0: survivor, 1: victim})
+    store.set(keys.UNHEALABLE, "no live replica holds the shard of ranks 1, 3")
+    wait_exit(victim)
+    started = time.monotonic()
+    outcome = controller.step()
+    assert time.monotonic() - started < 5.0  # not the 30 s standby wait
+    assert outcome.failed == {1: 1} and not outcome.final
+    assert proto.AbortNotice.decode("a", store.get(keys.ABORT)).reason == "no live replica holds the shard of ranks 1, 3"
+
+
+def test_a_migration_in_a_job_with_subgroups_is_refused(tmp_path: Path, procs) -> None:  # type: ignore[no-untyped-def]
+    """Its standbys wait in tmrun.init() and take over lost ranks only (docs/mesh.md)."""
+    a, b, standby = (child("import time; time.sleep(60)") for _ in range(3))
+    procs += [a, b, standby]
+    pool = FakePool([FakeMember(2, standby)])
+    store, job = dist.HashStore(), dist.HashStore()
+    controller = ProcessReplacement(store, pool, 2, 0.0, 3, job, str(tmp_path / "gen"))  # type: ignore[arg-type]
+    controller.adopt({0: a, 1: b})
+    store.set(keys.API, "1")
+    store.add(keys.MEMBERS, 2)
+    store.set(keys.standby_ready(2), "{}")
+    store.set(keys.SUBGROUPS, "1")
+    proto.request_migration(job, 1, "drain")
+    controller.step()
+    assert not store.check([keys.plan(1)]) and pool.members
+    assert "the job has subgroups" in job.get(keys.event(0)).decode()
+    store.set(keys.SUBGROUPS, "0")  # a job without: the same request goes through
+    proto.request_migration(job, 1, "drain")
+    controller.step()
+    assert proto.ReplacementPlan.decode("p", store.get(keys.plan(1))).planned

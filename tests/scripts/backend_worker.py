@@ -150,7 +150,7 @@ def scenario_api(args) -> None:
     # unsupported things fail clearly, on the caller's thread, before any traffic
     for fn in (lambda: dist.all_reduce(torch.ones(2, dtype=torch.int16)),
                lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.ReduceOp.BAND),
-               lambda: dist.all_to_all_single(torch.empty(n), torch.empty(n))):
+               lambda: dist.all_to_all_single(torch.empty(n + 1), torch.empty(n + 1))):  # not divisible
         try:
             fn()
         except (tb.UnsupportedError, ValueError, TypeError) as exc:

@@ -37,6 +37,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -60,7 +61,7 @@ from tmrun.protocol import environment, keys
 
 try:  # ``import tmrun`` must work without a build of the native module (the CLI, a source tree)
     import tmrun_native as tn
-    from tmrun.comm.native import as_buffer, connect_via_store, make_options
+    from tmrun.comm.native import as_buffer, connect_via_store, join_via_store, make_options
 
     _NATIVE_ERROR: Optional[BaseException] = None
 except (ImportError, AttributeError) as _exc:  # pragma: no cover - only without a build
@@ -402,6 +403,7 @@ class TmrunProcessGroup(dist.ProcessGroup):
         self.job_id = job_id
         self._group_name = ""
         self._group_desc = ""
+        self.joined_in: Optional[int] = None  # the generation whose join created this group (set_joining)
         if comm is not None:
             self.attach(comm)
 
@@ -459,6 +461,19 @@ class TmrunProcessGroup(dist.ProcessGroup):
             if comm is not None:
                 self._rank = int(comm.rank)
         return old
+
+    def prepare_replacement(self, replaced: Sequence[int], generation: int) -> None:
+        """Survivor side of a replacement of this group's ranks ``replaced`` (group ranks) in
+        ``generation``: publish this rank's address and wait for the joiners' (a joiner creates
+        the group in join mode: :func:`set_joining`), then prepare the communicator. Call
+        ``pg.comm.commit()`` next (it returns once the joiners are connected) and
+        :meth:`clear_aborted`. Groups without a replaced rank need none of this."""
+        store = getattr(self, "store", None)
+        if store is None or self._comm is None:
+            raise RuntimeError("tmrun prepare_replacement: the group has no store or no communicator")
+        from tmrun.comm.native import prepare_replacement
+
+        prepare_replacement(store, self._comm, list(replaced), generation, prefix=REPLACE_PREFIX)
 
     def set_local(self, local: bool = True) -> None:
         """Local (sandbox) mode: every later collective is served locally, at once, with no
@@ -558,6 +573,12 @@ class TmrunProcessGroup(dist.ProcessGroup):
     def _run(self, op: _Op, opts: Any, launch: Callable[[Any], None]) -> TmrunWork:
         """Serve ``op`` locally, or launch it on the communicator and complete it (here when the
         caller waits right away, else on the completer thread)."""
+        if self.joined_in is not None and _JOINING is not None:
+            raise JoiningCollectiveError(
+                f"tmrun {op.name} on group {self._group_name!r} while this process joins generation {_JOINING} "
+                "(a standby building its model as a lost rank): the other ranks are not building theirs, so they "
+                "never issue it. Build the model without collectives (every rank the same seed; e.g. "
+                "parallelize_module(..., src_data_rank=None), not distribute_tensor's scatter from rank 0)")
         if self._serve_locally():
             self._stats["local_ops"] += 1
             if op.local is not None:
@@ -976,13 +997,85 @@ class TmrunProcessGroup(dist.ProcessGroup):
     def recv_anysource(self, tensors: Any, tag: int = 0) -> TmrunWork:
         raise UnsupportedError("tmrun: recv from any source is not supported; pass src=")
 
-    def alltoall(self, *args: Any, **kwargs: Any) -> TmrunWork:
-        raise UnsupportedError("tmrun: all_to_all is not supported")
+    def alltoall(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> TmrunWork:
+        """Block ``j`` of ``input_tensors`` goes to rank ``j``, which receives it into its
+        ``output_tensors[this rank]`` (point-to-point, in the rounds of :func:`_exchange_rounds`)."""
+        outs = _tensor_list(output_tensors, "all_to_all output")
+        ins = _tensor_list(input_tensors, "all_to_all input")
+        if len(outs) != self._size or len(ins) != self._size:
+            raise ValueError(f"tmrun all_to_all: {len(ins)} inputs and {len(outs)} outputs, the group has {self._size}")
+        for o, i in zip(outs, ins):
+            if o.dtype != i.dtype:
+                raise ValueError(f"tmrun all_to_all: dtypes differ ({i.dtype} -> {o.dtype})")
+        return self._exchange("all_to_all", outs, ins, [outs], opts)
 
-    def all_to_all_single(self, *args: Any, **kwargs: Any) -> TmrunWork:
-        raise UnsupportedError("tmrun: all_to_all_single is not supported")
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
+                          output_split_sizes: Any = None, input_split_sizes: Any = None,
+                          opts: Any = None) -> TmrunWork:
+        """``input`` split along dim 0 (``input_split_sizes``, or evenly): block ``j`` goes to
+        rank ``j``; ``output`` (``output_split_sizes``, or evenly) receives block ``r`` from
+        rank ``r``."""
+        _check_tensor("all_to_all_single output", output)
+        _check_tensor("all_to_all_single input", input)
+        if output.dtype != input.dtype:
+            raise ValueError(f"tmrun all_to_all_single: dtypes differ ({input.dtype} -> {output.dtype})")
+        ins = self._split("all_to_all_single input", input, input_split_sizes)
+        outs = self._split("all_to_all_single output", output, output_split_sizes)
+        return self._exchange("all_to_all_single", outs, ins, [output], opts, whole=(output, input))
 
     alltoall_base = all_to_all_single
+
+    def _split(self, what: str, t: torch.Tensor, sizes: Any) -> list:
+        sizes = [int(x) for x in (sizes or [])]
+        rows = t.shape[0] if t.dim() else 1
+        if not sizes:
+            if rows % self._size:
+                raise ValueError(f"tmrun {what}: dim 0 ({rows}) is not divisible by the group size {self._size}")
+            sizes = [rows // self._size] * self._size
+        if len(sizes) != self._size or sum(sizes) != rows or min(sizes) < 0:
+            raise ValueError(f"tmrun {what}: split sizes {sizes} do not split dim 0 ({rows}) into {self._size}")
+        if not t.dim():
+            return [t]
+        return list(torch.split(t, sizes, dim=0))
+
+    def _exchange(self, name: str, outs: list, ins: list, result: list, opts: Any,
+                  whole: Optional[tuple] = None) -> TmrunWork:
+        """Send ``ins[j]`` to rank ``j`` and receive ``outs[j]`` from it, for every ``j``."""
+        me = self._rank
+        for j, (o, i) in enumerate(zip(outs, ins)):
+            if j == me and o.numel() != i.numel():
+                raise ValueError(f"tmrun {name}: this rank's own block: {i.numel()} elements in, {o.numel()} out")
+        op = _Op(name, result)
+
+        def local() -> None:  # the sandbox: every peer sent what this rank sends itself
+            for o, i in zip(outs, ins):
+                if o.numel() == i.numel():
+                    o.copy_(i.reshape(o.shape))
+                else:
+                    o.zero_()
+
+        op.local = local
+
+        def launch(comm: Any) -> None:
+            outs[me].copy_(ins[me].reshape(outs[me].shape))
+            for peer in _exchange_rounds(self._size, me):
+                sending = [(ins[peer], True), (outs[peer], False)]
+                for t, is_send in (sending if me < peer else sending[::-1]):  # the lower rank sends first
+                    if not t.numel():
+                        continue
+                    if is_send:
+                        host = staging.to_host(t)
+                        op.native.append(comm.send_async(_raw(host), peer, _A2A_TAG))
+                        op.keep += [t, host]
+                    else:
+                        host = staging.to_host(t, copy=False)
+                        op.native.append(comm.recv_async(_raw(host), peer, _A2A_TAG))
+                        op.keep += [t, host]
+                        if host is not t:
+                            op.finish.append(lambda t=t, host=host: staging.from_host(t, host))
+            op.keep += [outs, ins, whole]
+
+        return self._run(op, opts, launch)
 
     def monitored_barrier(self, *args: Any, **kwargs: Any) -> None:
         raise UnsupportedError("tmrun: monitored_barrier is not supported; use barrier()")
@@ -993,10 +1086,11 @@ class TmrunProcessGroup(dist.ProcessGroup):
         op = _Op(name, result)
         ops = [w._op for w in works]
 
-        def finish_all() -> None:
+        def finish_all(wait: bool = True) -> None:
             error = None
             for o in ops:
-                o.done.wait()
+                if wait:
+                    o.done.wait()
                 error = error or o.error
             op.complete(error)
 
@@ -1011,7 +1105,9 @@ class TmrunProcessGroup(dist.ProcessGroup):
                     remaining[0] -= 1
                     last = remaining[0] == 0
                 if last:
-                    finish_all()
+                    # not o.done: the last op runs this callback from its own complete(), before
+                    # it sets its done event (waiting for it here deadlocked); its error is set
+                    finish_all(wait=False)
 
             for o in ops:
                 o.future.add_done_callback(one_done)
@@ -1019,6 +1115,27 @@ class TmrunProcessGroup(dist.ProcessGroup):
 
 
 # ---------------------------------------------------------------------------------------- helpers
+_A2A_TAG = (1 << 28) - 2  # the tag of all-to-all's point-to-point messages (native tags are < 2**28)
+
+
+def _exchange_rounds(n: int, me: int) -> list:
+    """This rank's partner in each round of a round-robin tournament (the circle method): in a
+    round every rank exchanges with at most one partner, the lower rank sending first, so a
+    pairwise exchange never waits in a cycle however large the blocks (blocking sends included)."""
+    m = n + (n % 2)  # a dummy rank n pads an odd group; its partner sits the round out
+    partners = []
+    for k in range(m - 1):
+        if me == m - 1:
+            p = next(j for j in range(m - 1) if (2 * j) % (m - 1) == k % (m - 1))
+        else:
+            p = (k - me) % (m - 1)
+            if p == me:
+                p = m - 1
+        if p < n and p != me:
+            partners.append(p)
+    return partners
+
+
 def _async(opts: Any) -> Any:
     opts.asyncOp = True
     return opts
@@ -1096,10 +1213,16 @@ def create_process_group(store: Any, rank: int, world_size: int, timeout: Option
     options = options if options is not None else Options()
     if not isinstance(options, Options):
         raise TypeError(f"tmrun backend: pg_options must be tmrun.comm.backend.Options, got {type(options).__name__}")
-    local = options.local if options.local is not None else _env_flag(ENV_LOCAL)
+    local = options.local if options.local is not None else (_env_flag(ENV_LOCAL) or _sandboxed())
     job_id = options.job_id or default_job_id(group_name)
     comm = options.comm
-    if comm is None and not local:
+    joining = _JOINING
+    if comm is None and not local and joining is not None:
+        # a joiner re-creating the job's groups: take this rank in the survivors' repaired
+        # communicator of the same group (they called pg.prepare_replacement(..., joining))
+        comm = join_via_store(store, rank, world_size, job_id, joining,
+                              options=_native_options(timeout, options.native), prefix=REPLACE_PREFIX)
+    elif comm is None and not local:
         # every rank adds 1: ranks of the same creation read the same group_seq
         group_seq = (int(store.add(_GROUP_COUNT_KEY, 1)) - 1) // world_size
         comm = connect_via_store(store, rank, world_size, job_id, options.epoch,
@@ -1110,7 +1233,52 @@ def create_process_group(store: Any, rank: int, world_size: int, timeout: Option
                          f"the group wants rank {rank} of {world_size}")
     pg = TmrunProcessGroup(rank, world_size, comm, local=local, job_id=job_id,
                            failure_handler=options.failure_handler)
+    pg.setGroupName(str(group_name))
+    pg.store = store  # the store torch handed over (prefixed with the group's name): replacements use it
+    pg.joined_in = joining  # created in join mode: no collective until the joiner is healed (set_joining(None))
+    _CREATED.append(weakref.ref(pg))
     return pg
+
+
+class JoiningCollectiveError(RuntimeError):
+    """A collective on a group a joiner re-created, before the joiner was healed: the survivors
+    are not building their model, so they would never issue it (the joiner would wait forever)."""
+
+
+REPLACE_PREFIX = f"{STORE_PREFIX}/replace"  # a group's addresses for a replacement (keys carry the generation)
+_JOINING: Optional[int] = None
+
+
+def set_joining(generation: Optional[int]) -> None:
+    """Join mode (docs/mesh.md): every tmrun group this process creates from now on (the default
+    group, ``new_group``, a device mesh's groups) joins the survivors' communicator of that group
+    for ``generation`` instead of bootstrapping a new one: the survivors repaired it with
+    :meth:`TmrunProcessGroup.prepare_replacement`. ``None`` ends it. The joiner must create its
+    groups in the order the job did (torch requires that of every rank anyway): survivors
+    repair them in that order, each waiting for the joiner's address."""
+    global _JOINING
+    _JOINING = None if generation is None else int(generation)
+
+
+_CREATED: list = []  # weak references to every group this process created, in creation order
+
+
+def created_groups() -> list:
+    """The tmrun groups this process created and still alive, in creation order (the default
+    group first): what a replacement must repair besides the default group (docs/mesh.md)."""
+    alive = [ref() for ref in _CREATED]
+    return [pg for pg in alive if pg is not None and not pg._closed]
+
+
+def _sandboxed() -> bool:
+    """True when this process's default group is a tmrun group in local mode (a standby's
+    sandbox): the subgroups it creates (``new_group``, ``init_device_mesh``) are local too; there
+    is nobody to connect to."""
+    try:
+        default = dist.distributed_c10d._get_default_group()
+    except (RuntimeError, ValueError):  # not initialised yet: this is the default group itself
+        return False
+    return isinstance(default, TmrunProcessGroup) and default.local
 
 
 def _creator(common: Any, backend_options: Any) -> TmrunProcessGroup:

@@ -103,6 +103,8 @@ MEMBERS = "members"  # counter: active ranks that initialised the runtime
 GEN = "gen"  # current generation (decimal), written by the controller
 REPORT_SEQ = "report_seq"  # counter of worker reports
 ABORT = "abort"  # JSON AbortNotice: in-place replacement is over for this prefix
+SUBGROUPS = "subgroups"  # "1": the job's ranks made subgroups (a standby then waits in tmrun.init()), else "0"
+UNHEALABLE = "unhealable"  # why a change cannot heal in place (no live replica of a shard): the controller falls back at once
 JOB_ID = "job_id"  # the communicator's job id (rank 0 writes it; joiners read it)
 
 

@@ -86,6 +86,12 @@ class Context:
         self.heal_read: Any = None  # transfer.DeferredRead: the optimizer state still arriving here
         self.heal_served: tuple[int, list[int]] | None = None  # (generation, members still reading this one)
         self.ddp_used = False
+        # a standby of a job with subgroups waits in tmrun.init() and builds its model as its rank
+        # (docs/mesh.md, section 1): these say it will, and that its healing is still due
+        self.join_at_init = False
+        self.built_as_rank = False
+        self.pending_join: tuple[float, float] | None = None  # (started monotonic, connected Unix time)
+        self.subgroups_published = False
         self.recoveries: list[dict[str, float | int]] = []
         self.loss_noticed: float | None = None  # Unix time a collective lost a peer (the change under way)
         self.first_step_due: proto.RecoveryTiming | None = None  # published when healed; first_step follows
@@ -130,6 +136,9 @@ class Context:
         self.drills.claim = lambda index: job_store.add(keys.drill(index), 1) == 1
         if env.mode is Mode.STANDBY:
             signal.signal(signal.SIGTERM, on_term)
+            if self._job_has_subgroups():
+                self.join_at_init = True  # no sandbox: the runtime waits for the assignment in init()
+                return
             group.init_local(env.world_size)
             return
         self.gen = proto.read_gen(store)
@@ -139,6 +148,19 @@ class Context:
             store.set(keys.JOB_ID, group.comm().job_id)
         store.set(keys.API, "1")
         store.add(keys.MEMBERS, 1)
+
+    def _job_has_subgroups(self) -> bool:
+        """A standby: whether the job's ranks made subgroups (a device mesh, ``new_group``),
+        which they say when their first step starts (:meth:`publish_subgroups`); until then the
+        standby waits here (watching for the controller's abort, SIGTERM and its agent)."""
+        raw = self.await_key(keys.SUBGROUPS, float("inf"))
+        return raw == b"1"
+
+    def publish_subgroups(self, has_subgroups: bool) -> None:
+        """An active rank at its first step: whether the job has subgroups (for its standbys)."""
+        if not self.subgroups_published:
+            self.subgroups_published = True
+            self.require_store().set(keys.SUBGROUPS, "1" if has_subgroups else "0")
 
     # -- the recovery's instants (docs/events.md; one clock: time.time()) ----------------------------
 

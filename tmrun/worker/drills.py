@@ -167,6 +167,40 @@ def install_hooks(module: torch.nn.Module, fire: Callable[[str], None]) -> None:
         params[-1].register_hook(lambda grad: (fire("backward"), grad)[1])
 
 
+def install_sharded_hooks(module: torch.nn.Module, fire: Callable[[str], None]) -> None:
+    """The "forward" and "backward" points of a tracked module with sharded parameters (FSDP2's
+    ``fully_shard``, tensor parallelism; no ``tm.ddp``): "forward" at the start of its forward
+    (after FSDP gathered its own parameters), "backward" when the gradient of its first FSDP
+    submodule's output is ready (every later submodule's backward ran and issued its gradient
+    reduction by then), or of its own output (the start of backward) without one."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+
+    module.register_forward_pre_hook(lambda *_: fire("forward"))
+    inner = [m for m in module.modules() if m is not module and isinstance(m, FSDPModule)]
+    target = inner[0] if inner else module
+
+    def on_output(_module: torch.nn.Module, _inputs: object, output: object) -> None:
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda grad: (fire("backward"), grad)[1])
+
+    target.register_forward_hook(on_output)
+
+
+def is_sharded(module: object) -> bool:
+    """A module with sharded parameters (DTensors: FSDP2's ``fully_shard``, tensor parallelism)
+    that is not a DDP model (``tm.ddp`` hooks those)."""
+    import torch
+
+    if not isinstance(module, torch.nn.Module) or isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        return False
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
 STANDBY_DELAY_ENV = "TMRUN_TEST_STANDBY_DELAY"  # tests only: "ID:SECONDS[,ID:SECONDS]"
 
 

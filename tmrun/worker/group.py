@@ -31,6 +31,14 @@ def init_active(store: dist.Store, rank: int, world_size: int, comm_timeout: flo
                             timeout=timedelta(minutes=10), pg_options=options)
 
 
+def init_joined(store: dist.Store, communicator: Any, comm_timeout: float) -> None:
+    """A standby promoted in ``tmrun.init()``: the default group over ``communicator``, its
+    rank's link in the survivors' repaired communicator (the group is named like theirs)."""
+    options = tmrun_backend.Options(native={"timeout": comm_timeout, "connect_timeout": 30.0}, comm=communicator)
+    dist.init_process_group(BACKEND, store=store, rank=int(communicator.rank), world_size=int(communicator.world_size),
+                            timeout=timedelta(minutes=10), pg_options=options)
+
+
 def init_local(world_size: int) -> None:
     """A standby: the same world size, every collective served locally (no network)."""
     os.environ[tmrun_backend.ENV_LOCAL] = "1"
@@ -46,6 +54,11 @@ def process_group() -> dist.ProcessGroup:
 
 def _backend() -> Any:
     return tmrun_backend.get_group(process_group())
+
+
+def backend() -> Any:
+    """The :class:`tmrun.comm.backend.TmrunProcessGroup` of the default group."""
+    return _backend()
 
 
 def comm() -> Any:
@@ -76,13 +89,15 @@ def attach_replacing(communicator: Any) -> Any:
 
 
 def traffic() -> dict[str, int]:
-    """Collectives served locally and bytes this process put on the network (a standby's
-    sandbox must show zero bytes)."""
-    b = _backend()
-    counters = b.counters()
-    return {
-        "local_ops": int(b.stats().get("local_ops", 0)),
-        "network_ops": int(b.stats().get("network_ops", 0)),
-        "bytes_sent": int(counters.get("bytes_sent", 0)),
-        "bytes_recv": int(counters.get("bytes_recv", 0)),
-    }
+    """Collectives served locally and bytes this process put on the network, over every tmrun
+    group it created (the default group, and the subgroups of ``new_group`` / a device mesh): a
+    standby's sandbox must show zero bytes."""
+    total = {"local_ops": 0, "network_ops": 0, "bytes_sent": 0, "bytes_recv": 0}
+    groups = tmrun_backend.created_groups() or [_backend()]
+    for b in groups:
+        counters, stats = b.counters(), b.stats()
+        total["local_ops"] += int(stats.get("local_ops", 0))
+        total["network_ops"] += int(stats.get("network_ops", 0))
+        total["bytes_sent"] += int(counters.get("bytes_sent", 0))
+        total["bytes_recv"] += int(counters.get("bytes_recv", 0))
+    return total

@@ -17,7 +17,7 @@ import pickle
 from typing import Any, Iterator
 
 from tmrun.protocol import keys
-from tmrun.worker import rng
+from tmrun.worker import rng, subgroups
 from tmrun.worker.context import Context, Rejoin, log
 from tmrun.worker.migration import Migration
 from tmrun.worker.recovery import Recovery, settle_heal
@@ -38,6 +38,8 @@ class StepLoop:
     def steps(self, total: int) -> Iterator[int]:
         ctx = self._ctx
         step = 0
+        if ctx.pending_join is not None:  # a standby promoted in tmrun.init(): its model is built now
+            step = self._standby.heal_after_init()
         while True:
             if ctx.life.is_(Role.STANDBY):
                 resume = self._standby.join_if_needed(step, total)
@@ -93,6 +95,11 @@ class StepLoop:
             log(f"the tmrun agent (pid {ctx.env.agent_pid}) is gone; this worker exits (the job ends)")
             raise SystemExit(1)
         ctx.current_step = step
+        if ctx.in_place and not ctx.life.is_(Role.STANDBY):
+            # the script made its groups by now: each gets the failure handler and a loss watcher,
+            # and the standbys learn whether to wait in tmrun.init() (docs/mesh.md, section 1)
+            self._recovery.adopt_groups()
+            ctx.publish_subgroups(bool(subgroups.subgroups()))
         if ctx.progress.enabled and not ctx.life.is_(Role.STANDBY):
             ctx.progress.bind(ctx.rank, ctx.gen, ctx.life.role.value)
         ctx.progress.begin_step()

@@ -26,11 +26,13 @@ from typing import Callable, NoReturn
 import torch.distributed as dist
 
 from tmrun.comm import native
+from tmrun.comm.backend import TmrunProcessGroup
 from tmrun.protocol import keys, messages as proto
-from tmrun.worker import group, rng
+from tmrun.worker import group, rng, subgroups
 from tmrun.worker.context import FAST_POLL, Context, RecoveryError, Superseded, log
 from tmrun.worker.roles import Role
-from tmrun.worker.transfer import READ_TIMEOUT, TransferError, agree, heal as transfer_state
+from tmrun.worker.transfer import (MISPLACED, READ_TIMEOUT, NoReplicaError, TransferError, agree,
+                                   heal as transfer_state)
 
 
 class Recovery:
@@ -46,18 +48,34 @@ class Recovery:
         # a plan that gives this rank to another process (a migration's leaver that lost a
         # member before its switch step, a fenced rank that came back): set by the migration
         self.on_replaced: Callable[[proto.ReplacementPlan], NoReturn] | None = None
+        self._subgroups = subgroups.SubgroupWatch(self.on_comm_failure, self.on_subgroup_loss)
+
+    def adopt_groups(self) -> None:
+        """Give the subgroups the script created since the last call the failure handler and a
+        loss watcher (an active rank, at a step's start)."""
+        self._subgroups.adopt()
 
     # -- failures (any thread) ----------------------------------------------------------------
 
-    def on_comm_failure(self, exc: BaseException) -> bool:
-        """The backend's failure handler: True absorbs the error (the step is aborted)."""
+    def on_comm_failure(self, exc: BaseException, pg: TmrunProcessGroup | None = None) -> bool:
+        """The backend's failure handler: True absorbs the error (the step is aborted). ``pg``:
+        the subgroup whose collective failed (None: the default group); its lost rank is a
+        group rank, reported as the global rank it stands for. Every other group of the
+        process is aborted too: the step is redone as a whole (docs/mesh.md, section 2)."""
         if isinstance(exc, native.ProtocolError):
             # Not a lost peer: two live ranks disagree (different collectives, a foreign frame).
             # That is a bug to report, not a member to replace: it raises into the script.
             return False
         lost = getattr(exc, "peer", -1)
-        self._abort(lost if isinstance(lost, int) else -1, f"{type(exc).__name__}: {exc}", gen=None)
+        lost = lost if isinstance(lost, int) else -1
+        if pg is not None:
+            lost = subgroups.to_global(pg, lost)
+        self._abort(lost, f"{type(exc).__name__}: {exc}", gen=None, skip=pg if pg is not None else group.backend())
         return True  # absorbed: the step is aborted, not the program
+
+    def on_subgroup_loss(self, epoch: int, lost: int, protocol: bool, message: str, pg: TmrunProcessGroup) -> None:
+        """:meth:`on_loss_seen` for a subgroup's communicator (``lost``: a group rank)."""
+        self.on_loss_seen(epoch, subgroups.to_global(pg, lost), protocol, message)
 
     def on_loss_seen(self, epoch: int, lost: int, protocol: bool, message: str) -> None:
         """The loss watcher (:mod:`tmrun.worker.loss_watch`): the communicator recorded a loss
@@ -77,15 +95,19 @@ class Recovery:
             return  # a migration under way retires links on purpose; its boundary handles losses
         self._abort(lost, f"PeerLostError: {message}", gen=epoch)
 
-    def _abort(self, lost: int, detail: str, gen: int | None) -> None:
-        """Mark the current step aborted by ``lost`` (once) and report it; ``gen``: only if
-        the loss belongs to this generation."""
+    def _abort(self, lost: int, detail: str, gen: int | None, skip: TmrunProcessGroup | None = None) -> None:
+        """Mark the current step aborted by ``lost`` (once), abort every group of the process
+        (``skip``: the one whose failure handler runs) and report it; ``gen``: only if the loss
+        belongs to this generation."""
         ctx = self._ctx
         with self._lock:
             if ctx.aborted_by is not None or (gen is not None and gen != ctx.gen):
                 return
             ctx.loss_noticed = time.time()
             ctx.aborted_by = max(lost, -1)
+        # (outside _lock: a group's handler runs under that group's lock, and may call _abort)
+        if ctx.life.is_(Role.ACTIVE) and subgroups.subgroups():
+            subgroups.abort_all(skip=skip)
         self._report(max(lost, -1), detail)
 
     def _report(self, lost: int, detail: str) -> None:
@@ -161,12 +183,21 @@ class Recovery:
                 comm = group.comm()
                 # the native communicator's "epoch" is the generation
                 replaced = self._folded | set(plan.replaced.keys())
+                others = subgroups.subgroups()
+                touched = [pg for pg in others if not pg.local and subgroups.replaced_in(pg, replaced)]
+                for pg in others:  # first the subgroups that lost nobody (docs/mesh.md, section 2)
+                    if not pg.local and pg not in touched:
+                        _repair(pg, [], plan.gen)
                 native.prepare_replacement(ctx.comm_store(), comm, replaced, plan.gen,
                                            get=ctx.address_getter(plan.gen))
                 comm.commit()
+                for pg in touched:  # in creation order: the joiner creates them in that order
+                    _repair(pg, subgroups.replaced_in(pg, replaced), plan.gen)
                 self._folded = set()
                 connected = time.time()
-                group.clear_aborted()  # (not under _lock: the backend calls on_comm_failure under its own)
+                # (not under _lock: the backend calls on_comm_failure under its own)
+                group.clear_aborted()
+                subgroups.clear_all()
                 with self._lock:
                     ctx.gen = plan.gen
                     ctx.aborted_by = None
@@ -182,6 +213,16 @@ class Recovery:
                 log(f"rank {ctx.rank}: lost a member again during recovery ({exc}); waiting for the next plan")
 
 
+def _repair(pg: TmrunProcessGroup, replaced: list[int], gen: int) -> None:
+    """Move subgroup ``pg``'s communicator to generation ``gen``: its members ``replaced``
+    (group ranks) are taken by joiners, which connect as they re-create the group (join mode);
+    with none replaced, every link only discards the aborted step's frames (a resynchronisation).
+    A member still inside one of the aborted step's collectives on ``pg`` ends it when this
+    rank's switch reaches it (its collective fails with the peer's epoch switch, absorbed)."""
+    pg.prepare_replacement(replaced, gen)
+    pg.comm.commit()
+
+
 def heal(ctx: Context, started: float, aborted_step: int, connected: float, replaced: Collection[int] = ()) -> int:
     """Agree on the last committed step, move the state to whoever is behind, restore the random
     state the resumed step needs; the rank is ACTIVE afterwards. Returns the step to resume at.
@@ -191,8 +232,16 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float, repl
     store = ctx.require_store()
     comm = group.comm()
     settle_heal(ctx, skip=replaced, in_change=True)  # what the previous change left to read first
-    plan = agree(comm, ctx.committed_step, ctx.tracked.layout_digest(), ctx.fresh, ctx.env.heal_reads,
-                 state_tensors=ctx.tracked.tensors())
+    shard_key = ctx.tracked.shard_key()
+    if ctx.fresh and shard_key and not ctx.built_as_rank:  # built as rank 0 of a standby's sandbox
+        shard_key = MISPLACED  # every member refuses the plan at once (a 1-D FSDP job: docs/mesh.md)
+    try:
+        plan = agree(comm, ctx.committed_step, ctx.tracked.layout_digest(), ctx.fresh, ctx.env.heal_reads,
+                     state_tensors=ctx.tracked.tensors(), shard_key=shard_key)
+    except NoReplicaError as exc:  # every member at once: the controller falls back without waiting
+        store.set(keys.UNHEALABLE, str(exc))
+        log(f"rank {ctx.rank}: {exc}")
+        raise RecoveryError(str(exc)) from None
     step_meta = {"committed_step": ctx.committed_step}
     healed = transfer_state(comm, ctx.tracked, plan, step_meta, on_donate=lambda: ctx.fire("transfer"),
                             board=StoreCrcBoard(store, ctx.gen))

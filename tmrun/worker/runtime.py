@@ -52,9 +52,12 @@ class Runtime:
         self._migration = Migration(ctx, self._recovery)
         self._standby = Standby(ctx, self._recovery, self._migration)
         self._loop = StepLoop(ctx, self._recovery, self._migration, self._standby)
+        self._hooked: set[int] = set()  # tracked FSDP2 modules given the failure drills' hooks
         ctx.connect(on_comm_failure=self._recovery.on_comm_failure, on_term=self._standby.on_term)
         if ctx.in_place:  # a loss dooms the step at once (tmrun.worker.interrupt)
             LossWatcher(group.comm, self._recovery.on_loss_seen).start()
+        if ctx.join_at_init:  # a job with subgroups: the standby gets its rank before the script goes on
+            self._standby.join_in_init()
 
     # -- public API -----------------------------------------------------------------------
 
@@ -124,6 +127,9 @@ class Runtime:
         stepped as ``opt.step()`` and is guarded (:mod:`tmrun.worker.optimizer`)."""
         self._ctx.tracked.track(**objects)
         for obj in objects.values():
+            if self._ctx.in_place and drills.is_sharded(obj) and id(obj) not in self._hooked:
+                self._hooked.add(id(obj))
+                drills.install_sharded_hooks(obj, self._ctx.fire)  # the "forward" and "backward" drills
             if isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, guarded.GuardedOptimizer):
                 guarded.guard_in_place(obj, self._loop)
 

@@ -15,8 +15,9 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
 
-from tmrun.comm import native
+from tmrun.comm import backend as tmrun_backend, native
 from tmrun.protocol import keys, messages as proto
 from tmrun.worker import drills, group
 from tmrun.worker.context import POLL, Context, RecoveryError, Rejoin, Superseded, log
@@ -111,6 +112,71 @@ class Standby:
                 log(f"rank {assignment.rank}: generation {assignment.gen} was superseded before it recovered; "
                     f"joining generation {again.assignment.gen}")
                 assignment = again.assignment
+
+    # -- a job with subgroups: the standby waits in tmrun.init() (docs/mesh.md, section 1) ---------
+
+    def join_in_init(self) -> None:
+        """STANDBY -> JOINING inside ``tmrun.init()``: report warm, wait for the assignment, take
+        the rank's link in the survivors' default group and put the backend in join mode, so
+        that the groups the script creates next (its device mesh) join the survivors' repaired
+        communicators. The script then builds its model for this rank's coordinates; ``steps()``
+        heals it (:meth:`heal_after_init`)."""
+        ctx = self._ctx
+        store = ctx.require_store()
+        time.sleep(drills.standby_ready_delay(ctx.env.standby_id))  # tests only (0 otherwise)
+        ready = proto.StandbyReady(pid=os.getpid(), shadow_steps=0, finite=True)
+        store.set(keys.standby_ready(ctx.env.standby_id), ready.encode())
+        log(f"standby {ctx.env.standby_id} warm in tmrun.init() (the job has subgroups: the script runs "
+            f"once this process has a rank); waiting")
+        key = keys.standby_assign(ctx.env.standby_id)
+        assignment = proto.Assignment.decode(key, ctx.await_key(key, float("inf"), poll=POLL / 2))
+        started = time.monotonic()
+        if assignment.stop:
+            raise SystemExit(0)
+        if assignment.planned:
+            raise RecoveryError("a planned migration in a job with subgroups is not supported yet (docs/mesh.md)")
+        job_id = store.get(keys.JOB_ID).decode()
+        while True:
+            try:
+                comm = native.join_via_store(
+                    ctx.comm_store(), assignment.rank, ctx.world_size, job_id, assignment.gen,
+                    get=ctx.address_getter(assignment.gen),
+                    watch=ctx.generation_watch(assignment.gen, f"the links of generation {assignment.gen}"),
+                    timeout=ctx.env.comm_timeout,
+                    connect_timeout=ctx.env.recovery_timeout,
+                )
+                break
+            except Superseded as exc:
+                assignment = ctx.await_reassignment(assignment.gen, str(exc))
+        connected = time.time()
+        group.init_joined(dist.PrefixStore(keys.PG_PREFIX, store), comm, ctx.env.comm_timeout)
+        group.set_failure_handler(self._recovery.on_comm_failure)
+        tmrun_backend.set_joining(assignment.gen)
+        ctx.rank = assignment.rank
+        ctx.gen = assignment.gen
+        ctx.life.to(Role.JOINING)
+        ctx.fresh = True
+        ctx.built_as_rank = True
+        ctx.pending_join = (started, connected)
+        ctx.drills.rebind(ctx.rank, promoted=True)
+        log(f"promoted to rank {ctx.rank} (generation {ctx.gen}) in tmrun.init(); the script builds its groups "
+            f"and model as rank {ctx.rank}")
+        ctx.fire("promotion")
+
+    def heal_after_init(self) -> int:
+        """The first ``steps()`` of a standby promoted in ``tmrun.init()``: its groups are joined
+        and its model built; heal it (JOINING -> ACTIVE). Returns the step to resume at."""
+        ctx = self._ctx
+        assert ctx.pending_join is not None
+        started, connected = ctx.pending_join
+        ctx.pending_join = None
+        tmrun_backend.set_joining(None)  # groups created from now on are new groups of every rank
+        try:
+            return heal(ctx, started=started, aborted_step=-1, connected=connected)
+        except native.CommError as exc:
+            self._recovery.on_comm_failure(exc)
+            log(f"rank {ctx.rank}: lost a member while joining ({exc}); waiting for the next plan")
+            return self._recovery.recover()
 
     def rejoin(self, assignment: proto.Assignment) -> int:
         """A promoted joiner, past its healing but in a generation not every rank recovered

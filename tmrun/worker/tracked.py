@@ -31,9 +31,33 @@ class TensorSpec:
     dtype: str
 
 
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``t``: a DTensor's local shard (FSDP2, HSDP, tensor parallel:
+    a view sharing storage with the live parameter or optimizer state, so receiving into it
+    writes the live tensor), or ``t`` itself. Healing moves local shards only (docs/mesh.md)."""
+    inner = getattr(t, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else t
+
+
+def _shard_coordinates(t: Any) -> tuple[tuple[int, int], ...]:
+    """(mesh dimension, this rank's coordinate) for every dimension along which the DTensor
+    ``t`` differs between ranks (a ``Shard`` or ``Partial`` placement); () for a plain tensor or
+    a DTensor replicated everywhere, or on a rank outside its mesh."""
+    placements = getattr(t, "placements", None)
+    mesh = getattr(t, "device_mesh", None)
+    if placements is None or mesh is None:
+        return ()
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return ()
+    return tuple((dim, int(coordinate[dim])) for dim, placement in enumerate(placements)
+                 if not placement.is_replicate())
+
+
 def _module_tensors(prefix: str, module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     # state_dict() tensors share storage with the live parameters and buffers.
-    return [(f"{prefix}.{key}", value) for key, value in module.state_dict().items() if isinstance(value, torch.Tensor)]
+    return [(f"{prefix}.{key}", local_shard(value)) for key, value in module.state_dict().items()
+            if isinstance(value, torch.Tensor)]
 
 
 def _optimizer_tensors(prefix: str, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
@@ -44,7 +68,7 @@ def _optimizer_tensors(prefix: str, optimizer: torch.optim.Optimizer) -> list[tu
             state = optimizer.state.get(param, {})
             for key in sorted(state):
                 if isinstance(state[key], torch.Tensor):
-                    found.append((f"{prefix}.state.{index}.{key}", state[key]))
+                    found.append((f"{prefix}.state.{index}.{key}", local_shard(state[key])))
             index += 1
     return found
 
@@ -161,7 +185,29 @@ class TrackedState:
             params = [p for group in optimizer.param_groups for p in group["params"]]
             param = params[int(index_text)]
             dtype = getattr(torch, spec.dtype.removeprefix("torch."))
-            optimizer.state.setdefault(param, {})[key] = torch.zeros(spec.shape, dtype=dtype, device=param.device)
+            if local_shard(param) is not param and spec.shape and tuple(local_shard(param).shape) == spec.shape:
+                value = torch.zeros_like(param, dtype=dtype)  # a DTensor sharded as its parameter
+            else:
+                value = torch.zeros(spec.shape, dtype=dtype, device=param.device)
+            optimizer.state.setdefault(param, {})[key] = value
+
+    def shard_key(self) -> int:
+        """Which shard of the model this member holds, as a 63-bit digest: for every tracked
+        module tensor that is a DTensor, its name and its mesh coordinate along each dimension
+        where it is sharded (``Shard``) or partial; ``Replicate`` dimensions (HSDP's
+        "replicate") do not count. Members with equal keys are replicas and can heal each other;
+        0 when nothing is sharded (DDP: every member is a replica). docs/mesh.md."""
+        sharded = []
+        for name, obj in self._objects.items():
+            if not isinstance(obj, torch.nn.Module):
+                continue
+            for key, value in obj.state_dict().items():
+                coords = _shard_coordinates(value)
+                if coords:
+                    sharded.append((f"{name}.{key}", coords))
+        if not sharded:
+            return 0
+        return int.from_bytes(hashlib.sha256(repr(sharded).encode()).digest()[:8], "little") >> 1 or 1
 
     def specs(self) -> list[TensorSpec]:
         return [TensorSpec(name, tuple(t.shape), str(t.dtype)) for name, t in self.tensors()]

@@ -41,11 +41,16 @@ TAG_CRC = 0x7E03
 PATH_SOCKET = "socket"  # how a part reaches the member that needs it
 PATH_MEMORY = "memory"
 READ_TIMEOUT = 120.0  # seconds for copying a part out of a peer's memory (GB/s: never near)
-AGREED = 6  # values per member in agree()'s allgather
+AGREED = 7  # values per member in agree()'s allgather
 
 
 class TransferError(RuntimeError):
     """State could not be moved intact (checksum mismatch, different layouts)."""
+
+
+class NoReplicaError(TransferError):
+    """A member that must be healed holds a shard no live member holds (docs/mesh.md): the
+    in-place recovery cannot restore it; the job falls back to its group restart."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,13 @@ class HealPlan:
     hosts: list[int] = field(default_factory=list)  # per member: its host key, 0 where it reads no peer
     pids: list[int] = field(default_factory=list)  # per member: its process id
     defer: bool = False  # the optimizer state is read after heal returns (see DeferredRead)
+    keys: list[int] = field(default_factory=list)  # per member: its shard key (TrackedState.shard_key)
+
+    def donors_of(self, member: int) -> list[int]:
+        """The donors that hold ``member``'s shard (every donor when nothing is sharded)."""
+        if not self.keys:
+            return self.donors
+        return [d for d in self.donors if self.keys[d] == self.keys[member]]
 
     def same_host(self, donor: int, needy: int) -> bool:
         """Whether ``needy`` reads ``donor``'s stripe out of its memory (both allow it, one host)."""
@@ -96,12 +108,15 @@ def _megabytes(nbytes: int) -> str:
 
 
 def agree(comm: tmrun_native.Communicator, committed_step: int, digest: int, fresh: bool,
-          same_host_reads: bool = True, state_tensors: list[tuple[str, torch.Tensor]] | None = None) -> HealPlan:
-    """Allgather (committed step, layout digest, fresh, host key, pid) and derive the same plan on
-    every member. ``same_host_reads=False``: no member reads this one's memory, nor it theirs."""
+          same_host_reads: bool = True, state_tensors: list[tuple[str, torch.Tensor]] | None = None,
+          shard_key: int = 0) -> HealPlan:
+    """Allgather (committed step, layout digest, fresh, host key, pid, host memory, shard key)
+    and derive the same plan on every member. ``same_host_reads=False``: no member reads this
+    one's memory, nor it theirs. ``shard_key``: which shard this member holds (0: nothing is
+    sharded); a member is healed only by donors with its key (:func:`replica_donors`)."""
     host = peer_read.host_key() if same_host_reads else 0
     host_memory = all(t.device.type == "cpu" for _, t in state_tensors) if state_tensors is not None else False
-    mine = torch.tensor([committed_step, digest, 1 if fresh else 0, host, os.getpid(), int(host_memory)],
+    mine = torch.tensor([committed_step, digest, 1 if fresh else 0, host, os.getpid(), int(host_memory), shard_key],
                         dtype=torch.int64)
     every = torch.zeros(comm.world_size * AGREED, dtype=torch.int64)
     out, dtype = as_buffer(every)
@@ -113,17 +128,43 @@ def agree(comm: tmrun_native.Communicator, committed_step: int, digest: int, fre
         raise TransferError("no member holds the training state (every member is new)")
     target = max(rows[r][0] for r in holders)
     donors = [r for r in holders if rows[r][0] == target]
-    digests = {rows[r][1] for r in donors}
-    if len(digests) != 1:
-        raise TransferError("the members that hold the state track different objects or shapes")
+    keys = [row[6] for row in rows]
     needy = [r for r in range(comm.world_size) if r not in donors]
-    plan = HealPlan(target, donors, needy, hosts=[row[3] for row in rows], pids=[row[4] for row in rows])
+    replica_donors(keys, donors, needy)  # raises NoReplicaError on every member alike
+    for key in {keys[r] for r in donors}:  # replicas of one shard must track the same layout
+        if len({rows[r][1] for r in donors if keys[r] == key}) != 1:
+            raise TransferError("the members that hold the state track different objects or shapes")
+    plan = HealPlan(target, donors, needy, hosts=[row[3] for row in rows], pids=[row[4] for row in rows],
+                    keys=keys if any(keys) else [])
     # Deferred healing: every pair on one host, every member's state in host memory (given
     # ``state_tensors``): the healed member returns once the model arrived and reads the
     # optimizer state meanwhile.
     defer = bool(needy) and all(row[5] for row in rows) and all(
         plan.same_host(donor, member) for donor in donors for member in needy)
     return dataclasses.replace(plan, defer=defer)
+
+
+MISPLACED = -1  # the shard key of a joiner whose sharded state was built for other coordinates
+
+
+def replica_donors(keys: list[int], donors: list[int], needy: list[int]) -> dict[int, list[int]]:
+    """For every needy member, the donors holding its shard (equal shard keys). Raises
+    :class:`NoReplicaError` naming every shard that no live donor holds: pure FSDP (a shard has
+    one holder) or every replica of a shard lost."""
+    misplaced = [m for m in needy if keys[m] == MISPLACED]
+    if misplaced:
+        raise NoReplicaError(
+            f"rank{'s' if len(misplaced) > 1 else ''} {', '.join(map(str, misplaced))} joined with sharded state "
+            "built in a standby's sandbox (at rank 0's mesh coordinates; a job without subgroups, e.g. 1-D FSDP, "
+            "whose shards have no replica anyway: docs/mesh.md); falling back to the group restart")
+    found = {m: [d for d in donors if keys[d] == keys[m]] for m in needy}
+    orphans = [m for m, held_by in found.items() if not held_by]
+    if orphans:
+        raise NoReplicaError(
+            f"no live replica holds the shard of rank{'s' if len(orphans) > 1 else ''} "
+            f"{', '.join(map(str, orphans))} (shard keys {sorted({keys[m] for m in orphans})}; live holders of "
+            f"other shards: {donors}); in-place healing is impossible, falling back to the group restart")
+    return found
 
 
 def _stripe(views: list[torch.Tensor], index: int, count: int) -> list[torch.Tensor]:
@@ -243,7 +284,7 @@ def heal(
     donated: HostBytes | None = None  # a donor's bytes, loaded once for every member it heals
     parts: tuple[HostBytes, HostBytes] | None = None  # the same, model and optimizer state apart
     for needy in plan.needy:
-        if me in plan.donors:
+        if me in plan.donors_of(needy):
             if on_donate is not None:
                 on_donate()
             if plan.defer:
@@ -284,10 +325,11 @@ class CrcBoard(Protocol):
 
 def _donate_deferred(comm: tmrun_native.Communicator, state: TrackedState, parts: tuple[HostBytes, HostBytes],
                      plan: HealPlan, needy: int, step_meta: dict[str, object], board: CrcBoard) -> tuple[str, int]:
-    index = plan.donors.index(comm.rank)
+    donors = plan.donors_of(needy)
+    index = donors.index(comm.rank)
     if index == 0:
         _send_header(comm, state, step_meta, needy)
-    now, later = (_stripe(part.views, index, len(plan.donors)) for part in parts)
+    now, later = (_stripe(part.views, index, len(donors)) for part in parts)
     _send_json(comm, peer_read.offer(plan.pids[needy], stripe=now, later=later), needy)
     _send_crc(comm, crc32c_of(now), needy)  # computed while the needy member reads
     if _receipt(comm, needy).get("path") == PATH_SOCKET:  # it could not read this process
@@ -338,16 +380,17 @@ class DeferredRead:
 
 
 def _receive_deferred(comm: tmrun_native.Communicator, state: TrackedState, plan: HealPlan, board: CrcBoard) -> Healed:
-    header = _receive_header(comm, state, plan.donors[0])
+    donors = plan.donors_of(comm.rank)
+    header = _receive_header(comm, state, donors[0])
     now_host, later_host = _split(state, load=False)
-    count = len(plan.donors)
-    offers = {donor: _recv_json(comm, donor, "offer") for donor in plan.donors}
+    count = len(donors)
+    offers = {donor: _recv_json(comm, donor, "offer") for donor in donors}
     stripes = {donor: (_stripe(now_host.views, index, count), _stripe(later_host.views, index, count))
-               for index, donor in enumerate(plan.donors)}
+               for index, donor in enumerate(donors)}
     reads = {donor: peer_read.BackgroundRead(peer_pid(offers[donor], "offer", donor),
                                              peer_addresses(offers[donor], "stripe", "offer", donor),
                                              stripes[donor][0], f"the model's stripe of rank {donor}", READ_TIMEOUT)
-             for donor in plan.donors}
+             for donor in donors}
     healed = Healed(dict(header["meta"]), received=True)
     later_reads: list[tuple[peer_read.BackgroundRead, int]] = []
     failure: TransferError | None = None
@@ -438,10 +481,11 @@ class PendingTransfer:
 def _donate(comm: tmrun_native.Communicator, state: TrackedState, host: HostBytes, plan: HealPlan, needy: int,
             step_meta: dict[str, object]) -> tuple[str, int]:
     """Give ``needy`` this donor's stripe. Returns (the path it took, its bytes)."""
-    index = plan.donors.index(comm.rank)
+    donors = plan.donors_of(needy)
+    index = donors.index(comm.rank)
     if index == 0:
         _send_header(comm, state, step_meta, needy)
-    stripe = _stripe(host.views, index, len(plan.donors))
+    stripe = _stripe(host.views, index, len(donors))
     if not plan.same_host(comm.rank, needy):
         return PATH_SOCKET, _send_part(comm, stripe, needy)
     _send_json(comm, peer_read.offer(plan.pids[needy], stripe=stripe), needy)
@@ -454,10 +498,11 @@ def _donate(comm: tmrun_native.Communicator, state: TrackedState, host: HostByte
 def _receive(comm: tmrun_native.Communicator, state: TrackedState, plan: HealPlan) -> Healed:
     """The needy member's side: the header, then every donor's stripe (same-host donors' read at
     once in the background while the others' arrive over the socket)."""
-    header = _receive_header(comm, state, plan.donors[0])
+    donors = plan.donors_of(comm.rank)
+    header = _receive_header(comm, state, donors[0])
     host = HostBytes([t for _, t in state.tensors()], load=False)
-    stripes = {donor: _stripe(host.views, index, len(plan.donors)) for index, donor in enumerate(plan.donors)}
-    reads = {donor: _read_stripe(comm, donor, stripes[donor]) for donor in plan.donors
+    stripes = {donor: _stripe(host.views, index, len(donors)) for index, donor in enumerate(donors)}
+    reads = {donor: _read_stripe(comm, donor, stripes[donor]) for donor in donors
              if plan.same_host(donor, comm.rank)}
     healed = Healed(dict(header["meta"]), received=True)
     for donor, views in stripes.items():

@@ -95,6 +95,21 @@ def others_done(store: Store, ranks: Iterable[int]) -> bool:
     return bool(wanted) and store.check(wanted)
 
 
+def has_subgroups(store: Store) -> bool:
+    """The job's ranks made subgroups (a device mesh, ``new_group``): its standbys wait in
+    ``tmrun.init()`` and only take over lost ranks (docs/mesh.md)."""
+    return store.check([keys.SUBGROUPS]) and store.get(keys.SUBGROUPS) == b"1"
+
+
+def unhealable(store: Store) -> str:
+    """Why the members of the change under way found it cannot heal in place ('' when they did
+    not): a shard whose every replica was lost (docs/mesh.md, section 4)."""
+    if not store.check([keys.UNHEALABLE]):
+        return ""
+    raw = store.get(keys.UNHEALABLE)
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
 def any_done(store: Store, ranks: Iterable[int]) -> bool:
     """True when a rank in ``ranks`` already finished its steps (a planned switch can no longer
     happen: that rank will never reach the switch step)."""

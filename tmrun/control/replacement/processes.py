@@ -167,6 +167,9 @@ class ProcessReplacement:
             return self._refuse(f"rank {request.rank}", "no such running rank on this node")
         if core.any_done(self._store, self.slots.ranks()):
             return self._refuse(f"rank {request.rank}", "the training is finishing (a rank finished its steps)")
+        if core.has_subgroups(self._store):
+            return self._refuse(f"rank {request.rank}", "the job has subgroups (a device mesh): planned migrations "
+                                "of such jobs are not supported yet (docs/mesh.md)")
         member = self._ready_standby()
         if member is None:
             return self._refuse(f"rank {request.rank}", "no warm standby")
@@ -212,6 +215,8 @@ class ProcessReplacement:
                 "the job ends failed (a restart would redo the whole training)")
             return Outcome(failed=failed, reason=f"rank {first} failed after every other rank finished",
                            final=True)
+        if core.unhealable(self._store):  # the members found the state cannot be healed: no use waiting
+            return self._abandon(failed, core.unhealable(self._store))
         if self._replacements_left < len(failed):
             return self._abandon(failed, "no in-place replacements left (--max-restarts)")
         started = time.monotonic()
@@ -234,6 +239,8 @@ class ProcessReplacement:
         while len(reserved) < len(failed) and time.monotonic() - started < self._standby_wait:
             if self._pool.failing:
                 return self._abandon(failed, self._pool.failing)
+            if core.unhealable(self._store):
+                return self._abandon(failed, core.unhealable(self._store))
             time.sleep(0.05)
             self._pool.fill()
             for rank, code in self.slots.failed().items():  # fold failures seen while waiting

@@ -1,0 +1,102 @@
+"""HSDP with torch's own APIs under the tmrun worker API: a tiny GPT-style model sharded with
+FSDP2 (``fully_shard``) on a 2-D ("replicate", "shard") device mesh, AdamW, a warm-up + cosine
+LR schedule and a stateful data loader, all tracked.
+
+    tmrun --standalone --nproc-per-node 4 --standby 1 examples/train_hsdp.py --final 'out/final-{rank}'
+    torchrun --standalone --nproc-per-node 4 examples/train_hsdp.py --final 'out/final-{rank}'
+
+Nothing of the model code knows about tmrun: after ``tm = tmrun.init()`` the default process
+group is the resilient "tmrun" backend, and ``init_device_mesh`` / ``fully_shard`` build their
+subgroups on it (each dimension's groups are "tmrun" groups too). On a standby the same code runs
+in its sandbox (every collective of every group served locally) until it is promoted.
+
+--final PATH writes the SHA-256 of this rank's local shards (parameters and optimizer state)
+and of the scheduler's and loader's state; ``{rank}`` in PATH is replaced by the rank. Replicas
+(the same position along "shard") must agree, and runs under tmrun and torchrun must give the
+same bits. A rank lost during training is replaced in place by the standby, which waits in
+``tmrun.init()`` and then builds its mesh and model as that rank (docs/mesh.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+import os
+import sys
+import time
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import tmrun  # noqa: E402
+from tiny_gpt import GPT, GPTConfig, TokenLoader, digest, loss_of  # noqa: E402
+
+
+def schedule(warmup: int, total: int):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--replicas", type=int, default=2, help='size of the "replicate" dimension')
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--dim", type=int, default=32)
+    parser.add_argument("--final", default="")
+    parser.add_argument("--step-log", default="", help="one line per completed step (step time pid); {rank}: the rank")
+    parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (a slower job)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    tm = tmrun.init()  # the default group is "tmrun"; on a standby: the sandbox until promoted
+    world = tm.world_size
+    mesh = init_device_mesh("cpu", (args.replicas, world // args.replicas), mesh_dim_names=("replicate", "shard"))
+
+    cfg = GPTConfig(dim=args.dim, layers=args.layers)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)  # HSDP: shard over "shard", replicate over "replicate"
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    tm.track(model=model, optimizer=opt)  # local shards; opt.step() now goes through tmrun's guard
+    # the scheduler after tm.track: it wraps the guarded step (made before, it warns each step
+    # that optimizer.step() was overridden after it)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(warmup=2, total=args.steps))
+    loader = TokenLoader(cfg, dp_rank=tm.rank, dp_size=world)  # every rank is data-parallel in HSDP
+    tm.track(scheduler=sched, loader=loader)
+
+    for step in tm.steps(args.steps):
+        idx, target = loader.next()
+        loss = loss_of(model, idx, target)
+        loss.backward()
+        opt.step()  # skipped in a step a failure aborted (tm.track guards it)
+        sched.step()
+        opt.zero_grad()
+        if args.step_time:
+            time.sleep(args.step_time)
+        if args.step_log and not tm.is_shadow and tm.committed_step == step:  # (a loss seen after the commit sets tm.aborted)
+            with open(args.step_log.replace("{rank}", str(tm.rank)), "a") as log:
+                log.write(f"{step} {time.time():.6f} {os.getpid()}\n")
+        if tm.rank == 0 and not tm.is_shadow and not tm.aborted:
+            print(f"step {step} loss {loss.item():.4f} lr {sched.get_last_lr()[0]:.2e}", flush=True)
+
+    if args.final:
+        sha = hashlib.sha256(digest(model, opt).encode())
+        sha.update(repr((sched.state_dict()["last_epoch"], loader.state_dict())).encode())
+        with open(args.final.replace("{rank}", str(tm.rank)), "w") as out:
+            out.write(sha.hexdigest() + "\n")
+
+
+if __name__ == "__main__":
+    main()

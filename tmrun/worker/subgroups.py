@@ -1,0 +1,96 @@
+"""The subgroups of a job (``new_group``, a device mesh's dimension groups) as the runtime sees them.
+
+Every "tmrun" group of an active rank is part of the in-place protocol (docs/mesh.md, section 2):
+a loss seen in any of them aborts the step everywhere in the process, and a recovery repairs them
+all in one generation. This module knows how to name a subgroup's members by their global ranks
+and which groups a replacement touches; :class:`SubgroupWatch` gives each subgroup the
+runtime's failure handler and a loss watcher as the script creates them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Callable
+
+import torch.distributed as dist
+
+from tmrun.comm import backend as tmrun_backend
+from tmrun.comm.backend import TmrunProcessGroup
+from tmrun.worker.loss_watch import LossWatcher
+
+# (exc, group) -> absorbed: the runtime's handler, told which group failed
+GroupFailureHandler = Callable[[BaseException, TmrunProcessGroup], bool]
+# (epoch, lost group rank, protocol, message, group)
+GroupLossHandler = Callable[[int, int, bool, str, TmrunProcessGroup], None]
+
+
+def default_group() -> TmrunProcessGroup:
+    return tmrun_backend.get_group()
+
+
+def subgroups() -> list[TmrunProcessGroup]:
+    """Every tmrun group of this process except the default group, in creation order."""
+    default = default_group()
+    return [pg for pg in tmrun_backend.created_groups() if pg is not default]
+
+
+def members(pg: TmrunProcessGroup | None) -> list[int]:
+    """The global ranks of ``pg``'s members, by group rank."""
+    if pg is None or pg is default_group():
+        return list(range(dist.get_world_size()))
+    return [int(r) for r in dist.get_process_group_ranks(pg)]
+
+
+def to_global(pg: TmrunProcessGroup, group_rank: int) -> int:
+    """The global rank of ``pg``'s member ``group_rank`` (-1 stays -1: unknown)."""
+    if group_rank < 0:
+        return -1
+    ranks = members(pg)
+    return ranks[group_rank] if group_rank < len(ranks) else -1
+
+
+def replaced_in(pg: TmrunProcessGroup, replaced: Collection[int]) -> list[int]:
+    """The group ranks of ``pg`` that the global ranks ``replaced`` hold (empty: ``pg`` only
+    resynchronises in the replacement)."""
+    ranks = members(pg)
+    return sorted(ranks.index(r) for r in replaced if r in ranks)
+
+
+def abort_all(skip: TmrunProcessGroup | None = None) -> None:
+    """Every tmrun group of this process enters the aborted state (``skip``: the group whose
+    failure handler is running: it enters it by itself, and holds its lock)."""
+    for pg in tmrun_backend.created_groups():
+        if pg is not skip and not pg.local:
+            pg.abort_collectives()
+
+
+def clear_all() -> None:
+    for pg in tmrun_backend.created_groups():
+        pg.clear_aborted()
+
+
+class SubgroupWatch:
+    """Gives every subgroup the runtime's failure handler and a loss watcher, once, as soon as
+    the runtime sees it (at each step's start: the script creates its groups before its loop)."""
+
+    def __init__(self, on_failure: GroupFailureHandler, on_loss: GroupLossHandler) -> None:
+        self._on_failure = on_failure
+        self._on_loss = on_loss
+        self._adopted: set[int] = set()
+        self._watchers: list[LossWatcher] = []
+
+    def adopt(self) -> int:
+        """Hook up the subgroups not seen yet (network groups only); returns how many."""
+        count = 0
+        for pg in subgroups():
+            if id(pg) in self._adopted or pg.local:
+                continue
+            self._adopted.add(id(pg))
+            pg.set_failure_handler(lambda exc, pg=pg: self._on_failure(exc, pg))
+            watcher = LossWatcher(lambda pg=pg: pg.comm,
+                                  lambda epoch, lost, protocol, message, pg=pg: self._on_loss(epoch, lost, protocol,
+                                                                                              message, pg))
+            watcher.start()
+            self._watchers.append(watcher)
+            count += 1
+        return count
