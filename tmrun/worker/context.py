@@ -153,8 +153,18 @@ class Context:
         """A standby: whether the job's ranks made subgroups (a device mesh, ``new_group``),
         which they say when their first step starts (:meth:`publish_subgroups`); until then the
         standby waits here (watching for the controller's abort, SIGTERM and its agent)."""
-        raw = self.await_key(keys.SUBGROUPS, float("inf"))
+        raw = self.await_standby_key(keys.SUBGROUPS)
         return raw == b"1"
+
+    def await_standby_key(self, key: str) -> bytes:
+        """A standby waits for ``key`` as long as the job runs. If the controller abandons
+        in-place replacement meanwhile (the group restarts with a new pool), this standby is not
+        needed: it leaves with one line (exit 0), not a traceback."""
+        try:
+            return self.await_key(key, float("inf"), poll=POLL / 2)
+        except RecoveryError as gave_up:
+            log(f"standby {self.env.standby_id} leaves: {gave_up}")
+            raise SystemExit(0) from None
 
     def publish_subgroups(self, has_subgroups: bool) -> None:
         """An active rank at its first step: whether the job has subgroups (for its standbys)."""

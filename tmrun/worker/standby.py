@@ -20,7 +20,7 @@ import torch.distributed as dist
 from tmrun.comm import backend as tmrun_backend, native
 from tmrun.protocol import keys, messages as proto
 from tmrun.worker import drills, group
-from tmrun.worker.context import POLL, Context, RecoveryError, Rejoin, Superseded, log
+from tmrun.worker.context import Context, RecoveryError, Rejoin, Superseded, log
 from tmrun.worker.migration import Migration
 from tmrun.worker.recovery import Recovery, heal
 from tmrun.worker.roles import Role
@@ -87,12 +87,7 @@ class Standby:
             f"tracked values {'finite' if finite else 'NOT finite'}); waiting"
         )
         key = keys.standby_assign(ctx.env.standby_id)
-        try:
-            raw = ctx.await_key(key, float("inf"), poll=POLL / 2)
-        except RecoveryError as gave_up:  # the controller abandoned in-place replacement: the group
-            # restarts with a new pool, this standby is not needed (a line, not a traceback)
-            log(f"standby {ctx.env.standby_id} leaves: {gave_up}")
-            raise SystemExit(0) from None
+        raw = ctx.await_standby_key(key)
         self._assigned_at = time.monotonic()
         assignment = proto.Assignment.decode(key, raw)
         if assignment.stop:
@@ -129,7 +124,7 @@ class Standby:
         log(f"standby {ctx.env.standby_id} warm in tmrun.init() (the job has subgroups: the script runs "
             f"once this process has a rank); waiting")
         key = keys.standby_assign(ctx.env.standby_id)
-        assignment = proto.Assignment.decode(key, ctx.await_key(key, float("inf"), poll=POLL / 2))
+        assignment = proto.Assignment.decode(key, ctx.await_standby_key(key))
         started = time.monotonic()
         if assignment.stop:
             raise SystemExit(0)
