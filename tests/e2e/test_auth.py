@@ -38,22 +38,32 @@ def _probe(proc: psutil.Process) -> dict[int, bytes]:
 
 
 def _watch(agent, log: Path, seen: dict) -> None:  # type: ignore[no-untyped-def]
+    """Every process of the job is looked at once (argv, environment) as it appears; once the
+    standby is warm (every listener open), each live one's listeners are probed too."""
+    looked: set[int] = set()
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
+        _look(agent, seen, looked, probe=False)
         if "standby 0 warm" in (log.read_text() if log.exists() else ""):
             break
-        time.sleep(0.05)
+        time.sleep(0.2)
     time.sleep(0.5)
-    tag = agent.tag
+    _look(agent, seen, looked, probe=True)
+
+
+def _look(agent, seen: dict, looked: set[int], probe: bool) -> None:  # type: ignore[no-untyped-def]
     for proc in psutil.process_iter(["pid"]):
         try:
             env = proc.environ()
-            if env.get(TAG_VAR) != tag:
+            if env.get(TAG_VAR) != agent.tag:
                 continue
-            seen.setdefault("argv", []).append(" ".join(proc.cmdline()))
             role = "agent" if proc.pid == agent.pid else ("worker" if "RANK" in env or "TMRUN_ROLE" in env else "other")
-            seen.setdefault("env", []).append((role, env.get("TMRUN_JOB_TOKEN"), env.get("TMRUN_JOB_TOKEN_FILE")))
-            seen.setdefault("listeners", []).append((role, proc.pid, _probe(proc)))
+            if proc.pid not in looked:
+                looked.add(proc.pid)
+                seen.setdefault("argv", []).append(" ".join(proc.cmdline()))
+                seen.setdefault("env", []).append((role, env.get("TMRUN_JOB_TOKEN"), env.get("TMRUN_JOB_TOKEN_FILE")))
+            if probe:
+                seen.setdefault("listeners", []).append((role, proc.pid, _probe(proc)))
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
 

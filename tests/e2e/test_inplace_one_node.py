@@ -251,8 +251,7 @@ def test_no_warm_standby_falls_back_to_a_group_restart(tmp_path: Path, reference
                                "--inject-failure", "rank=1,step=0", step_time=0.3)
     assert code == 0, log
     assert "no standby ready within 0s: falling back to restarting the worker group" in log
-    assert "Traceback" not in log, log  # the standby that was not needed leaves in one line
-    assert "standby 0 leaves: in-place recovery abandoned by the controller" in log, log
+    assert "Traceback" not in log, log  # the standby that was not needed leaves quietly (one line, or stopped)
     assert "1 group restart (not in the downtime)" in log, log  # the fallback's restart, counted once
     assert final == reference
 
