@@ -130,16 +130,9 @@ class Standby:
             raise SystemExit(0)
         if assignment.planned:
             raise RecoveryError("a planned migration in a job with subgroups is not supported yet (docs/mesh.md)")
-        job_id = store.get(keys.JOB_ID).decode()
         while True:
             try:
-                comm = native.join_via_store(
-                    ctx.comm_store(), assignment.rank, ctx.world_size, job_id, assignment.gen,
-                    get=ctx.address_getter(assignment.gen),
-                    watch=ctx.generation_watch(assignment.gen, f"the links of generation {assignment.gen}"),
-                    timeout=ctx.env.comm_timeout,
-                    connect_timeout=ctx.env.recovery_timeout,
-                )
+                comm = self._connect(assignment)
                 break
             except Superseded as exc:
                 assignment = ctx.await_reassignment(assignment.gen, str(exc))
@@ -180,20 +173,25 @@ class Standby:
             f"joining generation {assignment.gen}")
         return self._join(assignment)
 
+    def _connect(self, assignment: proto.Assignment) -> native.Communicator:
+        """This process's links as ``assignment.rank`` in the survivors' communicator of
+        generation ``assignment.gen`` (the native "epoch"); raises Superseded when a newer
+        generation is published meanwhile."""
+        ctx = self._ctx
+        job_id = ctx.require_store().get(keys.JOB_ID).decode()
+        return native.join_via_store(
+            ctx.comm_store(), assignment.rank, ctx.world_size, job_id, assignment.gen,
+            get=ctx.address_getter(assignment.gen),
+            watch=ctx.generation_watch(assignment.gen, f"the links of generation {assignment.gen}"),
+            timeout=ctx.env.comm_timeout,
+            connect_timeout=ctx.env.recovery_timeout,
+        )
+
     def _join_once(self, assignment: proto.Assignment) -> int:
         ctx = self._ctx
-        store = ctx.require_store()
         started = self._assigned_at
-        job_id = store.get(keys.JOB_ID).decode()
-        # the native communicator's "epoch" is the generation
         try:
-            comm = native.join_via_store(
-                ctx.comm_store(), assignment.rank, ctx.world_size, job_id, assignment.gen,
-                get=ctx.address_getter(assignment.gen),
-                watch=ctx.generation_watch(assignment.gen, f"the links of generation {assignment.gen}"),
-                timeout=ctx.env.comm_timeout,
-                connect_timeout=ctx.env.recovery_timeout,
-            )
+            comm = self._connect(assignment)
         except Superseded as exc:
             # A member was lost before it published its address for this generation (or before
             # this joiner's links were up): the controller published a newer one, which gives
