@@ -28,6 +28,7 @@ from torch.distributed.elastic.multiprocessing import LogsSpecs
 from tmrun.console import say
 from tmrun.control.detection import DetectionSettings
 from tmrun.launcher.roles import AgentRole, choose_role
+from tmrun.launcher.stop_signals import reinstall_stop_signals
 from tmrun.protocol.messages import WorkersInfo
 from tmrun.rendezvous.handler import TmrunRendezvousHandler
 
@@ -116,8 +117,11 @@ class TmrunAgent(LocalElasticAgent):
     # -- what roles use ------------------------------------------------------------------------
 
     def start_group(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        """Start the group's workers as torch does (local rank -> pid)."""
-        return super()._start_workers(worker_group)
+        """Start the group's workers as torch does (local rank -> pid); torch's raise-every-time
+        signal handler it installs on the way is replaced by the agent's one-shot one."""
+        pids = super()._start_workers(worker_group)
+        reinstall_stop_signals()
+        return pids
 
     def group_processes(self, worker_group: WorkerGroup) -> dict[int, subprocess.Popen[bytes]]:
         """Global rank -> process of the workers torch started."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from tmrun.console.live import LiveConsole
 from tmrun.launcher.console_feed import ConsoleFeed
 from tmrun.control.detection import DetectionSettings
 from tmrun.launcher.agent import AgentSettings, TmrunAgent
+from tmrun.launcher.stop_signals import handle_stop_signals
 from tmrun.launcher.runfile import event_log_path, remove_runfile, write_runfile
 from tmrun.protocol import auth, environment, keys
 from tmrun.control.rendezvous_backend import register_tmrun_backend
@@ -45,22 +45,6 @@ class TmrunOptions:
     straggler_factor: float = 0.0  # a rank's own work over this x the others' median ... (0: off)
     straggler_steps: int = 5  # ... for this many consecutive steps: migrate it
     gpu_health: bool = True  # NVML health monitor (off by itself without a GPU)
-
-
-def handle_stop_signals(signals: str) -> None:
-    """From the start, the signals torch's agent handles (``--signals-to-handle``) raise its
-    SignalException in this process: a standby node waiting in the rendezvous, or a node serving
-    the store, stops with its line in the log and the job closed, as an active node does
-    (torch installs the same handler, but only once it starts workers)."""
-    for name in filter(None, (part.strip() for part in signals.split(","))):
-        sig = getattr(signal, name, None)
-        if isinstance(sig, signal.Signals):
-            signal.signal(sig, _raise_signal_exception)
-
-
-def _raise_signal_exception(signum: int, frame: object) -> None:
-    sigval = signal.Signals(signum)
-    raise SignalException(f"process {os.getpid()} got signal {sigval.name}", sigval=sigval)
 
 
 def launch(config: LaunchConfig, entrypoint: str, args: list[Any], options: TmrunOptions) -> int:

@@ -1,0 +1,52 @@
+"""The agent's stop signals: the first raises torch's SignalException, a second one during the
+shutdown it started does not break that shutdown (SLURM's scancel and time limit signal twice)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+_SCRIPT = textwrap.dedent(
+    """
+    import logging, os, signal, sys
+    from torch.distributed.elastic.multiprocessing.api import SignalException, _terminate_process_handler
+    from tmrun.launcher.stop_signals import handle_stop_signals, reinstall_stop_signals
+
+    handle_stop_signals("SIGTERM,SIGINT")
+    if sys.argv[1] == "after-torch":
+        signal.signal(signal.SIGTERM, _terminate_process_handler)  # what torch does when it starts workers
+        reinstall_stop_signals()
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout)
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        print("not interrupted")
+    except SignalException as exc:
+        # the shutdown the first signal started: a log call, then the second signal in it
+        logging.warning("received %s, shutting down", exc.sigval.name)
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
+        logging.warning("shutdown finished")
+        sys.exit(128 + int(exc.sigval))
+    """
+)
+
+
+def _run(mode: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", _SCRIPT, mode], capture_output=True, text=True, timeout=60)
+
+
+def test_second_signal_does_not_break_the_shutdown() -> None:
+    done = _run("first")
+    assert done.returncode == 128 + 15, done.stderr
+    assert "not interrupted" not in done.stdout
+    assert "shutdown finished" in done.stdout, done.stderr
+    assert "Traceback" not in done.stderr and "Logging error" not in done.stderr, done.stderr
+    assert "SIGTERM again while stopping after SIGTERM" in done.stderr
+    assert "SIGINT again while stopping after SIGTERM" in done.stderr
+
+
+def test_one_shot_again_after_torch_installed_its_handler() -> None:
+    done = _run("after-torch")
+    assert done.returncode == 128 + 15, done.stderr
+    assert "shutdown finished" in done.stdout and "Traceback" not in done.stderr, done.stderr

@@ -1,0 +1,64 @@
+"""The agent's stop signals: the first one raises torch's SignalException, the next are noted.
+
+torch's agent handles ``--signals-to-handle`` by raising ``SignalException`` in the main thread,
+every time one arrives, but installs that handler only once it starts workers. A standby node
+waiting in the rendezvous, or a node serving the store, must stop the same way, so the agent
+installs its handler from the start. And under SLURM a stop often comes twice (``scancel`` or
+the time limit signals the step, and srun forwards it again): a second exception raised in the
+middle of the shutdown the first one started would break that shutdown wherever it happens to
+be (a log call, a worker's close) and print a traceback. So only the first signal raises; a
+later one is noted in one line and the shutdown, which is bounded, goes on.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+from torch.distributed.elastic.multiprocessing.api import SignalException
+
+_DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+
+
+class StopSignals:
+    """The stop signals of this process and whether one has arrived yet."""
+
+    def __init__(self, names: str = _DEFAULT_SIGNALS) -> None:
+        parsed = (getattr(signal, part.strip(), None) for part in names.split(","))
+        self.signals: tuple[signal.Signals, ...] = tuple(s for s in parsed if isinstance(s, signal.Signals))
+        self.received: signal.Signals | None = None
+
+    def install(self) -> None:
+        """Handle the signals here (again: torch replaces the handlers when it starts workers).
+        Only from the main thread, where Python runs signal handlers."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in self.signals:
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        sigval = signal.Signals(signum)
+        if self.received is not None:
+            # os.write: a signal handler may run inside a logging call, whose lock it holds
+            os.write(2, f"tmrun: {sigval.name} again while stopping after {self.received.name}; "
+                        "the shutdown goes on (SIGKILL stops at once)\n".encode())
+            return
+        self.received = sigval
+        raise SignalException(f"process {os.getpid()} got signal {sigval.name}", sigval=sigval)
+
+
+_stop_signals = StopSignals()
+
+
+def handle_stop_signals(names: str = _DEFAULT_SIGNALS) -> StopSignals:
+    """Install this process's stop-signal handler from now on; return it."""
+    global _stop_signals
+    _stop_signals = StopSignals(names)
+    _stop_signals.install()
+    return _stop_signals
+
+
+def reinstall_stop_signals() -> None:
+    """After torch started workers (it installs its own, raise-every-time handler)."""
+    _stop_signals.install()
