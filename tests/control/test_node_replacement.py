@@ -126,3 +126,27 @@ def test_a_node_migration_asked_while_the_training_finishes_is_refused(store: di
     swapped, events = coordinator.migrate(_membership())
     assert swapped is None and events == [("migrate-refused", "node at group rank 1: the training is finishing")]
     assert not _epoch(store).check([keys.plan(1)])
+
+
+def test_a_change_its_members_found_unhealable_falls_back_without_waiting(store: dist.Store) -> None:
+    """The members of generation 1 found a shard with no live replica (docs/mesh.md): the next
+    failure report falls back at once, without waiting standby_wait for a standby node."""
+    _api_job(store, standby_ready=False)
+    ip = _epoch(store)
+    ip.set(keys.UNHEALABLE, "no live replica holds the shard of ranks 1, 3")
+    coordinator = NodeReplacement(store, _job(store), RUN, standby_wait=30)
+    decision, swapped, why = coordinator.decide(_membership(), [1], {1}, time.monotonic())
+    assert (decision, swapped) == (Decision.FALLBACK, None)
+    assert why == "no live replica holds the shard of ranks 1, 3"
+    assert "no live replica" in proto.AbortNotice.decode("abort", ip.get(keys.ABORT)).reason
+
+
+def test_a_node_migration_in_a_job_with_subgroups_is_refused(store: dist.Store) -> None:
+    _api_job(store)
+    _epoch(store).set(keys.SUBGROUPS, "1")
+    coordinator = NodeReplacement(store, _job(store), RUN, standby_wait=30)
+    proto.request_migration(_job(store), node=1)
+    swapped, events = coordinator.migrate(_membership())
+    assert swapped is None and len(events) == 1
+    assert events[0][0] == "migrate-refused" and "the job has subgroups" in events[0][1], events
+    assert not _epoch(store).check([keys.plan(1)])

@@ -9,7 +9,10 @@ one run under plain torchrun (shared by the module):
 * examples/train_dp_tp.py (tensor parallel over "tp" of a ("dp", "tp") mesh) with rank 1 killed
   in backward: the same, healed from its replica along "dp";
 * both replicas of a shard (ranks 1 and 3) lost at once: every member says so in one line and
-  the job falls back to the group restart at once, which ends with the reference's bits too.
+  the job falls back to the group restart at once, which ends with the reference's bits too;
+* the same HSDP job over two nodes of two workers (three agents, one a standby node): node 1
+  (one replica: ranks 2 and 3) fails and the standby node's two workers take both ranks in place,
+  each healed from its shard's replica on node 0.
 
 (The steady state without a failure, bit for bit against gloo, the standby's sandbox building the
 same mesh, and the backend's repair of every group: tests/comm/test_mesh_dist.py. Every test
@@ -23,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import EXAMPLES, kill_tree, leftovers, start, tmrun_cmd, torchrun_cmd
+from tests.helpers import EXAMPLES, free_port, kill_tree, leftovers, start, tmrun_cmd, torchrun_cmd, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -159,3 +162,48 @@ def test_dp_tp_rank_killed_is_replaced_in_place(tmp_path: Path, dp_tp_reference:
     assert "1 in-place recoveries" in log
     for rank in (0, 2, 3):
         _check_committed(_steps(work, rank), processes=1, rank=rank)
+
+
+def test_hsdp_over_nodes_a_failed_node_is_replaced_in_place(tmp_path: Path, reference: list[str]) -> None:
+    """Three agents (``--nnodes 2 --standby 1 --nproc-per-node 2``): node 0 runs ranks 0 and 1
+    (one replica: both shards), node 1 ranks 2 and 3 (the other), node 2 stands by. Rank 2 is
+    SIGKILLed in step 2's backward: node 1 stops both its workers, the standby node's two workers
+    (waiting in ``tmrun.init()``) take ranks 2 and 3 in one generation, each healed from its
+    shard's replica on node 0 (ranks 0 and 1, which keep their processes); the final digests
+    equal torchrun's on one node (the same ranks, the same mesh)."""
+    work = tmp_path / "nodes"
+    work.mkdir()
+    port = free_port()
+    procs = []
+    try:
+        for node in range(3):
+            cmd = tmrun_cmd("--nnodes", "2", "--standby", "1", "--nproc-per-node", "2",
+                            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "mesh-nodes",
+                            "--rdzv-conf", "heartbeat_interval=0.5", "--inject-failure", "rank=2,step=2,at=backward",
+                            *SCRIPT, "--final", str(work / "final-{rank}"), "--step-log", str(work / "steps-{rank}"))
+            procs.append(start(cmd, log=work / f"agent{node}.log", env={**ENV, "TMRUN_STATE_DIR": str(work / "state")}))
+            # node ids follow the order in which the agents join
+            assert wait_until(lambda n=node: f"node {n} " in (work / "agent0.log").read_text(), 60), (
+                (work / "agent0.log").read_text())
+        codes = [proc.wait(timeout=200) for proc in procs]
+    finally:
+        for proc in procs:
+            kill_tree(proc)
+        for proc in procs:
+            assert leftovers(proc) == []
+    logs = [(work / f"agent{n}.log").read_text() for n in range(3)]
+    text = "\n".join(logs)
+    assert codes == [0, 0, 0], text[-8000:]
+    assert _finals(work) == reference, text[-8000:]
+    assert "replace: generation 1: node 2 replaces node 1 at group rank 1 in place (ranks 2->standby 2000, " \
+           "3->standby 2001)" in logs[0], logs[0]
+    for rank in (2, 3):
+        assert f"promoted to rank {rank} (generation 1) in tmrun.init()" in logs[2], logs[2]
+        assert re.search(rf"rank {rank}: recovered into generation 1 .*from 1 donor", logs[2]), logs[2]
+    assert "1 in-place recoveries" in logs[0] and "Traceback" not in text, text[-8000:]
+    redone = int(re.search(r"(\d+) steps recomputed", logs[0]).group(1))  # type: ignore[union-attr]
+    assert redone <= 1
+    for rank in (0, 1):  # node 0: the same processes throughout
+        _check_committed(_steps(work, rank), processes=1, rank=rank)
+    for rank in (2, 3):  # node 1's processes, then the standby node's
+        _check_committed(_steps(work, rank), processes=2, rank=rank)

@@ -96,6 +96,10 @@ class NodeReplacement:
             return Decision.PLAIN, None, "the script does not use the tmrun worker API"
         if generations.abandoned():
             return Decision.FALLBACK, None, "in-place recovery was already abandoned in this epoch"
+        unhealable = core.unhealable(store)
+        if unhealable:  # the members found a shard with no live replica: no standby node can help
+            generations.abandon(unhealable)
+            return Decision.FALLBACK, None, unhealable
         ranks = self._api_ranks(store, membership)
         if ranks is None:
             return Decision.PLAIN, None, "not every rank had started the tmrun worker API"
@@ -156,6 +160,10 @@ class NodeReplacement:
                 continue
             if core.any_done(store, [r for node_ranks in ranks for r in node_ranks]):
                 events.append(("migrate-refused", f"{request.describe()}: the training is finishing"))
+                continue
+            if core.has_subgroups(store):
+                events.append(("migrate-refused", f"{request.describe()}: the job has subgroups (a device mesh): "
+                               "planned migrations of such jobs are not supported yet (docs/mesh.md)"))
                 continue
             standby = self._ready_standby_nodes(store, membership, len(ranks[group_rank]))
             if not standby:
