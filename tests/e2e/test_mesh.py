@@ -128,6 +128,25 @@ def test_hsdp_two_failures_one_after_the_other(tmp_path: Path, reference: list[s
         _check_committed(_steps(work, rank), processes=1, rank=rank, failed=frozenset({1, 3}))
 
 
+def test_hsdp_joiner_killed_before_it_rebuilt_its_groups(tmp_path: Path, reference: list[str]) -> None:
+    """Rank 1 killed in step 2, then its joiner killed as soon as it joined the default group
+    (the "promotion" drill: before it re-created the mesh's groups). The survivors, waiting for
+    the joiner's address in rank 1's subgroups, give up that generation at once when the next one
+    is published (no store timeout, no group restart); the second standby takes rank 1 in
+    generation 2 and the job ends with torchrun's bits, survivors in their first processes."""
+    work = tmp_path / "joiner"
+    log = _tmrun(work, "--standby", "1", "--inject-failure", "rank=1,step=2",
+                 "--inject-failure", "rank=1,who=joiner")
+    assert _finals(work) == reference, log[-6000:]
+    assert "in-place replacement, generation 2: rank 1" in log, log[-6000:]
+    assert re.search(r"rank [03]: generation 2 superseded generation 1 while waiting for \S+/replace/", log), log[-6000:]
+    assert "promoted to rank 1 (generation 2) in tmrun.init()" in log
+    assert re.search(r"rank 1: recovered into generation 2 .*from 1 donor", log), log[-6000:]
+    assert "group restart" not in log and "Traceback" not in log, log[-6000:]
+    for rank in (0, 2, 3):
+        _check_committed(_steps(work, rank), processes=1, rank=rank)
+
+
 def test_every_replica_of_a_shard_lost_falls_back_to_the_group_restart(tmp_path: Path,
                                                                        reference: list[str]) -> None:
     """Ranks 1 and 3 hold the same shard (HSDP: replicas along "replicate"); both killed at the
