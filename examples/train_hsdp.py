@@ -4,6 +4,7 @@ LR schedule and a stateful data loader, all tracked.
 
     tmrun --standalone --nproc-per-node 4 --standby 1 examples/train_hsdp.py --final 'out/final-{rank}'
     torchrun --standalone --nproc-per-node 4 examples/train_hsdp.py --final 'out/final-{rank}'
+    torchrun --standalone --nproc-per-node 4 --max-restarts 3 examples/train_hsdp.py --checkpoint-dir ckpt
 
 Nothing of the model code knows about tmrun: after ``tm = tmrun.init()`` the default process
 group is the resilient "tmrun" backend, and ``init_device_mesh`` / ``fully_shard`` build their
