@@ -4,6 +4,7 @@ LR schedule and a stateful data loader, all tracked.
 
     tmrun --standalone --nproc-per-node 4 --standby 1 examples/train_hsdp.py --final 'out/final-{rank}'
     torchrun --standalone --nproc-per-node 4 examples/train_hsdp.py --final 'out/final-{rank}'
+    torchrun --standalone --nproc-per-node 4 --max-restarts 3 examples/train_hsdp.py --checkpoint-dir ckpt
 
 Nothing of the model code knows about tmrun: after ``tm = tmrun.init()`` the default process
 group is the resilient "tmrun" backend, and ``init_device_mesh`` / ``fully_shard`` build their
@@ -15,6 +16,14 @@ and of the scheduler's and loader's state; ``{rank}`` in PATH is replaced by the
 (the same position along "shard") must agree, and runs under tmrun and torchrun must give the
 same bits. A rank lost during training is replaced in place by the standby, which waits in
 ``tmrun.init()`` and then builds its mesh and model as that rank (docs/mesh.md).
+
+--checkpoint-dir DIR --checkpoint-every N: torchrun's way to survive a failure, for plain runs
+(``torchrun --max-restarts K``, no standby): every N completed steps the ranks save the sharded
+model and optimizer state with torch.distributed.checkpoint (DCP, each rank its local shards)
+into DIR/step-S, plus the scheduler's and loader's state, then rank 0 points DIR/latest at it
+(after a barrier: a kill mid-save never leaves a torn checkpoint in use). A restarted worker
+group loads the latest checkpoint and resumes at step S exactly (same bits as a run without the
+failure); the steps since it are recomputed. bench/hsdp_failover.py measures both ways.
 """
 
 from __future__ import annotations
@@ -27,6 +36,9 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -46,6 +58,41 @@ def schedule(warmup: int, total: int):
     return factor
 
 
+def save_checkpoint(root: str, done: int, model, opt, sched, loader) -> None:
+    """DCP of the sharded model and optimizer (collective: every rank writes its shards) and the
+    scheduler's and loader's state (the same on every rank) into ``root/step-<done>``; then,
+    after every rank finished, ``root/latest`` names it (written atomically by rank 0)."""
+    path = os.path.join(root, f"step-{done}")
+    model_state, opt_state = get_state_dict(model, opt)
+    extra = {"step": done, "scheduler": sched.state_dict(), "loader": loader.state_dict()}
+    dcp.save({"model": model_state, "optim": opt_state}, checkpoint_id=path)
+    if dist.get_rank() == 0:
+        torch.save(extra, os.path.join(path, "extra.pt"))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(root, "latest.tmp"), "w") as out:
+            out.write(f"step-{done}\n")
+        os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+    dist.barrier()  # nobody can fail past a checkpoint that is not yet the latest
+
+
+def load_checkpoint(root: str, model, opt, sched, loader) -> int:
+    """The step to resume at: 0 without a checkpoint, else what ``save_checkpoint`` saved."""
+    try:
+        with open(os.path.join(root, "latest")) as f:
+            path = os.path.join(root, f.read().strip())
+    except FileNotFoundError:
+        return 0
+    model_state, opt_state = get_state_dict(model, opt)
+    state = {"model": model_state, "optim": opt_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    extra = torch.load(os.path.join(path, "extra.pt"), weights_only=True)
+    sched.load_state_dict(extra["scheduler"])
+    loader.load_state_dict(extra["loader"])
+    return int(extra["step"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=8)
@@ -55,7 +102,11 @@ def main() -> None:
     parser.add_argument("--final", default="")
     parser.add_argument("--step-log", default="", help="one line per completed step (step time pid); {rank}: the rank")
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (a slower job)")
+    parser.add_argument("--checkpoint-dir", default="", help="plain runs: save (and resume from) DCP checkpoints here")
+    parser.add_argument("--checkpoint-every", type=int, default=10, help="with --checkpoint-dir: every N steps")
     args = parser.parse_args()
+    if args.checkpoint_every < 1:
+        parser.error("--checkpoint-every must be at least 1")
     torch.set_num_threads(1)
 
     tm = tmrun.init()  # the default group is "tmrun"; on a standby: the sandbox until promoted
@@ -75,8 +126,16 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule(warmup=2, total=args.steps))
     loader = TokenLoader(cfg, dp_rank=tm.rank, dp_size=world)  # every rank is data-parallel in HSDP
     tm.track(scheduler=sched, loader=loader)
+    start = 0
+    if args.checkpoint_dir:
+        os.makedirs(args.checkpoint_dir, exist_ok=True)
+        start = load_checkpoint(args.checkpoint_dir, model, opt, sched, loader)
+        if start and tm.rank == 0:
+            print(f"resumed from the checkpoint of step {start}", flush=True)
 
     for step in tm.steps(args.steps):
+        if step < start:  # done before the checkpoint this run resumed from
+            continue
         idx, target = loader.next()
         loss = loss_of(model, idx, target)
         loss.backward()
@@ -85,6 +144,8 @@ def main() -> None:
         opt.zero_grad()
         if args.step_time:
             time.sleep(args.step_time)
+        if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0 and not tm.aborted:
+            save_checkpoint(args.checkpoint_dir, step + 1, model, opt, sched, loader)
         if args.step_log and not tm.is_shadow and tm.committed_step == step:  # (a loss seen after the commit sets tm.aborted)
             with open(args.step_log.replace("{rank}", str(tm.rank)), "a") as log:
                 log.write(f"{step} {time.time():.6f} {os.getpid()}\n")
