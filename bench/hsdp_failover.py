@@ -69,6 +69,7 @@ from inplace_failover import (  # noqa: E402
     busy_cpu,
     cleanup_all,
     machine,
+    print_notes,
     read_steps,
 )
 from random_kill import PHASES, KillMetrics, kill_metrics, last_line, log_size, read_events, recovered_phases  # noqa: E402
@@ -368,12 +369,7 @@ def report(args: argparse.Namespace, runs: list[Run], total: float) -> None:
               "(local shards, optimizer state, LR schedule, loader).")
     else:
         print("Final state: the recovered runs' per-rank digests DIFFER (a resume was not exact).")
-    notes = [f"{r.launcher} run {r.index}: {'; '.join(r.notes)}" for r in runs if r.notes]
-    if notes:
-        print()
-        print("Notes:")
-        for note in notes:
-            print(f"* {note}")
+    print_notes([f"{r.launcher} run {r.index}: {'; '.join(r.notes)}" for r in runs if r.notes])
 
 
 def main() -> None:

@@ -397,6 +397,15 @@ def int_spread(values: list[int]) -> str:
     return " / ".join(str(v) for v in (min(values), int(statistics.median(values)), max(values)))
 
 
+def print_notes(notes: list[str]) -> None:
+    """The report's closing "Notes:" list (nothing when there are none)."""
+    if notes:
+        print()
+        print("Notes:")
+        for note in notes:
+            print(f"* {note}")
+
+
 def machine() -> str:
     try:
         model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
@@ -480,12 +489,7 @@ def main() -> None:
         report_failover(args, of, params)
     if "scale" in args.parts:
         report_scale(args, of, sizes)
-    notes = [f"{r.case}: {r.note}" for r in results if r.note]
-    if notes:
-        print()
-        print("Notes:")
-        for note in notes:
-            print(f"* {note}")
+    print_notes([f"{r.case}: {r.note}" for r in results if r.note])
     if not args.keep:
         import shutil
 

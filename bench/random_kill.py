@@ -83,6 +83,7 @@ from inplace_failover import (
     busy_cpu,
     cleanup_all,
     machine,
+    print_notes,
     read_steps,
     steady_step,
 )
@@ -525,12 +526,7 @@ def report(args: argparse.Namespace, settings: list[Setting], total: float) -> N
             print("|---|---|---|---|---|---|")
             for phase in PHASES:
                 print(f"| {phase} | {cells([p[phase] for p in tm.phases])} |")
-    notes = [f"{s.launcher} {s.size}: {note}" for s in settings for note in s.notes]
-    if notes:
-        print()
-        print("Notes:")
-        for note in notes:
-            print(f"* {note}")
+    print_notes([f"{s.launcher} {s.size}: {note}" for s in settings for note in s.notes])
 
 
 def main() -> None:
