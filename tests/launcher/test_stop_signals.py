@@ -50,3 +50,28 @@ def test_one_shot_again_after_torch_installed_its_handler() -> None:
     done = _run("after-torch")
     assert done.returncode == 128 + 15, done.stderr
     assert "shutdown finished" in done.stdout and "Traceback" not in done.stderr, done.stderr
+
+
+class _Handler:
+    def __init__(self, standing_by: bool) -> None:
+        self.standing_by = standing_by
+
+    def is_standing_by(self) -> bool:
+        return self.standing_by
+
+
+def test_the_stop_is_announced_once_with_the_members_role(capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Said when the signal reaches the agent's run (before torch stops the workers: SLURM may
+    SIGKILL the task a moment later), and not again when the launch sequence sees it."""
+    import signal
+
+    from tmrun.launcher import stop_signals
+
+    monkeypatch.setattr(stop_signals, "_stop_signals", stop_signals.StopSignals("SIGTERM"))
+    stop_signals.announce_stop(_Handler(standing_by=True), signal.SIGTERM)
+    stop_signals.announce_stop(_Handler(standing_by=True), signal.SIGTERM)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].endswith("received SIGTERM while standing by; this standby leaves, the job goes on")
+    monkeypatch.setattr(stop_signals, "_stop_signals", stop_signals.StopSignals("SIGTERM"))
+    stop_signals.announce_stop(None, signal.SIGINT)
+    assert capsys.readouterr().err.rstrip().endswith("received SIGINT; stopping the workers")

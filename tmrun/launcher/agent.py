@@ -24,11 +24,12 @@ from typing import Any
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import LogsSpecs
+from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from tmrun.console import say
 from tmrun.control.detection import DetectionSettings
 from tmrun.launcher.roles import AgentRole, choose_role
-from tmrun.launcher.stop_signals import reinstall_stop_signals
+from tmrun.launcher.stop_signals import announce_stop, reinstall_stop_signals
 from tmrun.protocol.messages import WorkersInfo
 from tmrun.rendezvous.handler import TmrunRendezvousHandler
 
@@ -113,6 +114,13 @@ class TmrunAgent(LocalElasticAgent):
             return super().run(role)
         finally:
             self._role.close()
+
+    def _invoke_run(self, role: str = "default") -> RunResult:
+        try:
+            return super()._invoke_run(role)
+        except SignalException as exc:  # said before torch's shutdown of the workers
+            announce_stop(self.tmrun_handler, exc.sigval)
+            raise
 
     # -- what roles use ------------------------------------------------------------------------
 

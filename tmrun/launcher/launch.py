@@ -20,7 +20,7 @@ from tmrun.console.live import LiveConsole
 from tmrun.launcher.console_feed import ConsoleFeed
 from tmrun.control.detection import DetectionSettings
 from tmrun.launcher.agent import AgentSettings, TmrunAgent
-from tmrun.launcher.stop_signals import handle_stop_signals
+from tmrun.launcher.stop_signals import announce_stop, handle_stop_signals
 from tmrun.launcher.runfile import event_log_path, remove_runfile, write_runfile
 from tmrun.protocol import auth, environment, keys
 from tmrun.control.rendezvous_backend import register_tmrun_backend
@@ -225,10 +225,10 @@ def _run(agent: TmrunAgent, handler: TmrunRendezvousHandler | None) -> int:
             return 0
         raise LaunchError(str(exc)) from None
     except SignalException as exc:
-        if handler is not None and handler.is_standing_by():
-            say(f"received {exc.sigval.name} while standing by; this standby leaves, the job goes on")
+        standing_by = handler is not None and handler.is_standing_by()
+        announce_stop(handler, exc.sigval)  # (said already when it came while the agent ran)
+        if standing_by:
             return 128 + int(exc.sigval)
-        say(f"received {exc.sigval.name}; workers stopped")
         if handler is not None:
             handler.close(Phase.FAILED, f"an agent received {exc.sigval.name}")
         return 128 + int(exc.sigval)

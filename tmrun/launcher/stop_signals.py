@@ -15,10 +15,17 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from typing import Protocol
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
+from tmrun.console import say
+
 _DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+
+
+class _Membership(Protocol):
+    def is_standing_by(self) -> bool: ...
 
 
 class StopSignals:
@@ -28,6 +35,7 @@ class StopSignals:
         parsed = (getattr(signal, part.strip(), None) for part in names.split(","))
         self.signals: tuple[signal.Signals, ...] = tuple(s for s in parsed if isinstance(s, signal.Signals))
         self.received: signal.Signals | None = None
+        self.announced = False  # the stop's line was said
 
     def install(self) -> None:
         """Handle the signals here (again: torch replaces the handlers when it starts workers).
@@ -62,3 +70,16 @@ def handle_stop_signals(names: str = _DEFAULT_SIGNALS) -> StopSignals:
 def reinstall_stop_signals() -> None:
     """After torch started workers (it installs its own, raise-every-time handler)."""
     _stop_signals.install()
+
+
+def announce_stop(handler: _Membership | None, sigval: signal.Signals) -> None:
+    """Say once why this agent stops, before it stops anything: under SLURM a cancelled step's
+    srun kills every task a moment after its SIGTERM (``srun: forcing job termination``), so a
+    line said after the shutdown may never be written."""
+    if _stop_signals.announced:
+        return
+    _stop_signals.announced = True
+    if handler is not None and handler.is_standing_by():
+        say(f"received {sigval.name} while standing by; this standby leaves, the job goes on")
+    else:
+        say(f"received {sigval.name}; stopping the workers")
