@@ -144,8 +144,12 @@ def test_every_replica_of_a_shard_lost_falls_back_to_the_group_restart(tmp_path:
     assert re.search(rf"failed and {line} .*falling back to restarting the worker group", log), log[-6000:]
     assert "in-place replacement, generation 1: rank 1 " in log and "generation 2" not in log  # one plan
     assert "waiting up to" not in log.split(line, 1)[1]  # the fallback did not wait for more standbys
-    # an expected fallback: one line per worker, no traceback
+    # an expected fallback: one line per worker, no traceback; the agent does not call the
+    # script one that does not use the worker API
     assert "Traceback" not in log and "RecoveryError" not in log, log[-6000:]
+    assert "does not use the tmrun worker API" not in log, log[-6000:]
+    assert re.search(r"no in-place replacement: the node's in-place replacement gave up \(no live replica", log), \
+        log[-6000:]
 
 
 def test_dp_tp_rank_killed_is_replaced_in_place(tmp_path: Path, dp_tp_reference: list[str]) -> None:
