@@ -9,7 +9,9 @@ one run under plain torchrun (shared by the module):
 * examples/train_dp_tp.py (tensor parallel over "tp" of a ("dp", "tp") mesh) with rank 1 killed
   in backward: the same, healed from its replica along "dp";
 * both replicas of a shard (ranks 1 and 3) lost at once: every member says so in one line and
-  the job falls back to the group restart at once, which ends with the reference's bits too.
+  the job falls back to the group restart at once, which ends with the reference's bits too;
+* a planned migration of rank 1 (tmrun-ctl migrate): the leaver hands its shards to the
+  standby promoted in ``tmrun.init()`` at the switch step; nothing is recomputed.
 
 (The steady state without a failure, bit for bit against gloo, the standby's sandbox building the
 same mesh, and the backend's repair of every group: tests/comm/test_mesh_dist.py. Every test
@@ -19,11 +21,13 @@ the example without a failure would add nothing but a job start.)"""
 from __future__ import annotations
 
 import re
+import threading
+from functools import partial
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import EXAMPLES, kill_tree, leftovers, start, tmrun_cmd, torchrun_cmd
+from tests.helpers import EXAMPLES, ctl_when_logged, kill_tree, leftovers, start, tmrun_cmd, torchrun_cmd
 
 pytestmark = pytest.mark.e2e
 
@@ -165,3 +169,35 @@ def test_dp_tp_rank_killed_is_replaced_in_place(tmp_path: Path, dp_tp_reference:
     assert "1 in-place recoveries" in log
     for rank in (0, 2, 3):
         _check_committed(_steps(work, rank), processes=1, rank=rank)
+
+
+def test_hsdp_planned_migration_recomputes_nothing(tmp_path: Path, reference: list[str]) -> None:
+    """tmrun-ctl migrate 1 while the HSDP job trains: the standby (warm in tmrun.init()) is
+    promoted for a planned generation; rank 1 trains on until the switch step, hands its local
+    shards and optimizer state to the joiner (built as rank 1, joined to the default group and to
+    both of rank 1's mesh groups) and exits 0; the groups without rank 1 are resynchronised; no
+    step is redone and every rank's final digest equals torchrun's (paced steps: pacing does
+    not change the bits, it only lets the request land before the last step)."""
+    work = tmp_path / "migrate"
+    requested: list[str] = []
+    request = partial(ctl_when_logged, work / "agent.log", ["standby 0 warm in tmrun.init()"],
+                      ["migrate", "1", "--reason", "drill"], work / "state", requested)
+    thread = threading.Thread(target=request, daemon=True)
+    thread.start()
+    log = _tmrun(work, "--standby", "1", script=[*SCRIPT, "--step-time", "2"],
+                 env={"TMRUN_STATE_DIR": str(work / "state")})
+    thread.join(timeout=5)
+    assert requested and "migration of rank 1 requested" in requested[0], (requested, log[-6000:])
+    assert _finals(work) == reference, log[-6000:]
+    assert "planned migration, generation 1: rank 1" in log, log[-6000:]
+    assert "promoted to rank 1 (generation 1) in tmrun.init()" in log
+    assert re.search(r"rank 1: received the model \(\d+ bytes\) in [\d.]+s \(memory\)", log), log[-6000:]
+    assert re.search(r"rank 1's previous process \(pid \d+\) handed over and left cleanly", log), log[-6000:]
+    assert "1 in-place recoveries (1 planned)" in log and "0 steps recomputed" in log, log[-6000:]
+    assert "Traceback" not in log and "refused" not in log, log[-6000:]
+    for rank in (0, 2, 3):  # survivors: one process each, every step committed exactly once
+        _check_committed(_steps(work, rank), processes=1, rank=rank, failed=frozenset())
+    done = _steps(work, 1)  # the leaver's steps, then the joiner's: each step once
+    assert [s for s, _ in done] == list(range(STEPS)) and len({pid for _, pid in done}) == 2, done
+
+

@@ -462,18 +462,20 @@ class TmrunProcessGroup(dist.ProcessGroup):
                 self._rank = int(comm.rank)
         return old
 
-    def prepare_replacement(self, replaced: Sequence[int], generation: int) -> None:
+    def prepare_replacement(self, replaced: Sequence[int], generation: int,
+                            get: Optional[Callable[[Any, str], str]] = None) -> None:
         """Survivor side of a replacement of this group's ranks ``replaced`` (group ranks) in
         ``generation``: publish this rank's address and wait for the joiners' (a joiner creates
         the group in join mode: :func:`set_joining`), then prepare the communicator. Call
         ``pg.comm.commit()`` next (it returns once the joiners are connected) and
-        :meth:`clear_aborted`. Groups without a replaced rank need none of this."""
+        :meth:`clear_aborted`. Groups without a replaced rank need none of this. ``get``: how
+        to wait for a joiner's address (:func:`tmrun.comm.native.prepare_replacement`)."""
         store = getattr(self, "store", None)
         if store is None or self._comm is None:
             raise RuntimeError("tmrun prepare_replacement: the group has no store or no communicator")
         from tmrun.comm.native import prepare_replacement
 
-        prepare_replacement(store, self._comm, list(replaced), generation, prefix=REPLACE_PREFIX)
+        prepare_replacement(store, self._comm, list(replaced), generation, prefix=REPLACE_PREFIX, get=get)
 
     def set_local(self, local: bool = True) -> None:
         """Local (sandbox) mode: every later collective is served locally, at once, with no

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from tmrun.comm import backend as tmrun_backend, native
 from tmrun.protocol import keys, messages as proto
 from tmrun.worker import drills, group
-from tmrun.worker.context import Context, RecoveryError, Rejoin, Superseded, log
+from tmrun.worker.context import Context, Rejoin, Superseded, log
 from tmrun.worker.migration import Migration
 from tmrun.worker.recovery import Recovery, heal
 from tmrun.worker.roles import Role
@@ -33,6 +33,7 @@ class Standby:
         self._migration = migration
         self._assignment: proto.Assignment | None = None
         self._assigned_at = 0.0
+        self._init_planned = False  # promoted in tmrun.init() by a planned migration: take over the leaver's state
         self.shadow = False  # inside a shadow step
         self.shadow_done = 0
 
@@ -128,8 +129,9 @@ class Standby:
         started = time.monotonic()
         if assignment.stop:
             raise SystemExit(0)
-        if assignment.planned:
-            raise RecoveryError("a planned migration in a job with subgroups is not supported yet (docs/mesh.md)")
+        # a planned migration: the join below returns at the switch step (the leaver trains
+        # until then); the leaver's state is taken over once the script built the model
+        self._init_planned = assignment.planned
         while True:
             try:
                 comm = self._connect(assignment)
@@ -159,7 +161,10 @@ class Standby:
         started, connected = ctx.pending_join
         ctx.pending_join = None
         tmrun_backend.set_joining(None)  # groups created from now on are new groups of every rank
+        planned, self._init_planned = self._init_planned, False
         try:
+            if planned:  # the leaver hands its state over (the others heal what it could not)
+                self._migration.take_over(ctx.gen)
             return heal(ctx, started=started, aborted_step=-1, connected=connected)
         except native.CommError as exc:
             self._recovery.on_comm_failure(exc)

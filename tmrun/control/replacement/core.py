@@ -95,12 +95,6 @@ def others_done(store: Store, ranks: Iterable[int]) -> bool:
     return bool(wanted) and store.check(wanted)
 
 
-def has_subgroups(store: Store) -> bool:
-    """The job's ranks made subgroups (a device mesh, ``new_group``): its standbys wait in
-    ``tmrun.init()`` and only take over lost ranks (docs/mesh.md)."""
-    return store.check([keys.SUBGROUPS]) and store.get(keys.SUBGROUPS) == b"1"
-
-
 def unhealable(store: Store) -> str:
     """Why the members of the change under way found it cannot heal in place ('' when they did
     not): a shard whose every replica was lost (docs/mesh.md, section 4)."""
