@@ -201,3 +201,26 @@ def test_hsdp_planned_migration_recomputes_nothing(tmp_path: Path, reference: li
     assert [s for s, _ in done] == list(range(STEPS)) and len({pid for _, pid in done}) == 2, done
 
 
+
+def test_hsdp_failure_then_planned_migration(tmp_path: Path, reference: list[str]) -> None:
+    """The example with an injected failure and a planned migration in one run (its docstring's
+    command): rank 2 SIGKILLed in step 1's backward is replaced in place by one standby, then rank
+    1 asks to be moved once it committed step 1 (``--migrate-at``: ``tm.migrate()``) and the other
+    standby, warm in tmrun.init(), takes it over at a step boundary (paced steps: the switch
+    comes before the last step). Every rank's final digest equals
+    torchrun's failure-free, migration-free run; only the failure's step may be redone."""
+    work = tmp_path / "both"
+    log = _tmrun(work, "--standby", "2", "--inject-failure", "rank=2,step=1,at=backward",
+                 script=[*SCRIPT, "--migrate-at", "1", "--migrate-rank", "1", "--step-time", "1.5"])
+    assert _finals(work) == reference, log[-6000:]
+    assert "in-place replacement, generation 1: rank 2" in log, log[-6000:]
+    assert "planned migration, generation 2: rank 1" in log, log[-6000:]
+    assert re.search(r"rank 1's previous process \(pid \d+\) handed over and left cleanly", log), log[-6000:]
+    assert "2 in-place recoveries (1 planned)" in log, log[-6000:]
+    redone = int(re.search(r"(\d+) steps recomputed", log).group(1))  # type: ignore[union-attr]
+    assert redone <= 1
+    assert "Traceback" not in log and "refused" not in log, log[-6000:]
+    for rank in (0, 3):  # survivors of both changes: one process each, every step committed once
+        _check_committed(_steps(work, rank), processes=1, rank=rank, failed=frozenset({1}))
+    _check_committed(_steps(work, 1), processes=2, rank=1, failed=frozenset({1}))  # the leaver, then its joiner
+    _check_committed(_steps(work, 2), processes=2, rank=2, failed=frozenset({1}))  # killed, then its joiner
