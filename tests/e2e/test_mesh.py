@@ -224,3 +224,24 @@ def test_hsdp_failure_then_planned_migration(tmp_path: Path, reference: list[str
         _check_committed(_steps(work, rank), processes=1, rank=rank, failed=frozenset({1}))
     _check_committed(_steps(work, 1), processes=2, rank=1, failed=frozenset({1}))  # the leaver, then its joiner
     _check_committed(_steps(work, 2), processes=2, rank=2, failed=frozenset({1}))  # killed, then its joiner
+
+
+def test_hsdp_joiner_killed_during_a_planned_migration(tmp_path: Path, reference: list[str]) -> None:
+    """Rank 1 asks to be moved; its joiner (promoted in tmrun.init()) is SIGKILLed at once, while
+    rank 1 still trains: the controller replaces it with the other standby in an unplanned
+    generation. No survivor commits toward the dead joiner at the switch step: all recover into
+    the newer generation (whose joiner is healed from rank 3), the leaver has nobody to hand
+    over to and leaves. Every rank's final digest equals torchrun's; no group restart, no
+    traceback, the survivors keep their processes. (The survivors' recovery takes about 30 s:
+    the links prepared for the dead joiner wait out their connect timeout.)"""
+    work = tmp_path / "joinerkill"
+    log = _tmrun(work, "--standby", "2", "--inject-failure", "rank=1,who=joiner",
+                 script=[*SCRIPT, "--migrate-at", "1", "--migrate-rank", "1", "--step-time", "1.5"])
+    assert _finals(work) == reference, log[-6000:]
+    assert "planned migration, generation 1: rank 1" in log, log[-6000:]
+    assert re.search(r"in-place replacement, generation 2: rank 1 \(pid \d+, signal SIGKILL\)", log), log[-6000:]
+    assert "superseded generation 1 while waiting for the migration's switch" in log, log[-6000:]
+    assert "nobody to hand over to: leaving" in log, log[-6000:]
+    assert "falling back" not in log and "Traceback" not in log, log[-6000:]
+    for rank in (0, 2, 3):
+        assert len({pid for _, pid in _steps(work, rank)}) == 1, (rank, _steps(work, rank))

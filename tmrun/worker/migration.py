@@ -76,6 +76,13 @@ class Migration:
         ctx.life.to(Role.SWITCHING)
         touched, untouched = _subgroups_of(plan)
         try:
+            if (touched or untouched) and ctx.newest_gen() > plan.gen:
+                # a job with subgroups whose joiner was lost before the switch (the controller
+                # replaced it meanwhile): no survivor commits toward the dead joiner (each would
+                # wait out its connect timeout, and the ones still in the switch would then count
+                # the others lost); all recover into the newer generation, which replaces the
+                # links prepared for this one
+                raise Superseded(plan.gen, ctx.newest_gen(), "the migration's switch")
             # phase 2, at the step boundary. Every group moves to the plan's generation, in the
             # order of a recovery (docs/mesh.md, section 2): the subgroups without the leaver
             # (a resynchronisation: nothing is in flight at a step boundary), the default group,
