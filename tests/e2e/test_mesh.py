@@ -10,8 +10,10 @@ one run under plain torchrun (shared by the module):
   in backward: the same, healed from its replica along "dp";
 * both replicas of a shard (ranks 1 and 3) lost at once: every member says so in one line and
   the job falls back to the group restart at once, which ends with the reference's bits too;
-* a planned migration of rank 1 (tmrun-ctl migrate): the leaver hands its shards to the
-  standby promoted in ``tmrun.init()`` at the switch step; nothing is recomputed.
+* a planned migration of rank 1 (tmrun-ctl migrate): the joiner, promoted in ``tmrun.init()``,
+  builds its mesh and model while the leaver trains, and the leaver hands its shards over at the
+  switch step; nothing is recomputed. The same after a failure in one run, and with the joiner
+  killed before the switch (the survivors recover into the controller's newer generation).
 
 (The steady state without a failure, bit for bit against gloo, the standby's sandbox building the
 same mesh, and the backend's repair of every group: tests/comm/test_mesh_dist.py. Every test
