@@ -6,6 +6,14 @@ LR schedule and a stateful data loader, all tracked.
     torchrun --standalone --nproc-per-node 4 examples/train_hsdp.py --final 'out/final-{rank}'
     torchrun --standalone --nproc-per-node 4 --max-restarts 3 examples/train_hsdp.py --checkpoint-dir ckpt
 
+An injected failure and a planned migration in one run (rank 2 SIGKILLed in step 1's backward
+and replaced in place, then rank 1 moved to the other standby once it committed step 1, which
+it asks for itself with ``tm.migrate()``; ``tmrun-ctl migrate 1`` does the same from outside);
+the final digests are those of the torchrun run above:
+
+    tmrun --standalone --nproc-per-node 4 --standby 2 --inject-failure rank=2,step=1,at=backward \
+        examples/train_hsdp.py --migrate-at 1 --migrate-rank 1 --step-time 1.5 --final 'out/final-{rank}'
+
 Nothing of the model code knows about tmrun: after ``tm = tmrun.init()`` the default process
 group is the resilient "tmrun" backend, and ``init_device_mesh`` / ``fully_shard`` build their
 subgroups on it (each dimension's groups are "tmrun" groups too). On a standby the same code runs
@@ -15,7 +23,8 @@ in its sandbox (every collective of every group served locally) until it is prom
 and of the scheduler's and loader's state; ``{rank}`` in PATH is replaced by the rank. Replicas
 (the same position along "shard") must agree, and runs under tmrun and torchrun must give the
 same bits. A rank lost during training is replaced in place by the standby, which waits in
-``tmrun.init()`` and then builds its mesh and model as that rank (docs/mesh.md).
+``tmrun.init()`` and then builds its mesh and model as that rank (docs/mesh.md); a rank migrated
+(planned) trains on until the switch step and hands its shards over to such a standby.
 
 --checkpoint-dir DIR --checkpoint-every N: torchrun's way to survive a failure, for plain runs
 (``torchrun --max-restarts K``, no standby): every N completed steps the ranks save the sharded
@@ -104,9 +113,14 @@ def main() -> None:
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (a slower job)")
     parser.add_argument("--checkpoint-dir", default="", help="plain runs: save (and resume from) DCP checkpoints here")
     parser.add_argument("--checkpoint-every", type=int, default=10, help="with --checkpoint-dir: every N steps")
+    parser.add_argument("--migrate-at", type=int, default=-1,
+                        help="after this step, --migrate-rank asks to be moved to a warm standby (tm.migrate: a planned "
+                             "migration, nothing recomputed; ignored without a standby, e.g. under torchrun)")
+    parser.add_argument("--migrate-rank", type=int, default=1)
     args = parser.parse_args()
     if args.checkpoint_every < 1:
         parser.error("--checkpoint-every must be at least 1")
+    asked = False
     torch.set_num_threads(1)
 
     tm = tmrun.init()  # the default group is "tmrun"; on a standby: the sandbox until promoted
@@ -146,6 +160,9 @@ def main() -> None:
             time.sleep(args.step_time)
         if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0 and not tm.aborted:
             save_checkpoint(args.checkpoint_dir, step + 1, model, opt, sched, loader)
+        if step == args.migrate_at and tm.rank == args.migrate_rank and tm.in_place and not tm.aborted and not asked:
+            tm.migrate(reason=f"--migrate-at {step}")  # the switch: a later step boundary
+            asked = True
         if args.step_log and not tm.is_shadow and tm.committed_step == step:  # (a loss seen after the commit sets tm.aborted)
             with open(args.step_log.replace("{rank}", str(tm.rank)), "a") as log:
                 log.write(f"{step} {time.time():.6f} {os.getpid()}\n")

@@ -101,6 +101,18 @@ def test_a_plain_script_restarts_the_group(store: dist.Store) -> None:
     assert coordinator.decide(_membership(), [1], {1}, time.monotonic())[0] is Decision.PLAIN
 
 
+def test_a_node_whose_own_standbys_gave_up_is_not_called_a_plain_script(store: dist.Store) -> None:
+    """One node with --standby N: its workers keep their keys under the group's prefix, so the
+    epoch's store has no API key; when the node's controller falls back (every replica of a shard
+    lost: tests/e2e/test_mesh.py), the leader restarts the group and says why, not that the
+    script does not use the worker API."""
+    coordinator = NodeReplacement(store, _job(store), RUN, standby_wait=30)
+    why_node = "no live replica holds the shard of ranks 1, 3"
+    decision, swapped, why = coordinator.decide(_membership(), [0], set(), time.monotonic(), node_fallback=why_node)
+    assert (decision, swapped) == (Decision.PLAIN, None)
+    assert "worker API" not in why and why_node in why and "gave up" in why
+
+
 def test_standby_node_of_another_size_is_not_used(store: dist.Store) -> None:
     _api_job(store)
     _epoch(store).set(keys.standby_node(2), json.dumps({"ids": [2000]}))

@@ -188,8 +188,10 @@ def test_a_change_its_members_found_unhealable_falls_back_without_waiting(tmp_pa
     assert proto.AbortNotice.decode("a", store.get(keys.ABORT)).reason == "no live replica holds the shard of ranks 1, 3"
 
 
-def test_a_migration_in_a_job_with_subgroups_is_refused(tmp_path: Path, procs) -> None:  # type: ignore[no-untyped-def]
-    """Its standbys wait in tmrun.init() and take over lost ranks only (docs/mesh.md)."""
+def test_a_migration_in_a_job_with_subgroups_is_planned_like_any_other(tmp_path: Path, procs) -> None:  # type: ignore[no-untyped-def]
+    """A job with subgroups (a device mesh): its standby, warm in tmrun.init(), gets a planned
+    assignment; the leaver stays a running process of the node until it handed over
+    (docs/mesh.md; end to end: tests/e2e/test_mesh.py::test_hsdp_planned_migration_recomputes_nothing)."""
     a, b, standby = (child("import time; time.sleep(60)") for _ in range(3))
     procs += [a, b, standby]
     pool = FakePool([FakeMember(2, standby)])
@@ -202,9 +204,8 @@ def test_a_migration_in_a_job_with_subgroups_is_refused(tmp_path: Path, procs) -
     store.set(keys.SUBGROUPS, "1")
     proto.request_migration(job, 1, "drain")
     controller.step()
-    assert not store.check([keys.plan(1)]) and pool.members
-    assert "the job has subgroups" in job.get(keys.event(0)).decode()
-    store.set(keys.SUBGROUPS, "0")  # a job without: the same request goes through
-    proto.request_migration(job, 1, "drain")
-    controller.step()
-    assert proto.ReplacementPlan.decode("p", store.get(keys.plan(1))).planned
+    plan = proto.ReplacementPlan.decode("p", store.get(keys.plan(1)))
+    assert plan.planned and plan.replaced == {1: 2} and not pool.members
+    assert proto.Assignment.decode("a", store.get(keys.standby_assign(2))) == proto.Assignment(1, 1, planned=True)
+    assert controller.slots[1].process is standby and [s.process for s in controller.slots.leavers] == [b]
+    assert "migrate-refused" not in job.get(keys.event(0)).decode()

@@ -12,7 +12,11 @@ one run under plain torchrun (shared by the module):
   the job falls back to the group restart at once, which ends with the reference's bits too;
 * the same HSDP job over two nodes of two workers (three agents, one a standby node): node 1
   (one replica: ranks 2 and 3) fails and the standby node's two workers take both ranks in place,
-  each healed from its shard's replica on node 0.
+  each healed from its shard's replica on node 0;
+* a planned migration of rank 1 (tmrun-ctl migrate): the joiner, promoted in ``tmrun.init()``,
+  builds its mesh and model while the leaver trains, and the leaver hands its shards over at the
+  switch step; nothing is recomputed. The same after a failure in one run, and with the joiner
+  killed before the switch (the survivors recover into the controller's newer generation).
 
 (The steady state without a failure, bit for bit against gloo, the standby's sandbox building the
 same mesh, and the backend's repair of every group: tests/comm/test_mesh_dist.py. Every test
@@ -22,11 +26,13 @@ the example without a failure would add nothing but a job start.)"""
 from __future__ import annotations
 
 import re
+import threading
+from functools import partial
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import EXAMPLES, free_port, kill_tree, leftovers, start, tmrun_cmd, torchrun_cmd, wait_until
+from tests.helpers import EXAMPLES, ctl_when_logged, free_port, kill_tree, leftovers, start, tmrun_cmd, torchrun_cmd, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -166,6 +172,12 @@ def test_every_replica_of_a_shard_lost_falls_back_to_the_group_restart(tmp_path:
     assert re.search(rf"failed and {line} .*falling back to restarting the worker group", log), log[-6000:]
     assert "in-place replacement, generation 1: rank 1 " in log and "generation 2" not in log  # one plan
     assert "waiting up to" not in log.split(line, 1)[1]  # the fallback did not wait for more standbys
+    # an expected fallback: one line per worker, no traceback; the agent does not call the
+    # script one that does not use the worker API
+    assert "Traceback" not in log and "RecoveryError" not in log, log[-6000:]
+    assert "does not use the tmrun worker API" not in log, log[-6000:]
+    assert re.search(r"no in-place replacement: the node's in-place replacement gave up \(no live replica", log), \
+        log[-6000:]
 
 
 def test_dp_tp_rank_killed_is_replaced_in_place(tmp_path: Path, dp_tp_reference: list[str]) -> None:
@@ -226,3 +238,79 @@ def test_hsdp_over_nodes_a_failed_node_is_replaced_in_place(tmp_path: Path, refe
         _check_committed(_steps(work, rank), processes=1, rank=rank)
     for rank in (2, 3):  # node 1's processes, then the standby node's
         _check_committed(_steps(work, rank), processes=2, rank=rank)
+
+
+def test_hsdp_planned_migration_recomputes_nothing(tmp_path: Path, reference: list[str]) -> None:
+    """tmrun-ctl migrate 1 while the HSDP job trains: the standby (warm in tmrun.init()) is
+    promoted for a planned generation; rank 1 trains on until the switch step, hands its local
+    shards and optimizer state to the joiner (built as rank 1, joined to the default group and to
+    both of rank 1's mesh groups) and exits 0; the groups without rank 1 are resynchronised; no
+    step is redone and every rank's final digest equals torchrun's (paced steps: pacing does
+    not change the bits, it only lets the request land before the last step)."""
+    work = tmp_path / "migrate"
+    requested: list[str] = []
+    request = partial(ctl_when_logged, work / "agent.log", ["standby 0 warm in tmrun.init()"],
+                      ["migrate", "1", "--reason", "drill"], work / "state", requested)
+    thread = threading.Thread(target=request, daemon=True)
+    thread.start()
+    log = _tmrun(work, "--standby", "1", script=[*SCRIPT, "--step-time", "2"],
+                 env={"TMRUN_STATE_DIR": str(work / "state")})
+    thread.join(timeout=5)
+    assert requested and "migration of rank 1 requested" in requested[0], (requested, log[-6000:])
+    assert _finals(work) == reference, log[-6000:]
+    assert "planned migration, generation 1: rank 1" in log, log[-6000:]
+    assert "promoted to rank 1 (generation 1) in tmrun.init()" in log
+    assert re.search(r"rank 1: received the model \(\d+ bytes\) in [\d.]+s \(memory\)", log), log[-6000:]
+    assert re.search(r"rank 1's previous process \(pid \d+\) handed over and left cleanly", log), log[-6000:]
+    assert "1 in-place recoveries (1 planned)" in log and "0 steps recomputed" in log, log[-6000:]
+    assert "Traceback" not in log and "refused" not in log, log[-6000:]
+    for rank in (0, 2, 3):  # survivors: one process each, every step committed exactly once
+        _check_committed(_steps(work, rank), processes=1, rank=rank, failed=frozenset())
+    done = _steps(work, 1)  # the leaver's steps, then the joiner's: each step once
+    assert [s for s, _ in done] == list(range(STEPS)) and len({pid for _, pid in done}) == 2, done
+
+
+
+def test_hsdp_failure_then_planned_migration(tmp_path: Path, reference: list[str]) -> None:
+    """The example with an injected failure and a planned migration in one run (its docstring's
+    command): rank 2 SIGKILLed in step 1's backward is replaced in place by one standby, then rank
+    1 asks to be moved once it committed step 1 (``--migrate-at``: ``tm.migrate()``) and the other
+    standby, warm in tmrun.init(), takes it over at a step boundary (paced steps: the switch
+    comes before the last step). Every rank's final digest equals
+    torchrun's failure-free, migration-free run; only the failure's step may be redone."""
+    work = tmp_path / "both"
+    log = _tmrun(work, "--standby", "2", "--inject-failure", "rank=2,step=1,at=backward",
+                 script=[*SCRIPT, "--migrate-at", "1", "--migrate-rank", "1", "--step-time", "1.5"])
+    assert _finals(work) == reference, log[-6000:]
+    assert "in-place replacement, generation 1: rank 2" in log, log[-6000:]
+    assert "planned migration, generation 2: rank 1" in log, log[-6000:]
+    assert re.search(r"rank 1's previous process \(pid \d+\) handed over and left cleanly", log), log[-6000:]
+    assert "2 in-place recoveries (1 planned)" in log, log[-6000:]
+    redone = int(re.search(r"(\d+) steps recomputed", log).group(1))  # type: ignore[union-attr]
+    assert redone <= 1
+    assert "Traceback" not in log and "refused" not in log, log[-6000:]
+    for rank in (0, 3):  # survivors of both changes: one process each, every step committed once
+        _check_committed(_steps(work, rank), processes=1, rank=rank, failed=frozenset({1}))
+    _check_committed(_steps(work, 1), processes=2, rank=1, failed=frozenset({1}))  # the leaver, then its joiner
+    _check_committed(_steps(work, 2), processes=2, rank=2, failed=frozenset({1}))  # killed, then its joiner
+
+
+def test_hsdp_joiner_killed_during_a_planned_migration(tmp_path: Path, reference: list[str]) -> None:
+    """Rank 1 asks to be moved; its joiner (promoted in tmrun.init()) is SIGKILLed at once, while
+    rank 1 still trains: the controller replaces it with the other standby in an unplanned
+    generation. No survivor commits toward the dead joiner at the switch step: all recover into
+    the newer generation (whose joiner is healed from rank 3), the leaver has nobody to hand
+    over to and leaves. Every rank's final digest equals torchrun's; no group restart, no
+    traceback, the survivors keep their processes. (The survivors' recovery takes about 30 s:
+    the links prepared for the dead joiner wait out their connect timeout.)"""
+    work = tmp_path / "joinerkill"
+    log = _tmrun(work, "--standby", "2", "--inject-failure", "rank=1,who=joiner",
+                 script=[*SCRIPT, "--migrate-at", "1", "--migrate-rank", "1", "--step-time", "1.5"])
+    assert _finals(work) == reference, log[-6000:]
+    assert "planned migration, generation 1: rank 1" in log, log[-6000:]
+    assert re.search(r"in-place replacement, generation 2: rank 1 \(pid \d+, signal SIGKILL\)", log), log[-6000:]
+    assert "superseded generation 1 while waiting for the migration's switch" in log, log[-6000:]
+    assert "nobody to hand over to: leaving" in log, log[-6000:]
+    assert "falling back" not in log and "Traceback" not in log, log[-6000:]
+    for rank in (0, 2, 3):
+        assert len({pid for _, pid in _steps(work, rank)}) == 1, (rank, _steps(work, rank))

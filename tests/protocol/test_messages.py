@@ -111,6 +111,7 @@ def test_node_drill_fires_on_local_rank_0_of_that_node_only() -> None:
 
 @pytest.mark.parametrize("message", [
     proto.FailureReport(node_id=2, epoch=5, by_signal=True, node_dead=False, detail="rank 3 signal SIGKILL"),
+    proto.FailureReport(node_id=0, epoch=1, by_signal=False, detail="rank 1 exit code 1", node_fallback="no live replica"),
     proto.NodeInfo(host="n1", addr="10.0.0.2", pid=99, node_rank_hint=1, time=12.5),
     proto.LeaderInfo(host="n0", pid=7, endpoint="n0:29400"),
     proto.WorkersInfo(epoch=1, group_rank=0, agent_pid=7, workers=[{"local_rank": 0, "rank": 0, "pid": 8}],

@@ -1238,8 +1238,21 @@ def create_process_group(store: Any, rank: int, world_size: int, timeout: Option
     pg.setGroupName(str(group_name))
     pg.store = store  # the store torch handed over (prefixed with the group's name): replacements use it
     pg.joined_in = joining  # created in join mode: no collective until the joiner is healed (set_joining(None))
+    pg.join_options = (timeout, options.native)  # a group created in local mode may join later (join_later)
     _CREATED.append(weakref.ref(pg))
     return pg
+
+
+def join_later(pg: TmrunProcessGroup, generation: int) -> None:
+    """A group a planned migration's joiner created in local mode (it built its model before the
+    switch step, docs/mesh.md): take this rank's link in the survivors' communicator of the same
+    group for ``generation`` (they call :meth:`TmrunProcessGroup.prepare_replacement`), then
+    leave local mode. Returns once the survivors committed."""
+    timeout, native = getattr(pg, "join_options", (None, {}))
+    comm = join_via_store(pg.store, pg.rank(), pg.size(), pg.job_id, generation,
+                          options=_native_options(timeout, native), prefix=REPLACE_PREFIX)
+    pg.attach(comm)
+    pg.set_local(False)
 
 
 class JoiningCollectiveError(RuntimeError):

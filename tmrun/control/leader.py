@@ -282,7 +282,10 @@ class Leader:
         if not culprits:  # late reports about nodes already replaced: nothing to do
             self._pending = None
             return
-        decision, swapped, why = self._inplace.decide(self._membership, culprits, dead, pending.first_seen)
+        node_fallback = "; ".join(dict.fromkeys(r.node_fallback for r in pending.reports
+                                                if r.node_fallback and r.node_id in culprits))
+        decision, swapped, why = self._inplace.decide(self._membership, culprits, dead, pending.first_seen,
+                                                      node_fallback=node_fallback)
         if decision is Decision.WAIT:
             return
         self._pending = None

@@ -172,7 +172,8 @@ class TmrunAgent(LocalElasticAgent):
             self.report_failure(result)
         return result
 
-    def report_failure(self, result: RunResult) -> None:
+    def report_failure(self, result: RunResult, node_fallback: str = "") -> None:
+        """Tell the leader (``node_fallback``: why this node's in-place controller gave up, if it ran)."""
         handler = self.tmrun_handler
         failures = result.failures or {}
         # A worker killed by a signal is a root cause; SIGABRT is excluded because it is how
@@ -188,7 +189,7 @@ class TmrunAgent(LocalElasticAgent):
         say(f"worker failure on this node: {detail}")
         self.failures_reported += 1
         if handler is not None:
-            handler.report_failure(by_signal=by_signal, detail=detail)
+            handler.report_failure(by_signal=by_signal, detail=detail, node_fallback=node_fallback)
 
     def publish(self, worker_group: WorkerGroup, pids: dict[int, int], standby: list[dict[str, object]]) -> None:
         """Tell ``tmrun-ctl status`` which processes this node runs."""

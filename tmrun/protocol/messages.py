@@ -248,13 +248,16 @@ class FailureReport(_Json):
     by_signal: bool  # a worker was killed by a signal (the likely root cause)
     node_dead: bool = False  # the agent itself is gone (liveness channel closed)
     detail: str = ""
+    # the node's own in-place controller (one node, --standby N) was in charge of this failure and
+    # gave up: why ('' when it was not: a plain script, or standby nodes)
+    node_fallback: str = ""
 
     @classmethod
     def decode(cls, key: str, raw: bytes | str) -> FailureReport:
         data = _load(key, raw)
         return cls(node_id=_int(key, data, "node_id"), epoch=_int(key, data, "epoch"),
                    by_signal=bool(data.get("by_signal")), node_dead=bool(data.get("node_dead")),
-                   detail=str(data.get("detail", "")))
+                   detail=str(data.get("detail", "")), node_fallback=str(data.get("node_fallback", "")))
 
 
 @dataclass(frozen=True)

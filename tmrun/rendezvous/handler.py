@@ -299,11 +299,13 @@ class TmrunRendezvousHandler(RendezvousHandler):
             raise NodeRetiredError(f"node {self.node_id} was declared lost and its ranks were taken over in place "
                                    f"({membership.reason})")
 
-    def report_failure(self, by_signal: bool, detail: str) -> None:
-        """Tell the leader that a worker of this node failed in the current epoch."""
+    def report_failure(self, by_signal: bool, detail: str, node_fallback: str = "") -> None:
+        """Tell the leader that a worker of this node failed in the current epoch
+        (``node_fallback``: why the node's own in-place controller gave up on it, if it ran)."""
         assert self.node_id is not None
         seq = self.store.add(keys.FAIL_SEQ, 1) - 1
-        report = FailureReport(node_id=self.node_id, epoch=self.epoch, by_signal=by_signal, detail=detail)
+        report = FailureReport(node_id=self.node_id, epoch=self.epoch, by_signal=by_signal, detail=detail,
+                               node_fallback=node_fallback)
         self.store.set(keys.failure(seq), report.encode())
 
     def publish_workers(self, info: WorkersInfo) -> None:

@@ -39,6 +39,18 @@ def init_joined(store: dist.Store, communicator: Any, comm_timeout: float) -> No
                             timeout=timedelta(minutes=10), pg_options=options)
 
 
+def init_local_as(store: dist.Store, rank: int, world_size: int) -> None:
+    """A planned migration's joiner before the switch step: the default group as ``rank``, in
+    local mode (the script builds its mesh and model meanwhile, every group local), over the
+    job's group store (each group joins the survivors' communicator later: ``attach`` for this
+    one, :func:`tmrun.comm.backend.join_later` for the subgroups)."""
+    os.environ[tmrun_backend.ENV_LOCAL] = "1"
+    try:
+        dist.init_process_group(BACKEND, store=store, rank=rank, world_size=world_size, timeout=timedelta(minutes=10))
+    finally:
+        del os.environ[tmrun_backend.ENV_LOCAL]
+
+
 def init_local(world_size: int) -> None:
     """A standby: the same world size, every collective served locally (no network)."""
     os.environ[tmrun_backend.ENV_LOCAL] = "1"

@@ -74,6 +74,10 @@ class StepLoop:
                 except Rejoin as again:
                     step = self._standby.rejoin(again.assignment)
         ctx.loop_finished = True
+        # a migration's joiner that took over at the last step's boundary (it resumes at
+        # ``total``: no step, no optimizer step): its state must be complete before the script
+        # reads it, and the leaver waits for its receipt
+        self._migration.finish_handover()
         if ctx.in_place and not ctx.life.is_(Role.STANDBY):
             settle_heal(ctx)  # nobody may still be reading this process when it exits
         if ctx.in_place and not ctx.life.is_(Role.STANDBY):

@@ -9,7 +9,8 @@ committed step while it is pending, :meth:`Migration.at_boundary`:
 3. at the switch step, the leaver (ACTIVE -> LEAVING) hands its state over on a 2-member link
    to its joiner and exits (:func:`tmrun.worker.leave.leave`); every other rank
    (ACTIVE -> SWITCHING) commits the links (phase 2) and heals, which lets the joiner take any
-   part the handover could not deliver from the other ranks.
+   part the handover could not deliver from the other ranks. In a job with subgroups every
+   group moves to the new generation there (docs/mesh.md, "Planned migration").
 
 The joiner's side (:meth:`Migration.take_over`, called by :mod:`tmrun.worker.standby`) receives
 the model before it returns; the optimizer's state keeps arriving while the joiner computes its
@@ -24,7 +25,8 @@ from typing import Any, NoReturn
 
 from tmrun.comm import native
 from tmrun.protocol import keys, messages as proto
-from tmrun.worker import group, rng
+from tmrun.comm.backend import TmrunProcessGroup
+from tmrun.worker import group, rng, subgroups
 from tmrun.worker.context import Context, RecoveryError, Rejoin, Superseded, log
 from tmrun.worker.leave import leave
 from tmrun.worker.recovery import Recovery, heal, settle_heal
@@ -51,7 +53,9 @@ class Migration:
         leaving = ctx.rank in plan.replaced
         if not leaving and self._prepared_gen != plan.gen:
             # phase 1 while training goes on: links to the joiner are built in the background
-            # (the native communicator's "epoch" is the generation)
+            # (the native communicator's "epoch" is the generation). Subgroups wait for the
+            # switch: a joiner promoted in tmrun.init() creates them (publishing its addresses)
+            # only once the default group's switch let its join return
             try:
                 native.prepare_replacement(ctx.comm_store(), group.comm(), plan.replaced.keys(), plan.gen,
                                            get=ctx.address_getter(plan.gen))
@@ -70,10 +74,33 @@ class Migration:
             self._hand_over(plan, switch_at, rng.capture())
         ctx.loss_noticed = time.time()  # a migration's "noticed": training stopped at the switch
         ctx.life.to(Role.SWITCHING)
+        touched, untouched = _subgroups_of(plan)
         try:
-            group.comm().commit()  # phase 2, at the step boundary
+            if (touched or untouched) and ctx.newest_gen() > plan.gen:
+                # a job with subgroups whose joiner was lost before the switch (the controller
+                # replaced it meanwhile): no survivor commits toward the dead joiner (each would
+                # wait out its connect timeout, and the ones still in the switch would then count
+                # the others lost); all recover into the newer generation, which replaces the
+                # links prepared for this one
+                raise Superseded(plan.gen, ctx.newest_gen(), "the migration's switch")
+            # phase 2, at the step boundary. Every group moves to the plan's generation, in the
+            # order of a recovery (docs/mesh.md, section 2): the subgroups without the leaver
+            # (a resynchronisation: nothing is in flight at a step boundary), the default group,
+            # then the leaver's subgroups in creation order, each as the joiner re-creates it
+            # (its script builds its mesh once the default group's switch let its join return)
+            for pg in untouched:
+                pg.prepare_replacement([], plan.gen)
+                pg.comm.commit()
+            group.comm().commit()
+            for pg in touched:
+                pg.prepare_replacement(subgroups.replaced_in(pg, plan.replaced.keys()), plan.gen,
+                                       get=ctx.address_getter(plan.gen))
+                pg.comm.commit()
             ctx.gen = plan.gen
             return heal(ctx, started=started, aborted_step=-1, connected=time.time(), replaced=plan.replaced.keys())
+        except Superseded as exc:  # the joiner was lost before it re-created a subgroup
+            self._recovery.superseded(plan, exc)
+            return self._recovery.recover()
         except native.CommError as exc:  # a member (the joiner, another rank) lost during the switch
             ctx.gen = max(ctx.gen, plan.gen)
             self._recovery.on_comm_failure(exc)
@@ -177,3 +204,11 @@ class Migration:
             handoff.close()
         log(f"rank {self._ctx.rank}: optimizer state complete ({pending.nbytes} bytes), "
             f"{time.monotonic() - started:.3f}s after the handover began")
+
+
+def _subgroups_of(plan: proto.ReplacementPlan) -> tuple[list[TmrunProcessGroup], list[TmrunProcessGroup]]:
+    """This process's network subgroups (creation order) that hold a rank ``plan`` moves, and
+    the others (none in a job without subgroups)."""
+    others = [pg for pg in subgroups.subgroups() if not pg.local]
+    touched = [pg for pg in others if subgroups.replaced_in(pg, plan.replaced.keys())]
+    return touched, [pg for pg in others if pg not in touched]

@@ -242,9 +242,11 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float, repl
         plan = agree(comm, ctx.committed_step, ctx.tracked.layout_digest(), ctx.fresh, ctx.env.heal_reads,
                      state_tensors=ctx.tracked.tensors(), shard_key=shard_key)
     except NoReplicaError as exc:  # every member at once: the controller falls back without waiting
+        # An expected end, not a bug: one line per worker, then exit for the group restart (a
+        # RecoveryError would print a traceback through the script on every rank)
         store.set(keys.UNHEALABLE, str(exc))
         log(f"rank {ctx.rank}: {exc}")
-        raise RecoveryError(str(exc)) from None
+        raise SystemExit(1) from None
     step_meta = {"committed_step": ctx.committed_step}
     healed = transfer_state(comm, ctx.tracked, plan, step_meta, on_donate=lambda: ctx.fire("transfer"),
                             board=StoreCrcBoard(store, ctx.gen))

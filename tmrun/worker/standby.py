@@ -12,15 +12,17 @@ sends it through recovery (JOINING -> RECOVERING -> ACTIVE).
 from __future__ import annotations
 
 import os
+import threading
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from tmrun.comm import backend as tmrun_backend, native
 from tmrun.protocol import keys, messages as proto
-from tmrun.worker import drills, group
-from tmrun.worker.context import Context, RecoveryError, Rejoin, Superseded, log
+from tmrun.worker import drills, group, subgroups
+from tmrun.worker.context import Context, Rejoin, Superseded, log
 from tmrun.worker.migration import Migration
 from tmrun.worker.recovery import Recovery, heal
 from tmrun.worker.roles import Role
@@ -33,6 +35,10 @@ class Standby:
         self._migration = migration
         self._assignment: proto.Assignment | None = None
         self._assigned_at = 0.0
+        self._init_planned = False  # promoted in tmrun.init() by a planned migration: take over the leaver's state
+        # a planned joiner building its model before the switch: (assignment, its default link's
+        # thread, that thread's result)
+        self._planned_join: tuple[proto.Assignment, threading.Thread, dict[str, Any]] | None = None
         self.shadow = False  # inside a shadow step
         self.shadow_done = 0
 
@@ -129,7 +135,8 @@ class Standby:
         if assignment.stop:
             raise SystemExit(0)
         if assignment.planned:
-            raise RecoveryError("a planned migration in a job with subgroups is not supported yet (docs/mesh.md)")
+            self._build_before_switch(assignment, started)
+            return
         while True:
             try:
                 comm = self._connect(assignment)
@@ -151,6 +158,61 @@ class Standby:
             f"and model as rank {ctx.rank}")
         ctx.fire("promotion")
 
+    def _build_before_switch(self, assignment: proto.Assignment, started: float) -> None:
+        """A planned migration's joiner in ``tmrun.init()``: the leaver trains on until the switch
+        step, and this process builds its mesh and model meanwhile, as its rank, every group in
+        local mode; its default group's link is made in the background (the join returns when
+        the survivors commit at the switch). At its first ``steps()`` each group joins the
+        survivors' communicator (:meth:`_join_groups_built`), then it takes the leaver's state."""
+        ctx = self._ctx
+        result: dict[str, Any] = {}
+
+        def connect() -> None:
+            try:
+                result["comm"] = self._connect(assignment)
+            except BaseException as exc:  # noqa: BLE001  (re-raised on the main thread)
+                result["error"] = exc
+
+        thread = threading.Thread(target=connect, name="tmrun-planned-join", daemon=True)
+        thread.start()
+        group.init_local_as(dist.PrefixStore(keys.PG_PREFIX, ctx.require_store()), assignment.rank, ctx.world_size)
+        ctx.rank = assignment.rank
+        ctx.gen = assignment.gen
+        ctx.life.to(Role.JOINING)
+        ctx.fresh = True
+        ctx.built_as_rank = True
+        ctx.pending_join = (started, 0.0)
+        self._planned_join = (assignment, thread, result)
+        ctx.drills.rebind(ctx.rank, promoted=True)
+        log(f"promoted to rank {ctx.rank} (generation {ctx.gen}) in tmrun.init(); the script builds its groups "
+            f"and model as rank {ctx.rank} (in local mode: rank {ctx.rank} trains on until the switch step)")
+        ctx.fire("promotion")
+
+    def _join_groups_built(self) -> float:
+        """The groups a planned joiner built in local mode join the survivors' communicators of
+        its generation: the default group (its link made in the background), then every
+        subgroup in creation order, as the survivors repair them at the switch. Returns when
+        they were connected (Unix time)."""
+        ctx = self._ctx
+        assert self._planned_join is not None
+        assignment, thread, result = self._planned_join
+        self._planned_join = None
+        thread.join()
+        error = result.get("error")
+        if isinstance(error, Superseded):  # a member lost before the switch: the newer generation gives this rank again
+            assignment = ctx.await_reassignment(assignment.gen, str(error))
+            result = {"comm": self._connect(assignment)}
+            ctx.gen = assignment.gen
+        elif error is not None:
+            raise error
+        group.attach(result["comm"])
+        group.set_failure_handler(self._recovery.on_comm_failure)
+        for pg in subgroups.subgroups():
+            if pg.local:
+                tmrun_backend.join_later(pg, ctx.gen)
+        self._init_planned = assignment.planned
+        return time.time()
+
     def heal_after_init(self) -> int:
         """The first ``steps()`` of a standby promoted in ``tmrun.init()``: its groups are joined
         and its model built; heal it (JOINING -> ACTIVE). Returns the step to resume at."""
@@ -160,6 +222,11 @@ class Standby:
         ctx.pending_join = None
         tmrun_backend.set_joining(None)  # groups created from now on are new groups of every rank
         try:
+            if self._planned_join is not None:
+                connected = self._join_groups_built()
+            planned, self._init_planned = self._init_planned, False
+            if planned:  # the leaver hands its state over (the others heal what it could not)
+                self._migration.take_over(ctx.gen)
             return heal(ctx, started=started, aborted_step=-1, connected=connected)
         except native.CommError as exc:
             self._recovery.on_comm_failure(exc)

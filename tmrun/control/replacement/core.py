@@ -97,7 +97,7 @@ def others_done(store: Store, ranks: Iterable[int]) -> bool:
 
 def has_subgroups(store: Store) -> bool:
     """The job's ranks made subgroups (a device mesh, ``new_group``): its standbys wait in
-    ``tmrun.init()`` and only take over lost ranks (docs/mesh.md)."""
+    ``tmrun.init()`` (docs/mesh.md); a planned migration of a whole node of such a job is refused."""
     return store.check([keys.SUBGROUPS]) and store.get(keys.SUBGROUPS) == b"1"
 
 

@@ -87,9 +87,14 @@ class NodeReplacement:
         return ready
 
     def decide(self, membership: Membership, culprits: list[int], dead: set[int],
-               first_seen: float) -> tuple[Decision, Membership | None, str]:
+               first_seen: float, node_fallback: str = "") -> tuple[Decision, Membership | None, str]:
         """What to do about ``culprits`` (active nodes that failed; ``dead`` ones are gone).
-        Returns the decision, the new membership (in place) and a line for the event log."""
+        Returns the decision, the new membership (in place) and a line for the event log.
+        ``node_fallback``: a culprit's own in-place controller (one node, ``--standby N``: its
+        workers keep their keys under the group's prefix, not this epoch's) already gave up on
+        the failure, and why: the group restarts."""
+        if node_fallback:
+            return Decision.PLAIN, None, f"the node's in-place replacement gave up ({node_fallback})"
         store = self._epoch_store(membership.epoch)
         generations = core.Generations(store)
         if not store.check([keys.API]):

@@ -167,9 +167,6 @@ class ProcessReplacement:
             return self._refuse(f"rank {request.rank}", "no such running rank on this node")
         if core.any_done(self._store, self.slots.ranks()):
             return self._refuse(f"rank {request.rank}", "the training is finishing (a rank finished its steps)")
-        if core.has_subgroups(self._store):
-            return self._refuse(f"rank {request.rank}", "the job has subgroups (a device mesh): planned migrations "
-                                "of such jobs are not supported yet (docs/mesh.md)")
         member = self._ready_standby()
         if member is None:
             return self._refuse(f"rank {request.rank}", "no warm standby")

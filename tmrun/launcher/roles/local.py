@@ -117,7 +117,9 @@ class LocalStandbyRole(AgentRole):
         result = RunResult(state=WorkerState.FAILED, failures=failures)
         if outcome.final:
             self.agent.no_more_restarts()
-        self.agent.report_failure(result)
+        # the leader must not look for the worker API in its epoch's store (this node's workers
+        # use the group's prefix): this node's controller ran, and says why it gave up
+        self.agent.report_failure(result, node_fallback=outcome.reason or "in-place replacement gave up")
         return result
 
     def stop_promoted(self) -> None:
