@@ -309,7 +309,9 @@ def test_hsdp_joiner_killed_during_a_planned_migration(tmp_path: Path, reference
     assert _finals(work) == reference, log[-6000:]
     assert "planned migration, generation 1: rank 1" in log, log[-6000:]
     assert re.search(r"in-place replacement, generation 2: rank 1 \(pid \d+, signal SIGKILL\)", log), log[-6000:]
-    assert "superseded generation 1 while waiting for the migration's switch" in log, log[-6000:]
+    # the survivors see the newer generation at the switch step, or (the joiner killed before
+    # they got there) while waiting for its address in the default group: either way, in place
+    assert re.search(r"rank [023]: generation 2 superseded generation 1 while waiting for", log), log[-6000:]
     assert "nobody to hand over to: leaving" in log, log[-6000:]
     assert "falling back" not in log and "Traceback" not in log, log[-6000:]
     for rank in (0, 2, 3):
