@@ -168,7 +168,7 @@ class NodeReplacement:
                 continue
             if core.has_subgroups(store):
                 events.append(("migrate-refused", f"{request.describe()}: the job has subgroups (a device mesh): "
-                               "planned migrations of such jobs are not supported yet (docs/mesh.md)"))
+                               "moving a whole node of such a job is not supported yet (docs/mesh.md)"))
                 continue
             standby = self._ready_standby_nodes(store, membership, len(ranks[group_rank]))
             if not standby:
