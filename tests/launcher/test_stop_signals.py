@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 _SCRIPT = textwrap.dedent(
     """
     import logging, os, signal, sys
@@ -36,6 +38,7 @@ def _run(mode: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", _SCRIPT, mode], capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.e2e  # starts a process that imports torch: not in the unit subset
 def test_second_signal_does_not_break_the_shutdown() -> None:
     done = _run("first")
     assert done.returncode == 128 + 15, done.stderr
@@ -46,6 +49,7 @@ def test_second_signal_does_not_break_the_shutdown() -> None:
     assert "SIGINT again while stopping after SIGTERM" in done.stderr
 
 
+@pytest.mark.e2e  # starts a process that imports torch: not in the unit subset
 def test_one_shot_again_after_torch_installed_its_handler() -> None:
     done = _run("after-torch")
     assert done.returncode == 128 + 15, done.stderr
