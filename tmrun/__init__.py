@@ -18,6 +18,9 @@ __version__ = "0.1.0"
 
 
 def _register_backend() -> None:
+    partial = sys.modules.get("tmrun.comm.backend")
+    if partial is not None and not hasattr(partial, "register"):
+        return  # torch was imported by tmrun.comm.backend itself, which registers once it is loaded
     from tmrun.comm.backend import register
 
     register()  # torch.distributed backend "tmrun"

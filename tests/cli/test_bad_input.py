@@ -33,9 +33,22 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_bad_input_is_one_clear_line(name: str, capsys: pytest.CaptureFixture[str]) -> None:
-    args, expected = CASES[name]
+ENV_CASES = {
+    "unknown device plane": ({"TMRUN_DEVICE_PLANE": "infiniband"}, "TMRUN_DEVICE_PLANE='infiniband' is not one of"),
+    "missing NCCL library": ({"TMRUN_NCCL_LIBRARY": "/nonexistent/libnccl.so.2"}, "TMRUN_NCCL_LIBRARY"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES) + sorted(ENV_CASES))
+def test_bad_input_is_one_clear_line(name: str, capsys: pytest.CaptureFixture[str],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    if name in ENV_CASES:
+        environ, expected = ENV_CASES[name]
+        for key, value in environ.items():
+            monkeypatch.setenv(key, value)
+        args = ["--standalone", "--nproc-per-node", "2", SCRIPT]
+    else:
+        args, expected = CASES[name]
     with pytest.raises(SystemExit) as exit_info:
         main(args)
     assert exit_info.value.code == 2

@@ -27,8 +27,8 @@ ENV = {"OMP_NUM_THREADS": "1", "TMRUN_RUN_ID": "backend-test", "TORCHELASTIC_RUN
 class Rank:
     """One worker process; its JSON events are collected by a reader thread."""
 
-    def __init__(self, *args: str) -> None:
-        self.proc = start([sys.executable, str(WORKER), *args], env=ENV)
+    def __init__(self, *args: str, env: dict | None = None) -> None:
+        self.proc = start([sys.executable, str(WORKER), *args], env={**ENV, **(env or {})})
         self.events: list = []
         self.text: list = []
         self._cv = threading.Condition()
@@ -72,11 +72,13 @@ class Rank:
 def ranks():
     made: list = []
 
-    def launch(scenario: str, n: int, *extra: str, port: int | None = None, standby: bool = False) -> list:
+    def launch(scenario: str, n: int, *extra: str, port: int | None = None, standby: bool = False,
+               env: dict | None = None) -> list:
         port = port or free_port()
-        group = [Rank(scenario, "--rank", str(r), "--world", str(n), "--port", str(port), *extra) for r in range(n)]
+        group = [Rank(scenario, "--rank", str(r), "--world", str(n), "--port", str(port), *extra, env=env)
+                 for r in range(n)]
         if standby:
-            group.append(Rank(scenario, "--standby", "--world", str(n), "--port", str(port), *extra))
+            group.append(Rank(scenario, "--standby", "--world", str(n), "--port", str(port), *extra, env=env))
         made.extend(group)
         return group
 
@@ -156,3 +158,38 @@ def test_standby_takes_over_a_dead_rank_through_the_hooks(ranks) -> None:
     done = [rank0.expect("ok", timeout=60), standby.expect("ok", timeout=60)]
     assert done[0]["digest"] == done[1]["digest"] == ref[0]["digest"]
     assert done[1]["rank"] == 1
+
+
+GLOO_PLANE = {"TMRUN_DEVICE_PLANE": "gloo", "GLOO_SOCKET_IFNAME": "lo"}
+
+
+def test_dist_api_on_the_device_plane(ranks) -> None:
+    """The same API scenario with the device plane in its CPU test mode: every collective on
+    contiguous tensors goes through one gloo group (built once, generation 0) instead of the TCP
+    communicator; the TCP communicator carries only the barriers and the staged tensors."""
+    group = ranks("api", 3, env=GLOO_PLANE)
+    for r in group:
+        ev = r.expect("ok", timeout=120)
+        assert ev["stats"]["device_ops"] > 20, ev
+        assert ev["plane"] == {"builds": 1, "aborts": 0, "built_on_demand": 1}, ev
+        assert ev["collectives"] < ev["stats"]["device_ops"], ev
+
+
+def test_standby_takes_over_on_the_device_plane(ranks) -> None:
+    """The replacement of test_standby_takes_over_a_dead_rank_through_the_hooks with the device
+    plane in its CPU test mode: rank 0's device collective fails when rank 1 dies, the TCP
+    communicator names the lost peer, the failure handler absorbs it, generation 0's device group
+    is aborted, and generation 1's is built afresh with the standby. Bitwise equal to the run
+    without a failure."""
+    ref = [r.expect("ok", timeout=120) for r in ranks("replace", 2, env=GLOO_PLANE)]
+    assert ref[0]["digest"] == ref[1]["digest"]
+    assert ref[0]["plane"]["builds"] == 1 and ref[0]["stats"]["device_ops"] > 0
+    group = ranks("replace", 2, "--kill-step", "3", standby=True, env=GLOO_PLANE)
+    rank0, _rank1, standby = group
+    rec = rank0.expect("recovered", timeout=60)
+    assert rec["step"] == 3 and rec["stats"]["absorbed_errors"] >= 1, rec
+    done = [rank0.expect("ok", timeout=60), standby.expect("ok", timeout=60)]
+    assert done[0]["digest"] == done[1]["digest"] == ref[0]["digest"]
+    assert done[0]["plane"] == {"builds": 2, "aborts": 1, "built_on_demand": 2}, done[0]
+    assert done[1]["plane"] == {"builds": 1, "aborts": 0, "built_on_demand": 1}, done[1]
+    assert done[1]["stats"]["device_ops"] > 0

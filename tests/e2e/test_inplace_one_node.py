@@ -69,6 +69,20 @@ def test_killed_rank_is_replaced_in_place(tmp_path: Path, reference: str, point:
     assert len(pids) == 2, "rank 1 should have been played by two processes"
 
 
+@pytest.mark.parametrize("point", ["backward", "optimizer"])
+def test_killed_rank_is_replaced_on_the_device_plane(tmp_path: Path, reference: str, point: str) -> None:
+    """The device plane's life through the real runtime, on CPU: TMRUN_DEVICE_PLANE=gloo puts
+    every collective of DDP on one gloo group per generation (what NCCL is on a GPU). Rank 1 dies
+    in backward (inside the plane's allreduce) or in the optimizer step; the survivor aborts
+    generation 0's group, and generation 1's is built afresh with the promoted standby."""
+    env = {"TMRUN_DEVICE_PLANE": "gloo", "GLOO_SOCKET_IFNAME": "lo"}
+    code, log, final, steps = _run(tmp_path, point, "--inject-failure", f"rank=1,step=5,at={point}", env=env)
+    _check(code, log, final, steps, reference, survivors=[0])
+    assert "device plane: CPU tensors on one gloo group per generation" in log
+    assert "generation 1: all 2 ranks recovered" in log
+    assert len({pid for _, pid in steps[1]}) == 2
+
+
 def test_worker_that_raises_is_replaced(tmp_path: Path, reference: str) -> None:
     code, log, final, steps = _run(tmp_path, "raise", "--inject-failure", "rank=0,step=4,signal=RAISE")
     _check(code, log, final, steps, reference, survivors=[1])

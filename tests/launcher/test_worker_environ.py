@@ -21,3 +21,16 @@ def test_huge_pages_for_torch_allocations_unless_the_user_chose(monkeypatch: pyt
     monkeypatch.setenv(ENV_THP_ALLOC, "0")  # the user's choices are inherited as they are
     monkeypatch.setenv(ENV_TORCH_CPP_LOG_LEVEL, "INFO")
     assert ENV_THP_ALLOC not in worker_environ(_env()) and ENV_TORCH_CPP_LOG_LEVEL not in worker_environ(_env())
+
+
+def test_an_nccl_library_override_is_preloaded(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """TMRUN_NCCL_LIBRARY: the workers preload it, so torch's ProcessGroupNCCL binds to it."""
+    library = tmp_path / "libnccl.so.2"
+    library.write_bytes(b"")
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.delenv("TMRUN_NCCL_LIBRARY", raising=False)
+    assert "LD_PRELOAD" not in worker_environ(_env())
+    monkeypatch.setenv("TMRUN_NCCL_LIBRARY", str(library))
+    assert worker_environ(_env())["LD_PRELOAD"] == str(library)
+    monkeypatch.setenv("LD_PRELOAD", "/opt/other.so")  # what the user preloads stays, after it
+    assert worker_environ(_env())["LD_PRELOAD"] == f"{library}:/opt/other.so"

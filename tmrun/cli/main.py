@@ -293,6 +293,7 @@ def _validate(args: argparse.Namespace) -> None:
             raise UsageError(f"program {script!r} not found")
     elif not args.module and not os.path.isfile(script):
         raise UsageError(f"training script {script!r} not found")
+    _validate_device_environment()
     if args.rdzv_backend == "tmrun":
         from tmrun.rendezvous.endpoint import EndpointError, parse_endpoint
 
@@ -310,6 +311,19 @@ def _validate(args: argparse.Namespace) -> None:
             EtcdConfig.parse(args.rdzv_endpoint)
         except EtcdConfigError as exc:
             raise UsageError(str(exc)) from None
+
+
+def _validate_device_environment() -> None:
+    """``TMRUN_DEVICE_PLANE`` and ``TMRUN_NCCL_LIBRARY`` (docs/nccl.md), checked before any worker starts."""
+    from tmrun.protocol import environment
+
+    plane = os.environ.get(environment.ENV_DEVICE_PLANE, "auto").strip().lower() or "auto"
+    if plane not in environment.DEVICE_PLANES:
+        raise UsageError(f"{environment.ENV_DEVICE_PLANE}={plane!r} is not one of {', '.join(environment.DEVICE_PLANES)}")
+    library = os.environ.get(environment.ENV_NCCL_LIBRARY, "")
+    if library and not os.path.isfile(library):
+        raise UsageError(f"{environment.ENV_NCCL_LIBRARY}={library!r}: no such file "
+                         "(the NCCL library to use instead of torch's)")
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:

@@ -2,7 +2,7 @@
 
     import tmrun                                   # registers the backend (idempotent)
     dist.init_process_group("tmrun")               # env:// or store=..., rank=..., world_size=...
-    dist.all_reduce(t)                             # CPU tensors; CUDA tensors via host staging
+    dist.all_reduce(t)                             # CPU tensors on TCP; CUDA tensors on NCCL
 
 Design (see ``docs/backend.md``):
 
@@ -18,6 +18,10 @@ Design (see ``docs/backend.md``):
   :class:`TmrunWork` the caller got. Synchronous calls (``opts.asyncOp == False``, which is what
   ``dist.all_reduce(t)`` passes) are completed on the caller's thread instead. Tensors (and
   staging buffers) stay referenced by the operation until it is over.
+* CUDA tensors go to the group's *device plane* (tmrun.comm.device_plane): torch's own
+  ``ProcessGroupNCCL``, one per generation of the communicator, aborted when the group gives up
+  a generation and built afresh (with the joiner) in the next. ``TMRUN_DEVICE_PLANE=staging``
+  moves them through host copies over TCP instead.
 * Resilience hooks for the worker runtime: :meth:`TmrunProcessGroup.attach` (swap the
   communicator), :meth:`~TmrunProcessGroup.set_failure_handler` + the *aborted* state +
   :meth:`~TmrunProcessGroup.clear_aborted`, :meth:`~TmrunProcessGroup.set_local` (sandbox: every
@@ -46,6 +50,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import (
     AllgatherOptions,
     AllreduceOptions,
+    AllToAllOptions,
     BarrierOptions,
     BroadcastOptions,
     GatherOptions,
@@ -54,7 +59,8 @@ from torch._C._distributed_c10d import (
     ScatterOptions,
 )
 
-from tmrun.comm import staging
+from tmrun.comm import device_plane, staging
+from tmrun.comm.device_plane import DevicePlane, DevicePlaneError
 from tmrun.comm.staging import UnsupportedError
 from tmrun.console import say
 from tmrun.protocol import environment, keys
@@ -95,6 +101,7 @@ _NATIVE_OPS = {} if tn is None else {
     _RED.MAX: tn.ReduceOp.MAX,
     _RED.PRODUCT: tn.ReduceOp.PRODUCT,
 }
+PLANE_LOSS_GRACE = 3.0  # s: how long a failed device operation waits for the TCP side to name a lost peer
 _REDUCIBLE = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8)
 
 
@@ -277,7 +284,7 @@ class _Op:
     """One operation: native works, what to run after them, and everything it keeps alive."""
 
     __slots__ = ("name", "result", "keep", "native", "finish", "future", "done", "error", "abort_seq",
-                 "local", "source_rank", "clocked")
+                 "local", "source_rank", "clocked", "on_plane")
 
     def __init__(self, name: str, result: list, local: Optional[Callable[[], None]] = None) -> None:
         self.name = name
@@ -292,6 +299,7 @@ class _Op:
         self.local = local
         self.source_rank = -1
         self.clocked = True
+        self.on_plane = False  # launched on the device plane: its failures go to _plane_fail
         COMM_CLOCK.begin()
 
     def complete(self, error: Optional[BaseException] = None) -> None:
@@ -323,6 +331,10 @@ def _future_for(result: list) -> torch.futures.Future:
 
 def _reraise(exc: BaseException) -> None:
     raise exc
+
+
+def _nothing(_comm: Any) -> None:
+    """The launch of an operation that only the device plane serves."""
 
 
 class _Completer:
@@ -399,7 +411,10 @@ class TmrunProcessGroup(dist.ProcessGroup):
         self._lock = threading.Lock()
         self._completer = _Completer(self)
         self._closed = False
-        self._stats = {"local_ops": 0, "network_ops": 0, "absorbed_errors": 0, "raised_errors": 0, "aborts": 0}
+        self._stats = {"local_ops": 0, "network_ops": 0, "device_ops": 0, "absorbed_errors": 0, "raised_errors": 0,
+                       "aborts": 0}
+        self._plane: Optional[DevicePlane] = None
+        self._plane_kind: Optional[str] = None  # resolved at the first operation on tensors
         self.job_id = job_id
         self._group_name = ""
         self._group_desc = ""
@@ -513,6 +528,14 @@ class TmrunProcessGroup(dist.ProcessGroup):
                 self._aborted = True
                 self._abort_seq += 1
                 self._stats["aborts"] += 1
+        self._abort_plane()
+
+    def _abort_plane(self) -> None:
+        """The device work of the generation given up is dropped at once (NCCL's abort). Not
+        under ``_handler_lock``: the inner group's failing works call back into :meth:`_plane_fail`."""
+        plane, comm = self._plane, self._comm
+        if plane is not None and comm is not None:
+            plane.abort(int(comm.epoch))
 
     def clear_aborted(self) -> None:
         """Leave the aborted state: later collectives use the network again (typically after the
@@ -539,8 +562,15 @@ class TmrunProcessGroup(dist.ProcessGroup):
         return [] if self._comm is None else self._comm.links()
 
     def stats(self) -> dict:
-        """Backend-level counts: local_ops, network_ops, absorbed_errors, raised_errors, aborts."""
+        """Backend-level counts: local_ops, network_ops (device_ops of them on the device plane),
+        absorbed_errors, raised_errors, aborts."""
         return dict(self._stats)
+
+    def plane_counts(self) -> dict:
+        """The device plane's counts (builds, aborts, built_on_demand; zeros without one)."""
+        if self._plane is None:
+            return {"builds": 0, "aborts": 0, "built_on_demand": 0}
+        return self._plane.counts()
 
     # ------------------------------------------------------------------ lifecycle
     def shutdown(self, drain_timeout: float = 10.0) -> None:
@@ -550,6 +580,8 @@ class TmrunProcessGroup(dist.ProcessGroup):
             return
         self._closed = True
         self._completer.drain(drain_timeout)
+        if self._plane is not None:
+            self._plane.shutdown()
         if self._comm is not None:
             try:
                 self._comm.close()
@@ -572,9 +604,11 @@ class TmrunProcessGroup(dist.ProcessGroup):
             raise RuntimeError("tmrun: the process group was shut down")
         return comm
 
-    def _run(self, op: _Op, opts: Any, launch: Callable[[Any], None]) -> TmrunWork:
+    def _run(self, op: _Op, opts: Any, launch: Callable[[Any], None],
+             device: Optional[tuple[str, tuple]] = None) -> TmrunWork:
         """Serve ``op`` locally, or launch it on the communicator and complete it (here when the
-        caller waits right away, else on the completer thread)."""
+        caller waits right away, else on the completer thread). ``device``: the inner group's
+        method and arguments, when the operation's tensors belong on the device plane."""
         if self.joined_in is not None and _JOINING is not None:
             raise JoiningCollectiveError(
                 f"tmrun {op.name} on group {self._group_name!r} while this process joins generation {_JOINING} "
@@ -588,6 +622,8 @@ class TmrunProcessGroup(dist.ProcessGroup):
             op.complete()
             return TmrunWork(op)
         comm = self._comm_or_raise()
+        if device is not None and self._on_plane(device[1]):
+            return self._run_on_plane(op, comm, *device)
         self._stats["network_ops"] += 1
         op.abort_seq = self._abort_seq
         try:
@@ -622,6 +658,8 @@ class TmrunProcessGroup(dist.ProcessGroup):
                 error = exc
         if error is None:
             op.complete()
+        elif op.on_plane:
+            self._plane_fail(op, error)
         else:
             self._fail(op, error)
 
@@ -629,9 +667,98 @@ class TmrunProcessGroup(dist.ProcessGroup):
         if isinstance(error, tn.CommError) and self._absorb(error, op.abort_seq):
             self._stats["absorbed_errors"] += 1
             op.complete()
+            self._abort_plane()
             return
         self._stats["raised_errors"] += 1
         op.complete(_annotate(error, op.name))
+
+    # ------------------------------------------------------------------ the device plane
+    def _on_plane(self, args: tuple) -> bool:
+        if self._plane_kind is None:
+            kind = device_plane.configured_kind()
+            self._plane_kind = device_plane.resolve_kind(kind, dist.is_nccl_available()) if kind != "gloo" else kind
+        return device_plane.takes(self._plane_kind, device_plane.device_types(args))
+
+    def _device_plane(self) -> DevicePlane:
+        with self._lock:
+            if self._plane is None:
+                if getattr(self, "store", None) is None and _PLANE_STORE is None:
+                    raise DevicePlaneError("tmrun: a group without a store has no device plane")
+                timeout = getattr(self, "join_options", (None, {}))[0] or datetime.timedelta(minutes=10)
+                self._plane = DevicePlane(str(self._plane_kind), timeout)
+            return self._plane
+
+    def prepare_device_plane(self, generation: int) -> Optional[threading.Thread]:
+        """Build ``generation``'s device communicator in the background (a planned migration's
+        members, before the switch step), when this group has used its device plane; returns the
+        building thread, or None."""
+        if self._plane is None:
+            return None
+        return self._plane.prepare(self._plane_store(), int(generation), self._rank, self._size)
+
+    def _plane_store(self) -> Any:
+        """Where this group's device plane bootstraps: under the job's plane store when the
+        runtime set one (:func:`set_plane_store`: a promoted standby's group was created over a
+        local store), else the store torch handed the group."""
+        if _PLANE_STORE is not None:
+            return dist.PrefixStore(f"g{self._group_name}", _PLANE_STORE)
+        return self.store
+
+    def _run_on_plane(self, op: _Op, comm: Any, method: str, args: tuple) -> TmrunWork:
+        """Launch ``op`` on the inner group of the communicator's generation; its Work completes
+        when the inner one does (at once for NCCL, whose future carries CUDA events)."""
+        inner = self._device_plane().group(self._plane_store(), int(comm.epoch), self._rank, self._size)
+        self._stats["network_ops"] += 1
+        self._stats["device_ops"] += 1
+        op.abort_seq = self._abort_seq
+        try:
+            work = getattr(inner, method)(*args)
+        except Exception as exc:  # noqa: BLE001  e.g. an aborted inner group refusing new work
+            self._plane_fail(op, exc)
+            return TmrunWork(op)
+        op.keep.append(work)
+        op.on_plane = True
+        try:
+            future = work.get_future()
+        except RuntimeError:  # a Work without a future (some of gloo's): the completer waits for it
+            op.native.append(work)
+            self._completer.put(op)
+        else:
+            future.add_done_callback(lambda fut: self._plane_done(op, fut))
+        return TmrunWork(op)
+
+    def _plane_done(self, op: _Op, fut: torch.futures.Future) -> None:
+        try:
+            fut.value()
+        except Exception as exc:  # noqa: BLE001
+            self._plane_fail(op, exc)
+            return
+        op.complete()
+
+    def _plane_fail(self, op: _Op, error: BaseException) -> None:
+        """An inner group's operation failed. The TCP communicator is the membership authority:
+        a failure it recorded (a lost peer) is handled like one of its own (the failure handler
+        absorbs it); with none recorded within ``PLANE_LOSS_GRACE`` s, the error is the caller's."""
+        with self._handler_lock:
+            if self._aborted or op.abort_seq != self._abort_seq:
+                self._stats["absorbed_errors"] += 1
+                op.complete()
+                return
+        found = None
+        comm = self._comm
+        if comm is not None:
+            try:
+                found = comm.wait_failure(PLANE_LOSS_GRACE, -1)
+            except Exception:  # noqa: BLE001  closed: no loss to report
+                found = None
+        if found is None:
+            self._stats["raised_errors"] += 1
+            op.complete(error)
+            return
+        _, lost, _, message = found
+        lost_error = tn.PeerLostError(f"{message} (the device plane's {op.name} failed: {error})")
+        lost_error.peer = int(lost)
+        self._fail(op, lost_error)
 
     def _absorb(self, error: BaseException, abort_seq: int) -> bool:
         with self._handler_lock:
@@ -700,7 +827,7 @@ class TmrunProcessGroup(dist.ProcessGroup):
                 op.keep += [t, host, view]
                 op.finish.append(lambda t=t, host=host: staging.from_host(t, host))
 
-        return self._run(op, opts, launch)
+        return self._run(op, opts, launch, device=("allreduce", (tensors, opts)))
 
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> TmrunWork:
         o = AllreduceOptions()
@@ -727,7 +854,7 @@ class TmrunProcessGroup(dist.ProcessGroup):
                 op.keep += [t, host]
                 op.finish.append(lambda t=t, host=host: staging.from_host(t, host))
 
-        return self._run(op, opts, launch)
+        return self._run(op, opts, launch, device=("broadcast", (tensors, opts)))
 
     def allgather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> TmrunWork:
         opts = opts if opts is not None else AllgatherOptions()
@@ -760,7 +887,7 @@ class TmrunProcessGroup(dist.ProcessGroup):
 
             op.finish.append(finish)
 
-        return self._run(op, opts, launch)
+        return self._run(op, opts, launch, device=("allgather", ([outs], [inp], opts)))
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> TmrunWork:  # noqa: A002
         opts = opts if opts is not None else AllgatherOptions()
@@ -785,7 +912,7 @@ class TmrunProcessGroup(dist.ProcessGroup):
             op.keep += [output, input, host_in, host_out]
             op.finish.append(lambda: staging.from_host(output, host_out))
 
-        return self._run(op, opts, launch)
+        return self._run(op, opts, launch, device=("_allgather_base", (output, input, opts)))
 
     _allgather_base = all_gather_single
 
@@ -829,7 +956,7 @@ class TmrunProcessGroup(dist.ProcessGroup):
             op.keep += [out, ins, flat, host_out, vout, vin]
             op.finish.append(lambda: staging.from_host(out, host_out))
 
-        return self._run(op, opts, launch)
+        return self._run(op, opts, launch, device=("reduce_scatter", ([out], [ins], opts)))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> TmrunWork:  # noqa: A002
         opts = opts if opts is not None else ReduceScatterOptions()
@@ -854,7 +981,7 @@ class TmrunProcessGroup(dist.ProcessGroup):
             op.keep += [output, input, host_in, host_out, vout, vin]
             op.finish.append(lambda: staging.from_host(output, host_out))
 
-        return self._run(op, opts, launch)
+        return self._run(op, opts, launch, device=("_reduce_scatter_base", (output, input, opts)))
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -898,7 +1025,7 @@ class TmrunProcessGroup(dist.ProcessGroup):
                 if self._rank == root:
                     op.finish.append(lambda t=t, host=host: staging.from_host(t, host))
 
-        return self._run(op, opts, launch)
+        return self._run(op, opts, launch, device=("reduce", (tensors, opts)))
 
     def gather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> TmrunWork:
         """An allgather whose result only the root keeps."""
@@ -916,8 +1043,10 @@ class TmrunProcessGroup(dist.ProcessGroup):
             if len(output_tensors) and len(output_tensors[0]):
                 raise ValueError("tmrun gather: only the root passes output tensors")
             outs = [torch.empty_like(inp, device="cpu") for _ in range(self._size)]
-        work = self.allgather([outs], [inp], opts)
-        return work
+        if self._serve_locally() or self._comm is None or not self._on_plane(([inp],)):
+            return self.allgather([outs], [inp], opts)
+        op = _Op("gather", [outs] if self._rank == root else [])  # (never served locally: see above)
+        return self._run(op, opts, _nothing, device=("gather", ([outs] if self._rank == root else [], [inp], opts)))
 
     def scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> TmrunWork:
         """The root sends block r to every rank r (point-to-point, in rank order)."""
@@ -956,7 +1085,7 @@ class TmrunProcessGroup(dist.ProcessGroup):
                 op.keep += [out, host]
                 op.finish.append(lambda: staging.from_host(out, host))
 
-        return self._run(op, opts, launch)
+        return self._run(op, opts, launch, device=("scatter", ([out], [ins] if ins else [], opts)))
 
     def send(self, tensors: Any, dst: int, tag: int = 0) -> TmrunWork:
         tensors = _tensor_list(tensors, "send")
@@ -971,7 +1100,7 @@ class TmrunProcessGroup(dist.ProcessGroup):
                 op.native.append(comm.send_async(_raw(host), dst, _tag(tag)))
                 op.keep += [t, host]
 
-        return self._run(op, None, launch)
+        return self._run(op, None, launch, device=("send", (tensors, dst, tag)))
 
     def recv(self, tensors: Any, src: int, tag: int = 0) -> TmrunWork:
         tensors = _tensor_list(tensors, "recv")
@@ -994,7 +1123,7 @@ class TmrunProcessGroup(dist.ProcessGroup):
                 op.keep += [t, host]
                 op.finish.append(lambda t=t, host=host: staging.from_host(t, host))
 
-        return self._run(op, None, launch)
+        return self._run(op, None, launch, device=("recv", (tensors, src, tag)))
 
     def recv_anysource(self, tensors: Any, tag: int = 0) -> TmrunWork:
         raise UnsupportedError("tmrun: recv from any source is not supported; pass src=")
@@ -1009,7 +1138,8 @@ class TmrunProcessGroup(dist.ProcessGroup):
         for o, i in zip(outs, ins):
             if o.dtype != i.dtype:
                 raise ValueError(f"tmrun all_to_all: dtypes differ ({i.dtype} -> {o.dtype})")
-        return self._exchange("all_to_all", outs, ins, [outs], opts)
+        return self._exchange("all_to_all", outs, ins, [outs], opts,
+                              device=("alltoall", (outs, ins, opts if opts is not None else AllToAllOptions())))
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
                           output_split_sizes: Any = None, input_split_sizes: Any = None,
@@ -1023,7 +1153,10 @@ class TmrunProcessGroup(dist.ProcessGroup):
             raise ValueError(f"tmrun all_to_all_single: dtypes differ ({input.dtype} -> {output.dtype})")
         ins = self._split("all_to_all_single input", input, input_split_sizes)
         outs = self._split("all_to_all_single output", output, output_split_sizes)
-        return self._exchange("all_to_all_single", outs, ins, [output], opts, whole=(output, input))
+        device = ("alltoall_base", (output, input, [int(x) for x in (output_split_sizes or [])],
+                                    [int(x) for x in (input_split_sizes or [])],
+                                    opts if opts is not None else AllToAllOptions()))
+        return self._exchange("all_to_all_single", outs, ins, [output], opts, whole=(output, input), device=device)
 
     alltoall_base = all_to_all_single
 
@@ -1041,7 +1174,7 @@ class TmrunProcessGroup(dist.ProcessGroup):
         return list(torch.split(t, sizes, dim=0))
 
     def _exchange(self, name: str, outs: list, ins: list, result: list, opts: Any,
-                  whole: Optional[tuple] = None) -> TmrunWork:
+                  whole: Optional[tuple] = None, device: Optional[tuple[str, tuple]] = None) -> TmrunWork:
         """Send ``ins[j]`` to rank ``j`` and receive ``outs[j]`` from it, for every ``j``."""
         me = self._rank
         for j, (o, i) in enumerate(zip(outs, ins)):
@@ -1077,7 +1210,7 @@ class TmrunProcessGroup(dist.ProcessGroup):
                             op.finish.append(lambda t=t, host=host: staging.from_host(t, host))
             op.keep += [outs, ins, whole]
 
-        return self._run(op, opts, launch)
+        return self._run(op, opts, launch, device=device)
 
     def monitored_barrier(self, *args: Any, **kwargs: Any) -> None:
         raise UnsupportedError("tmrun: monitored_barrier is not supported; use barrier()")
@@ -1275,6 +1408,17 @@ def set_joining(generation: Optional[int]) -> None:
     _JOINING = None if generation is None else int(generation)
 
 
+_PLANE_STORE: Optional[Any] = None
+
+
+def set_plane_store(store: Any) -> None:
+    """The store under which every tmrun group of this process bootstraps its device plane
+    (``g<group name>/e<generation>/...``): the same for every process of the job, survivors and
+    promoted standbys alike (the worker runtime sets it; without it, each group uses its own)."""
+    global _PLANE_STORE
+    _PLANE_STORE = store
+
+
 _CREATED: list = []  # weak references to every group this process created, in creation order
 
 
@@ -1323,3 +1467,6 @@ def get_group(group: Any = None) -> TmrunProcessGroup:
     if not isinstance(pg, TmrunProcessGroup):
         raise ValueError(f"not a tmrun process group: {pg!r} (use init_process_group('tmrun'))")
     return pg
+
+
+register()  # idempotent; for ``import tmrun.comm.backend`` before torch (tmrun/__init__.py)

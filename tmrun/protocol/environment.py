@@ -45,7 +45,9 @@ ENV_FAKE_NVML = "TMRUN_FAKE_NVML"  # tests: a JSON file that stands in for NVML 
 ENV_COMM_LOCAL = "TMRUN_COMM_LOCAL"  # "1": serve collectives locally (a standby's sandbox)
 ENV_COMM_BIND = "TMRUN_COMM_BIND"
 ENV_COMM_ADVERTISE = "TMRUN_COMM_ADVERTISE"
-ENV_NCCL_LIBRARY = "TMRUN_NCCL_LIBRARY"
+ENV_NCCL_LIBRARY = "TMRUN_NCCL_LIBRARY"  # an NCCL library to use instead of torch's (preloaded into workers)
+ENV_DEVICE_PLANE = "TMRUN_DEVICE_PLANE"  # one of DEVICE_PLANES (tmrun.comm.device_plane)
+DEVICE_PLANES = ("auto", "nccl", "staging", "gloo")
 # torchrun's own
 ENV_RANK = "RANK"
 ENV_WORLD_SIZE = "WORLD_SIZE"

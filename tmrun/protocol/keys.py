@@ -194,6 +194,7 @@ def standby_node(node_id: int) -> str:
 COMM_PREFIX = "comm/"  # under an in-place prefix: the worker runtime's native communicators
 PG_PREFIX = "pg/"  # under an in-place prefix: the default process group's rendezvous
 BACKEND_PREFIX = "tmrun/pg"  # the "tmrun" backend's groups under a torch store: g<count>/...
+PLANE_PREFIX = "dp/"  # under an in-place prefix: the device planes' bootstraps, g<group name>/e<generation>/...
 BACKEND_GROUP_COUNT = "tmrun/generation"  # counter: groups the "tmrun" backend created
 NATIVE_PREFIX = "tmrun/native"  # default prefix of native.connect_via_store
 

@@ -134,6 +134,7 @@ class Context:
         store = self.store = dist.PrefixStore(env.store_prefix, tcp)
         job_store = self.job_store = dist.PrefixStore(keys.job_prefix(env.run_id), tcp)
         self.drills.claim = lambda index: job_store.add(keys.drill(index), 1) == 1
+        group.set_plane_store(dist.PrefixStore(keys.PLANE_PREFIX, store))
         if env.mode is Mode.STANDBY:
             signal.signal(signal.SIGTERM, on_term)
             if self._job_has_subgroups():

@@ -60,6 +60,11 @@ def init_local(world_size: int) -> None:
         del os.environ[tmrun_backend.ENV_LOCAL]
 
 
+def set_plane_store(store: dist.Store) -> None:
+    """Every process of the job bootstraps its groups' device planes under ``store``."""
+    tmrun_backend.set_plane_store(store)
+
+
 def process_group() -> dist.ProcessGroup:
     return dist.group.WORLD  # type: ignore[return-value]
 

@@ -76,7 +76,8 @@ def worker_environ(env: LaunchEnv) -> dict[str, str]:
     user set it: a process that dies frees its memory in a few large pages instead of hundreds
     of thousands of small ones, and its sockets close (its peers see the loss) only after that
     (SIGKILL of a worker holding 1.2 GB: 68 ms until its pidfd fires, 15 ms with huge pages on
-    this machine); copies out of its memory during healing are faster too."""
+    this machine); copies out of its memory during healing are faster too. ``TMRUN_NCCL_LIBRARY``
+    is preloaded (``LD_PRELOAD``): the device plane then runs on that NCCL, not torch's."""
     environ = env.to_environ()
     if environment.ENV_THP_ALLOC not in os.environ:
         environ[environment.ENV_THP_ALLOC] = "1"
@@ -84,6 +85,10 @@ def worker_environ(env: LaunchEnv) -> dict[str, str]:
         # as for standby workers: a worker whose store's host is gone says so in one line (its
         # agent too), without torch's C++ warning and its stack frames first
         environ[environment.ENV_TORCH_CPP_LOG_LEVEL] = "ERROR"
+    library = os.environ.get(environment.ENV_NCCL_LIBRARY, "")
+    if library:  # an expert's NCCL instead of torch's: preloaded, so torch's ProcessGroupNCCL binds to it
+        preload = os.environ.get("LD_PRELOAD", "")
+        environ["LD_PRELOAD"] = f"{library}:{preload}" if preload else library
     return environ
 
 

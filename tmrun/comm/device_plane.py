@@ -1,0 +1,275 @@
+"""The device plane of a tmrun group: device tensors on one torch process group per generation.
+
+The "tmrun" backend's own communicator (TCP) is the group's membership authority: it sees a
+lost peer, and the worker runtime repairs it into a new *generation* (its epoch). Device tensors
+(CUDA) do not go through it: they go through an *inner* torch process group, torch's own
+``ProcessGroupNCCL``, so steady-state collectives run on NCCL streams with torch's semantics
+(Works that complete on CUDA events, ``wait()`` makes the current stream wait, no host
+synchronisation per call). Nothing of NCCL's collectives is re-implemented here.
+
+One inner group per generation:
+
+* created the first time a collective of that generation needs it (every rank issues the same
+  collectives in the same order, so every member of the generation creates it at the same
+  point), bootstrapped through the group's store under ``tmrun/dp/e<epoch>``: a survivor and
+  the joiner that took a lost rank's place meet there with the same ranks as the TCP
+  communicator of that generation;
+* aborted (``abort()``: NCCL's ``ncclCommAbort`` through torch; local, no barrier with the
+  dead rank) the moment the tmrun group gives up the generation's collectives (its *aborted*
+  state): queued device work is dropped, the survivor keeps its process, CUDA context, tensors
+  and caching allocator;
+* never reused after an abort: the next generation builds a fresh one with the joiner
+  (:meth:`DevicePlane.prepare` builds it ahead of a planned migration's switch).
+
+Which plane a job uses (``TMRUN_DEVICE_PLANE``):
+
+* ``auto`` (default): CUDA tensors on NCCL when torch has it; without NCCL a CUDA tensor is a
+  one-line error (:class:`DevicePlaneError`) that names the way out;
+* ``nccl``: the same, and an error at once if torch has no NCCL;
+* ``staging``: CUDA tensors through host copies over the TCP communicator (tmrun.comm.staging;
+  slow, for machines whose NCCL is broken);
+* ``gloo``: CPU tensors on one gloo group per generation instead of the TCP communicator. A
+  test mode: it runs the plane's whole life (creation per generation, abort, fresh build with
+  the joiner, a build ahead of a switch) on machines without a GPU (tests/comm, tests/e2e).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from tmrun.console import say
+from tmrun.protocol import environment
+
+ENV_PLANE = environment.ENV_DEVICE_PLANE
+KINDS = environment.DEVICE_PLANES
+STORE_PREFIX = "tmrun/dp"  # under the group's plane store: e<generation>/... (one inner group each)
+
+
+class DevicePlaneError(RuntimeError):
+    """A device tensor this process cannot move (no NCCL, a bad ``TMRUN_DEVICE_PLANE``), or a
+    device collective in a generation whose device group was aborted and not rebuilt."""
+
+
+def configured_kind(environ: Optional[dict] = None) -> str:
+    """The plane ``TMRUN_DEVICE_PLANE`` asks for (``auto`` when unset)."""
+    raw = (environ if environ is not None else os.environ).get(ENV_PLANE, "auto").strip().lower() or "auto"
+    if raw not in KINDS:
+        raise DevicePlaneError(f"{ENV_PLANE}={raw!r} is not one of {', '.join(KINDS)}")
+    return raw
+
+
+def resolve_kind(kind: str, nccl_available: bool) -> str:
+    """The plane in effect: ``nccl``, ``staging``, ``gloo``, or ``none`` (``auto`` without NCCL:
+    CUDA tensors are refused with :func:`no_nccl_error`)."""
+    if kind == "auto":
+        return "nccl" if nccl_available else "none"
+    if kind == "nccl" and not nccl_available:
+        raise no_nccl_error()
+    return kind
+
+
+def no_nccl_error() -> DevicePlaneError:
+    return DevicePlaneError(
+        "tmrun: CUDA tensors need NCCL, and this torch has none (torch.distributed.is_nccl_available() is "
+        f"False); install a CUDA build of torch, or set {ENV_PLANE}=staging to move them through host memory "
+        "over TCP (many times slower)")
+
+
+def takes(kind: str, device_types: Iterable[str]) -> bool:
+    """True when an operation on tensors of ``device_types`` goes to the plane ``kind``; raises
+    :class:`DevicePlaneError` for CUDA tensors without NCCL (plane ``none``) and for an
+    operation that mixes the plane's tensors with others."""
+    types = set(device_types)
+    if not types:
+        return False
+    mine = {"nccl": "cuda", "gloo": "cpu"}.get(kind)
+    if kind == "none" and "cuda" in types:
+        raise no_nccl_error()
+    if mine is None or mine not in types:
+        return False
+    if len(types) > 1:
+        raise DevicePlaneError(f"tmrun: one collective mixes {mine} tensors with {sorted(types - {mine})} ones; "
+                               f"the {kind} plane takes {mine} tensors only")
+    return True
+
+
+def device_types(args: Any) -> set:
+    """The device types of every tensor in ``args`` (nested lists and tuples)."""
+    found: set = set()
+    stack = [args]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            found.add(x.device.type)
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return found
+
+
+Factory = Callable[[Any, int, int, datetime.timedelta], Any]
+
+
+def _nccl_group(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
+    # torch's watchdog must not end the process when a generation's communicator fails: tmrun
+    # aborts it and builds the next generation's (CleanUpOnly; a user's own value wins)
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, size, options)
+
+
+def _gloo_group(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
+    from torch.distributed import ProcessGroupGloo
+
+    options = ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [ProcessGroupGloo.create_default_device()]
+    return ProcessGroupGloo(store, rank, size, options)
+
+
+FACTORIES: dict[str, Factory] = {"nccl": _nccl_group, "gloo": _gloo_group}
+
+
+class DevicePlane:
+    """The inner groups of one tmrun group (see the module docstring). Thread-safe: the
+    training thread creates, the loss watcher aborts, a migration builds ahead."""
+
+    def __init__(self, kind: str, timeout: datetime.timedelta, factory: Optional[Factory] = None) -> None:
+        self.kind = kind
+        self._factory = factory or FACTORIES[kind]
+        self._timeout = timeout
+        self._lock = threading.Lock()
+        self._epoch = -1  # the generation of _inner
+        self._inner: Any = None
+        self._building: dict[int, threading.Event] = {}
+        self._dead_through = -1  # every generation up to this one was aborted
+        self._aborting: list[threading.Thread] = []
+        self._retired: list = []  # aborted inner groups (see abort)
+        self.builds = 0  # inner groups created (each is one NCCL communicator init)
+        self.aborts = 0
+        self.built_on_demand = 0  # builds a collective had to wait for (not built ahead)
+
+    def group(self, store: Any, epoch: int, rank: int, size: int) -> Any:
+        """The inner group of generation ``epoch``, created (and bootstrapped through ``store``)
+        when this is its first use."""
+        with self._lock:
+            if epoch <= self._dead_through:
+                raise DevicePlaneError(
+                    f"tmrun: the device communicator of generation {epoch} was aborted and the group was not "
+                    "repaired into a new generation")
+            if self._inner is not None and self._epoch == epoch:
+                return self._inner
+            pending = self._building.get(epoch)
+        if pending is not None:  # built ahead (prepare), still under way
+            pending.wait(self._timeout.total_seconds())
+            with self._lock:
+                if self._inner is not None and self._epoch == epoch:
+                    return self._inner
+            raise DevicePlaneError(f"tmrun: the device communicator of generation {epoch} was not built in time")
+        self.built_on_demand += 1
+        return self._build(store, epoch, rank, size)
+
+    def prepare(self, store: Any, epoch: int, rank: int, size: int) -> threading.Thread:
+        """Build generation ``epoch``'s inner group in the background (every member of that
+        generation calls this: a planned migration's survivors and joiner, before the switch),
+        so that the first collective after the switch finds it ready. Returns the thread."""
+        done = threading.Event()
+        with self._lock:
+            self._building[epoch] = done
+
+        def build() -> None:
+            try:
+                self._build(store, epoch, rank, size)
+            except Exception as exc:  # noqa: BLE001  the first collective builds it, or says why
+                say(f"building the device communicator of generation {epoch} ahead failed: {exc}", worker=True)
+            finally:
+                with self._lock:
+                    self._building.pop(epoch, None)
+                done.set()
+
+        thread = threading.Thread(target=build, name="tmrun-device-plane-build", daemon=True)
+        thread.start()
+        return thread
+
+    def _build(self, store: Any, epoch: int, rank: int, size: int) -> Any:
+        inner = self._factory(dist.PrefixStore(f"{STORE_PREFIX}/e{epoch}", store), rank, size, self._timeout)
+        old = None
+        with self._lock:
+            if epoch <= self._dead_through:
+                old, inner = inner, None
+            elif epoch >= self._epoch:
+                old, self._inner, self._epoch = self._inner, inner, epoch
+            else:
+                old = inner
+            self.builds += 1
+        if old is not None:
+            _end(old)
+        if inner is None:
+            raise DevicePlaneError(f"tmrun: generation {epoch} was aborted while its device communicator was built")
+        if self.builds == 1:
+            say(describe(self.kind), worker=True)
+        return inner
+
+    def abort(self, epoch: int) -> None:
+        """Drop the device work of every generation up to ``epoch`` at once (the tmrun group
+        gave them up): abort the inner group; it is never used again."""
+        with self._lock:
+            self._dead_through = max(self._dead_through, epoch)
+            inner = self._inner if self._epoch <= epoch else None
+            if inner is not None:
+                self._inner, self._epoch = None, -1
+                self.aborts += 1
+                # kept until shutdown: its last reference must not go with a Work that one of its
+                # own threads completes (its destructor would join that very thread)
+                self._retired.append(inner)
+        if inner is not None:
+            # on a thread of its own: the caller may be one of the inner group's threads (a
+            # failed work's callback), which the inner group's abort joins
+            thread = threading.Thread(target=_abort, args=(inner,), name="tmrun-device-plane-abort", daemon=True)
+            self._aborting.append(thread)
+            thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._lock:
+            inner, self._inner, self._epoch = self._inner, None, -1
+            aborting, self._aborting = self._aborting, []
+            self._retired = []
+        for thread in aborting:
+            thread.join(timeout)
+        if inner is not None:
+            _end(inner)
+
+    def counts(self) -> dict:
+        return {"builds": self.builds, "aborts": self.aborts, "built_on_demand": self.built_on_demand}
+
+
+def _abort(inner: Any) -> None:
+    try:
+        inner.abort()
+    except Exception as exc:  # noqa: BLE001  nothing more can be done for a dead generation
+        say(f"aborting a device communicator failed: {exc}", worker=True)
+
+
+def _end(inner: Any) -> None:
+    try:
+        inner.shutdown()
+    except Exception:  # noqa: BLE001
+        _abort(inner)
+
+
+def describe(kind: str) -> str:
+    """The start-up line: which plane, which NCCL, which replacement path."""
+    if kind == "nccl":
+        from tmrun.comm.nccl_runtime import describe_torch_nccl
+
+        return describe_torch_nccl()
+    if kind == "gloo":
+        return ("device plane: CPU tensors on one gloo group per generation (test mode); a lost rank: abort the "
+                "generation's group, a fresh one with the joiner")
+    return f"device plane: {kind}"
