@@ -163,7 +163,8 @@ def migration_reference(one_node_migration_reference: str) -> str:
     return one_node_migration_reference  # tests/e2e/conftest.py: one run per session
 
 
-def _migrate_while_training(tmp_path: Path, name: str, *tmrun_args: str) -> tuple[int, str, str, dict]:
+def _migrate_while_training(tmp_path: Path, name: str, *tmrun_args: str,
+                            env: dict[str, str] | None = None) -> tuple[int, str, str, dict]:
     """Run the example with tmrun-ctl migrate 1 issued once the standby is warm."""
     import threading
 
@@ -175,7 +176,7 @@ def _migrate_while_training(tmp_path: Path, name: str, *tmrun_args: str) -> tupl
     thread.start()
     # paced so that the request (tmrun-ctl in its own process) lands well before the last step, even
     # on a loaded 2-core machine; the reference is not paced (pacing does not change the result)
-    result = _run(tmp_path, name, *tmrun_args, steps=MIGRATION_STEPS, step_time=0.4)
+    result = _run(tmp_path, name, *tmrun_args, steps=MIGRATION_STEPS, step_time=0.4, env=env)
     thread.join(timeout=5)
     assert requested and "migration of rank 1 requested" in requested[0], requested
     return result
@@ -196,6 +197,21 @@ def test_planned_migration_recomputes_nothing(tmp_path: Path, migration_referenc
         done = [s for s, _ in by_rank[rank]]
         assert done == list(range(MIGRATION_STEPS)), (rank, done)  # nothing recomputed
     assert len({pid for _, pid in by_rank[0]}) == 1 and len({pid for _, pid in by_rank[1]}) == 2
+
+
+def test_planned_migration_builds_the_device_communicator_before_the_switch(tmp_path: Path,
+                                                                           migration_reference: str) -> None:
+    """The two-phase switch on the device plane (gloo test mode on CPU): rank 0 and the joiner
+    build generation 1's device group in the background while the leaver trains on, so the
+    switch itself builds nothing; nothing is recomputed and the bits equal the run without it."""
+    env = {"TMRUN_DEVICE_PLANE": "gloo", "GLOO_SOCKET_IFNAME": "lo"}
+    code, log, final, by_rank = _migrate_while_training(tmp_path, "migrate-plane", env=env)
+    assert code == 0, log
+    assert "handed over and left cleanly" in log and final == migration_reference
+    ahead = re.findall(r"worker (\d+) [^\]]*\] device plane: generation 1's communicator built ahead of the switch", log)
+    assert len(set(ahead)) == 2, log  # rank 0's process and the joiner's
+    for rank in (0, 1):
+        assert [s for s, _ in by_rank[rank]] == list(range(MIGRATION_STEPS)), rank
 
 
 def test_leaver_killed_during_the_handover(tmp_path: Path, migration_reference: str) -> None:

@@ -415,6 +415,7 @@ class TmrunProcessGroup(dist.ProcessGroup):
                        "aborts": 0}
         self._plane: Optional[DevicePlane] = None
         self._plane_kind: Optional[str] = None  # resolved at the first operation on tensors
+        self._plane_wanted = False  # an operation's tensors belonged on the device plane
         self.job_id = job_id
         self._group_name = ""
         self._group_desc = ""
@@ -616,6 +617,8 @@ class TmrunProcessGroup(dist.ProcessGroup):
                 "never issue it. Build the model without collectives (every rank the same seed; e.g. "
                 "parallelize_module(..., src_data_rank=None), not distribute_tensor's scatter from rank 0)")
         if self._serve_locally():
+            if device is not None and not self._plane_wanted:
+                self._on_plane(device[1])  # a sandbox learns whether its groups will need the plane
             self._stats["local_ops"] += 1
             if op.local is not None:
                 op.local()
@@ -677,7 +680,9 @@ class TmrunProcessGroup(dist.ProcessGroup):
         if self._plane_kind is None:
             kind = device_plane.configured_kind()
             self._plane_kind = device_plane.resolve_kind(kind, dist.is_nccl_available()) if kind != "gloo" else kind
-        return device_plane.takes(self._plane_kind, device_plane.device_types(args))
+        wanted = device_plane.takes(self._plane_kind, device_plane.device_types(args))
+        self._plane_wanted = self._plane_wanted or wanted
+        return wanted
 
     def _device_plane(self) -> DevicePlane:
         with self._lock:
@@ -688,13 +693,15 @@ class TmrunProcessGroup(dist.ProcessGroup):
                 self._plane = DevicePlane(str(self._plane_kind), timeout)
             return self._plane
 
-    def prepare_device_plane(self, generation: int) -> Optional[threading.Thread]:
-        """Build ``generation``'s device communicator in the background (a planned migration's
-        members, before the switch step), when this group has used its device plane; returns the
-        building thread, or None."""
-        if self._plane is None:
+    def prepare_device_plane(self, generation: int, rank: Optional[int] = None) -> Optional[threading.Thread]:
+        """Build ``generation``'s device communicator in the background, as ``rank`` (default:
+        this group's rank): a planned migration's members, before the switch step. Only when
+        this group's collectives went to the device plane (or would have, in local mode);
+        returns the building thread, or None."""
+        if not self._plane_wanted:
             return None
-        return self._plane.prepare(self._plane_store(), int(generation), self._rank, self._size)
+        rank = self._rank if rank is None else int(rank)
+        return self._device_plane().prepare(self._plane_store(), int(generation), rank, self._size)
 
     def _plane_store(self) -> Any:
         """Where this group's device plane bootstraps: under the job's plane store when the

@@ -38,6 +38,7 @@ from __future__ import annotations
 import datetime
 import os
 import threading
+import time
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -178,14 +179,22 @@ class DevicePlane:
     def prepare(self, store: Any, epoch: int, rank: int, size: int) -> threading.Thread:
         """Build generation ``epoch``'s inner group in the background (every member of that
         generation calls this: a planned migration's survivors and joiner, before the switch),
-        so that the first collective after the switch finds it ready. Returns the thread."""
+        so that the first collective after the switch finds it ready: for NCCL, the
+        communicator is initialised then (on the caller's current device), not at the switch.
+        Returns the thread."""
         done = threading.Event()
         with self._lock:
             self._building[epoch] = done
+        device = _current_device() if self.kind == "nccl" else None
 
         def build() -> None:
+            started = time.monotonic()
             try:
-                self._build(store, epoch, rank, size)
+                inner = self._build(store, epoch, rank, size)
+                if device is not None:
+                    inner.eager_connect_single_device(device)  # ncclCommInitRank now, not at the switch
+                say(f"device plane: generation {epoch}'s communicator built ahead of the switch "
+                    f"({time.monotonic() - started:.2f} s)", worker=True)
             except Exception as exc:  # noqa: BLE001  the first collective builds it, or says why
                 say(f"building the device communicator of generation {epoch} ahead failed: {exc}", worker=True)
             finally:
@@ -247,6 +256,10 @@ class DevicePlane:
 
     def counts(self) -> dict:
         return {"builds": self.builds, "aborts": self.aborts, "built_on_demand": self.built_on_demand}
+
+
+def _current_device() -> Any:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
 
 
 def _abort(inner: Any) -> None:

@@ -63,6 +63,9 @@ class Migration:
                 self._recovery.superseded(plan, exc)
                 return self._recovery.recover()
             self._prepared_gen = plan.gen
+            # and the default group's device communicator of the plan's generation (two-phase:
+            # no NCCL init at the switch); the joiner builds its side as it waits for its links
+            group.backend().prepare_device_plane(plan.gen)
             ctx.fire("switch")  # drills: a rank that stays, killed while the migration is under way
         if done_step < switch_at:
             return done_step + 1

@@ -257,6 +257,8 @@ class Standby:
     def _join_once(self, assignment: proto.Assignment) -> int:
         ctx = self._ctx
         started = self._assigned_at
+        if assignment.planned:  # the survivors build the generation's device communicator ahead too
+            group.backend().prepare_device_plane(assignment.gen, rank=assignment.rank)
         try:
             comm = self._connect(assignment)
         except Superseded as exc:
