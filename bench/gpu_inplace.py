@@ -3,7 +3,8 @@
     python bench/gpu_inplace.py [--steps 30] [--width 2048] [--depth 6] [--json PATH]
 
 Runs examples/train_inplace.py with ``--device cuda`` under tmrun (2 workers and a standby on
-the first GPU, the "tmrun" backend: TCP over loopback, CUDA tensors staged through host memory):
+the first GPU, the "tmrun" backend with ``TMRUN_DEVICE_PLANE=staging``: TCP over loopback, CUDA
+tensors staged through host memory; bench/gpu_nccl.py checks the NCCL device plane):
 
 1. reference: no failure;
 2. failure: rank 1 SIGKILLed during backward at step --kill-step (``--inject-failure``);
@@ -73,6 +74,7 @@ def main() -> int:
         print("SKIP: no CUDA device")
         return SKIP
     print(f"GPU: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
+    os.environ["TMRUN_DEVICE_PLANE"] = "staging"  # this check's path; the NCCL plane's is bench/gpu_nccl.py
     kill = str(args.kill_step)
     with tempfile.TemporaryDirectory(prefix="tmrun-gpu-") as tmp:
         work = Path(args.keep or tmp)

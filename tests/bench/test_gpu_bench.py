@@ -61,3 +61,28 @@ def test_gpu_bench_skips_cleanly_without_a_gpu() -> None:
     result = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_inplace.py")], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 77 and "SKIP" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.e2e  # starts processes that import torch: not in the unit subset
+def test_nccl_bench_skips_cleanly_without_a_gpu() -> None:
+    import subprocess
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: run bench/gpu_nccl.py itself")
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_nccl.py")], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 77 and "SKIP" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.e2e
+def test_nccl_bench_collective_checks_pass_on_the_cpu_plane() -> None:
+    """bench/gpu_nccl.py's (a): every collective x dtype against its exact reference, on the
+    device plane's CPU test mode (gloo) with 3 ranks, so the checks themselves are known to pass
+    (and to go through the plane) before they run on a GPU."""
+    bench = load_script(ROOT / "bench" / "gpu_nccl.py", "gpu_nccl")
+    results = bench.spawn("collectives-cpu", 3, 120, [])
+    for r in results:
+        assert "failures" in r, r
+        assert r["failures"] == [] and r["device_ops"] > 50 and r["plane"]["builds"] == 1, r

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import threading
 import time
 from typing import Any, Callable, Iterable, Optional
@@ -48,6 +49,7 @@ from tmrun.console import say
 from tmrun.protocol import environment
 
 ENV_PLANE = environment.ENV_DEVICE_PLANE
+ENV_SHARED_GPU = "TMRUN_NCCL_SHARED_GPU"  # "1": several ranks share a GPU (each process its own NCCL_HOSTID)
 KINDS = environment.DEVICE_PLANES
 STORE_PREFIX = "tmrun/dp"  # under the group's plane store: e<generation>/... (one inner group each)
 
@@ -120,6 +122,10 @@ def _nccl_group(store: Any, rank: int, size: int, timeout: datetime.timedelta) -
     # torch's watchdog must not end the process when a generation's communicator fails: tmrun
     # aborts it and builds the next generation's (CleanUpOnly; a user's own value wins)
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    if os.environ.get(ENV_SHARED_GPU, "") == "1":
+        # several ranks on one GPU (tests, benches): NCCL refuses two ranks on one GPU of one host;
+        # before 2.30 each process poses as a host of its own (docs/nccl.md)
+        os.environ.setdefault("NCCL_HOSTID", f"{socket.gethostname()}-{os.getpid()}")
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
     return dist.ProcessGroupNCCL(store, rank, size, options)
