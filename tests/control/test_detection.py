@@ -177,6 +177,20 @@ def test_detection_finds_a_straggler_and_a_bad_gpu(tmp_path: Path) -> None:
     assert found == [(0, "gpu-unhealthy", "GPU 0 unhealthy: Xid 48")]
 
 
+def test_a_rank_moved_to_a_standbys_gpu_is_watched_there(tmp_path: Path) -> None:
+    """Rank 0's standby (local rank 2, its own GPU) took over: a fault on GPU 0 no longer concerns
+    rank 0, one on GPU 2 does."""
+    nvml = fake(tmp_path / "..", {})
+    (tmp_path / ".." / "nvml.json").write_text(json.dumps({"count": 3, "gpus": {}}))  # 2 ranks and a standby
+    det = Detection(settings(tmp_path), dist.HashStore(), 0, {0: 0, 1: 1}, nvml=nvml)
+    det.gpus = GpuHealth(nvml, interval=0.0)
+    det.moved(0, 2)
+    (tmp_path / ".." / "nvml.json").write_text(json.dumps({"count": 3, "gpus": {"0": {"xid": 48}}}))
+    assert det.poll({0: 10, 1: 11}, busy=False, now=1.0).migrate == []
+    (tmp_path / ".." / "nvml.json").write_text(json.dumps({"count": 3, "gpus": {"2": {"xid": 79}}}))
+    assert det.poll({0: 10, 1: 11}, busy=False, now=2.0).migrate == [(0, "gpu-unhealthy", "GPU 2 unhealthy: Xid 79")]
+
+
 # -- the controller acts on findings ----------------------------------------------------------------
 
 
@@ -197,8 +211,8 @@ class Pool:
 
 
 class Member:
-    def __init__(self, index: int, process: subprocess.Popen[bytes]) -> None:
-        self.index, self.process = index, process
+    def __init__(self, index: int, process: subprocess.Popen[bytes], local_rank: int = 2) -> None:
+        self.index, self.process, self.local_rank = index, process, local_rank
 
 
 def controller(tmp_path: Path, procs: list, **kw: object) -> tuple:

@@ -22,6 +22,7 @@ def child(code: str) -> subprocess.Popen[bytes]:
 class FakeMember:
     index: int
     process: subprocess.Popen[bytes]
+    local_rank: int = 2
 
 
 @dataclass

@@ -65,6 +65,8 @@ def test_killed_rank_is_replaced_in_place(tmp_path: Path, reference: str, point:
     assert re.search(r"standby 0 warm after 2 shadow steps \([1-9]\d* collectives served locally, 0 bytes on "
                      r"the network, tracked values finite\)", log), log
     assert "generation 1: all 2 ranks recovered" in log
+    # the standby warmed up on a spare device (local rank 2: after the 2 active ranks') and keeps it
+    assert "promoted to rank 1 (generation 1); LOCAL_RANK 2" in log, log
     pids = {pid for _, pid in steps[1]}
     assert len(pids) == 2, "rank 1 should have been played by two processes"
 

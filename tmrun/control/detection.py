@@ -158,6 +158,12 @@ class Detection:
             self.gpus = GpuHealth(load_nvml() if nvml == "auto" else nvml)
         self._bad_gpus: dict[int, str] = {}
 
+    def moved(self, rank: int, local_rank: int) -> None:
+        """``rank`` runs on local rank ``local_rank``'s device from now on (a promoted standby
+        keeps its own GPU): a fault on that GPU concerns the rank, one on its old GPU no longer."""
+        self._local[rank] = local_rank
+        self._bad_gpus.pop(rank, None)
+
     def poll(self, pids: dict[int, int], busy: bool, now: float | None = None) -> Findings:
         """``pids``: rank -> pid of its current process (running ones); ``busy``: a change is under
         way (no hang or straggler verdict then: everyone waits for it)."""

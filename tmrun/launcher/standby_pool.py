@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from tmrun.console import say
 from tmrun.control.replacement.core import terminate
+from tmrun.launcher import standby_devices
 from tmrun.protocol import environment
 
 
@@ -36,12 +37,14 @@ class StandbyMember:
 
 
 class StandbyPool:
-    """``size`` standby worker processes. On a single node they are interchangeable (local rank
-    0 each); a standby node's pool (``by_local_rank``) holds one per local rank of a node, so
-    that each takes over the rank with the same local rank (and the same device)."""
+    """``size`` standby worker processes. On a single node they are interchangeable, each on a
+    spare device of its own (``nproc`` active ranks: local ranks from ``nproc`` on, see
+    tmrun.launcher.standby_devices); a standby node's pool (``by_local_rank``) holds one per
+    local rank of a node, so that each takes over the rank with the same local rank (and the
+    same device)."""
 
     def __init__(self, size: int, run_id: str, first_index: int = 0, by_local_rank: bool = False,
-                 log_dir: str = "") -> None:
+                 log_dir: str = "", nproc: int = 0, gpus: int = 0) -> None:
         self._size = size
         self._run_id = run_id
         self._members: list[StandbyMember] = []
@@ -54,6 +57,11 @@ class StandbyPool:
         self._dir = tempfile.mkdtemp(prefix="tmrun-standby-")
         self._last_states: list[str] = []
         self._log_dir = log_dir  # standby-<index>.log there (the live console owns the terminal), else inherited
+        self.nproc = nproc  # the active local ranks (single node): a standby's device is a spare one
+        self._gpus = gpus
+        self._share = os.environ.get(standby_devices.ENV_SHARE, "") == "1"
+        self._held: set[int] = set()  # local ranks of promoted standbys: their devices are not reused
+        self._no_device_said = False
 
     @property
     def directory(self) -> str:
@@ -97,7 +105,15 @@ class StandbyPool:
         while len(self._members) < self._size:
             self._last_start = time.monotonic()
             taken = {m.local_rank for m in self._members}
-            local_rank = min(set(range(self._size)) - taken) if self._by_local_rank else 0
+            if self._by_local_rank:
+                local_rank: int | None = min(set(range(self._size)) - taken)
+            else:
+                local_rank = standby_devices.standby_local_rank(self.nproc, self._gpus, taken, self._held, self._share)
+            if local_rank is None:
+                if not self._no_device_said:
+                    say(standby_devices.no_spare_gpu(self.nproc, self._gpus, self._held))
+                    self._no_device_said = True
+                return
             self._members.append(self._start(self._next_index, local_rank))
             self._next_index += 1
 
@@ -105,6 +121,7 @@ class StandbyPool:
         """Remove a promoted member from the pool (it is a worker now; the caller owns it)."""
         self._members.remove(member)
         self._early_exits = 0
+        self._held.add(member.local_rank)
 
     def _start(self, index: int, local_rank: int) -> StandbyMember:
         ready_file = os.path.join(self._dir, f"standby-{index}.ready")
@@ -122,8 +139,7 @@ class StandbyPool:
                 environment.ENV_AGENT_PID: str(os.getpid()),
             }
         )
-        if self._by_local_rank:
-            env[environment.ENV_LOCAL_RANK] = str(local_rank)
+        env[environment.ENV_LOCAL_RANK] = str(local_rank)
         if self._log_dir:
             with open(os.path.join(self._log_dir, f"standby-{index}.log"), "ab") as log:
                 process = subprocess.Popen([sys.executable, "-m", "tmrun.launcher.standby_worker"], env=env,
@@ -141,6 +157,8 @@ class StandbyPool:
             return
         terminate([member.process for member in self._members], timeout)
         self._members = []
+        self._held = set()  # a new worker group: every device is the group's or spare again
+        self._no_device_said = False
         if not final:
             return
         self._closed = True

@@ -278,7 +278,8 @@ class Standby:
             ctx.life.to(Role.JOINING)
         ctx.fresh = True
         ctx.drills.rebind(ctx.rank, promoted=True)
-        log(f"promoted to rank {ctx.rank} (generation {ctx.gen})")
+        # a standby keeps its device: its LOCAL_RANK is a spare one (tmrun.launcher.standby_devices)
+        log(f"promoted to rank {ctx.rank} (generation {ctx.gen}); LOCAL_RANK {ctx.env.local_rank}")
         ctx.fire("promotion")
         try:
             if assignment.planned:

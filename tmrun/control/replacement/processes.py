@@ -27,6 +27,7 @@ from tmrun.protocol import messages as proto
 class StandbyProcess(Protocol):
     index: int
     process: subprocess.Popen[bytes]
+    local_rank: int  # its device: a promoted standby runs its rank there
 
 
 class StandbyProcesses(Protocol):
@@ -281,6 +282,8 @@ class ProcessReplacement:
         for rank, member in moves.items():
             self._pool.take(member)
             self.slots.replace(rank, member.process, leaving=planned)
+            if self.detection is not None:
+                self.detection.moved(rank, member.local_rank)  # its GPU's health is the rank's now
         for rank, member in carried.items():
             say(f"generation {self.gen}: rank {rank}'s joiner (standby {member.index}, pid {member.process.pid}) "
                 f"had not recovered into generation {self.gen - 1}: it reconnects for generation {self.gen}")

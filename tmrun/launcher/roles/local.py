@@ -23,6 +23,7 @@ from dataclasses import replace
 from tmrun.control.detection import Detection
 from tmrun.control.replacement.processes import ProcessReplacement
 from tmrun.launcher.roles.base import HEALTHY, AgentRole, in_place_env, succeeded, worker_environ
+from tmrun.launcher import standby_devices
 from tmrun.launcher.standby_pool import StandbyPool
 from tmrun.protocol import environment, keys
 
@@ -36,7 +37,8 @@ class LocalStandbyRole(AgentRole):
         super().__init__(agent)
         self._settings = settings
         self._handler = handler
-        self._pool = StandbyPool(settings.standby_workers, handler.get_run_id(), log_dir=settings.standby_log_dir)
+        self._pool = StandbyPool(settings.standby_workers, handler.get_run_id(), log_dir=settings.standby_log_dir,
+                                 gpus=standby_devices.visible_gpus())
         self._controller: ProcessReplacement | None = None
         self._group_starts = 0
         self._warm: set[int] = set()  # standbys known to have finished their shadow steps
@@ -73,12 +75,12 @@ class LocalStandbyRole(AgentRole):
         env = in_place_env(self.agent, handler, prefix, gen_file, progress_dir)
         os.environ.update(worker_environ(env))  # the workers torch starts inherit these
         previous = self._pool.worker_env.get(environment.ENV_PREFIX)
+        self._pool.nproc = spec.local_world_size  # standbys on the devices after the active ranks'
         self._pool.worker_env = {
             **worker_environ(env),
             environment.ENV_WORLD_SIZE: str(world_size),
             environment.ENV_LOCAL_WORLD_SIZE: str(spec.local_world_size),
             environment.ENV_RANK: "0",
-            environment.ENV_LOCAL_RANK: "0",
             environment.ENV_GROUP_RANK: "0",
             environment.ENV_TORCHELASTIC_RUN_ID: handler.get_run_id(),
         }
