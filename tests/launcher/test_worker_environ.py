@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from tmrun.launcher.roles.base import worker_environ
-from tmrun.protocol.environment import ENV_THP_ALLOC, ENV_TORCH_CPP_LOG_LEVEL, LaunchEnv, Mode
+from tmrun.protocol.environment import (
+    ENV_NCCL_ERROR_HANDLING,
+    ENV_THP_ALLOC,
+    ENV_TORCH_CPP_LOG_LEVEL,
+    LaunchEnv,
+    Mode,
+)
 
 
 def _env() -> LaunchEnv:
@@ -15,9 +21,15 @@ def _env() -> LaunchEnv:
 def test_huge_pages_for_torch_allocations_unless_the_user_chose(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ENV_THP_ALLOC, raising=False)
     monkeypatch.delenv(ENV_TORCH_CPP_LOG_LEVEL, raising=False)
+    monkeypatch.delenv(ENV_NCCL_ERROR_HANDLING, raising=False)
     environ = worker_environ(_env())
     assert environ[ENV_THP_ALLOC] == "1" and environ[ENV_TORCH_CPP_LOG_LEVEL] == "ERROR"
-    assert {k: v for k, v in environ.items() if k not in (ENV_THP_ALLOC, ENV_TORCH_CPP_LOG_LEVEL)} == _env().to_environ()
+    # torch's watchdog cleans up a failed NCCL communicator without killing the survivor
+    assert environ[ENV_NCCL_ERROR_HANDLING] == "2"
+    ours = (ENV_THP_ALLOC, ENV_TORCH_CPP_LOG_LEVEL, ENV_NCCL_ERROR_HANDLING)
+    assert {k: v for k, v in environ.items() if k not in ours} == _env().to_environ()
+    monkeypatch.setenv(ENV_NCCL_ERROR_HANDLING, "3")
+    assert ENV_NCCL_ERROR_HANDLING not in worker_environ(_env())
     monkeypatch.setenv(ENV_THP_ALLOC, "0")  # the user's choices are inherited as they are
     monkeypatch.setenv(ENV_TORCH_CPP_LOG_LEVEL, "INFO")
     assert ENV_THP_ALLOC not in worker_environ(_env()) and ENV_TORCH_CPP_LOG_LEVEL not in worker_environ(_env())

@@ -46,6 +46,7 @@ ENV_COMM_LOCAL = "TMRUN_COMM_LOCAL"  # "1": serve collectives locally (a standby
 ENV_COMM_BIND = "TMRUN_COMM_BIND"
 ENV_COMM_ADVERTISE = "TMRUN_COMM_ADVERTISE"
 ENV_NCCL_LIBRARY = "TMRUN_NCCL_LIBRARY"  # an NCCL library to use instead of torch's (preloaded into workers)
+ENV_NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"  # torch's watchdog: 2 = clean up, do not kill
 ENV_DEVICE_PLANE = "TMRUN_DEVICE_PLANE"  # one of DEVICE_PLANES (tmrun.comm.device_plane)
 DEVICE_PLANES = ("auto", "nccl", "staging", "gloo")
 # torchrun's own
