@@ -50,29 +50,15 @@ def test_short_scale_run() -> None:
 
 
 @pytest.mark.e2e  # starts processes that import torch: not in the unit subset
-def test_gpu_bench_skips_cleanly_without_a_gpu() -> None:
-    import subprocess
-
-    import pytest
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is here: run bench/gpu_inplace.py itself")
-    result = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_inplace.py")], capture_output=True, text=True,
-                            timeout=120)
-    assert result.returncode == 77 and "SKIP" in result.stdout, result.stdout + result.stderr
-
-
-@pytest.mark.e2e  # starts processes that import torch: not in the unit subset
-def test_nccl_bench_skips_cleanly_without_a_gpu() -> None:
+@pytest.mark.parametrize("bench", ["gpu_inplace.py", "gpu_nccl.py"])
+def test_gpu_benches_skip_cleanly_without_a_gpu(bench: str) -> None:
     import subprocess
 
     import torch
 
     if torch.cuda.is_available():
-        pytest.skip("a GPU is here: run bench/gpu_nccl.py itself")
-    result = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_nccl.py")], capture_output=True, text=True,
-                            timeout=120)
+        pytest.skip(f"a GPU is here: run bench/{bench} itself")
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / bench)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 77 and "SKIP" in result.stdout, result.stdout + result.stderr
 
 

@@ -94,6 +94,11 @@ def scenario_api(args) -> None:
     out2 = torch.empty(2, dtype=torch.int32)
     dist.reduce_scatter_tensor(out2, torch.arange(2 * n, dtype=torch.int32))
     assert torch.equal(out2, torch.arange(2 * r, 2 * r + 2, dtype=torch.int32) * n)
+    # several tensors in one allreduce: each reduced on its own
+    pair = [torch.full((3,), float(r + 1)), torch.full((5,), float(10 * (r + 1)))]
+    dist.all_reduce_coalesced(pair)
+    assert torch.equal(pair[0], torch.full((3,), float(n * (n + 1) / 2))), pair
+    assert torch.equal(pair[1], torch.full((5,), float(10 * n * (n + 1) / 2))), pair
     # barrier, reduce, gather, scatter
     dist.barrier()
     t = torch.full((3,), float(r + 1))

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import (
     AllgatherOptions,
+    AllreduceCoalescedOptions,
     AllreduceOptions,
     AllToAllOptions,
     BarrierOptions,
@@ -331,6 +332,16 @@ def _future_for(result: list) -> torch.futures.Future:
 
 def _reraise(exc: BaseException) -> None:
     raise exc
+
+
+def _device_allreduce(tensors: list, opts: Any) -> tuple[str, tuple]:
+    """The inner group's call for an allreduce: several tensors are reduced each on its own
+    (torch's ``allreduce_coalesced``; a list given to its ``allreduce`` means one tensor per device)."""
+    if len(tensors) == 1:
+        return "allreduce", (tensors, opts)
+    coalesced = AllreduceCoalescedOptions()
+    coalesced.reduceOp = opts.reduceOp
+    return "allreduce_coalesced", (tensors, coalesced)
 
 
 def _nothing(_comm: Any) -> None:
@@ -834,7 +845,7 @@ class TmrunProcessGroup(dist.ProcessGroup):
                 op.keep += [t, host, view]
                 op.finish.append(lambda t=t, host=host: staging.from_host(t, host))
 
-        return self._run(op, opts, launch, device=("allreduce", (tensors, opts)))
+        return self._run(op, opts, launch, device=_device_allreduce(tensors, opts))
 
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> TmrunWork:
         o = AllreduceOptions()
