@@ -338,6 +338,10 @@ class GenerationFile:
         previous = self._last
         return self._read() != previous
 
+    def current(self) -> int | None:
+        """The generation in the file now (None: it cannot be read)."""
+        return None if self._read() is None else self.value()
+
     def value(self) -> int:
         """The generation last read (-1: none readable)."""
         try:

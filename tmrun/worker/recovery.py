@@ -29,7 +29,7 @@ from tmrun.comm import native
 from tmrun.comm.backend import TmrunProcessGroup
 from tmrun.protocol import keys, messages as proto
 from tmrun.worker import group, rng, subgroups
-from tmrun.worker.context import FAST_POLL, Context, RecoveryError, Superseded, log
+from tmrun.worker.context import FAST_POLL, Context, GenerationFile, RecoveryError, Superseded, log
 from tmrun.worker.roles import Role
 from tmrun.worker.transfer import (MISPLACED, READ_TIMEOUT, NoReplicaError, TransferError, agree,
                                    heal as transfer_state)
@@ -39,6 +39,7 @@ class Recovery:
     def __init__(self, ctx: Context) -> None:
         self._ctx = ctx
         self._cached_plan: proto.ReplacementPlan | None = None
+        self._gen_file: GenerationFile | None = None  # the controller's generation file (same node)
         # (generation, aborted_by) change together: a loss seen by the watcher thread for the
         # generation being left must not abort the first step of the next one
         self._lock = threading.Lock()
@@ -137,11 +138,10 @@ class Recovery:
 
     def _published_gen(self) -> int:
         """The generation in the controller's file (written after the plan is in the store)."""
-        try:
-            with open(self._ctx.env.gen_file, "rb") as flag:
-                return int(flag.read() or b"0")
-        except (OSError, ValueError):
-            return self._ctx.gen + 1  # unreadable: ask the store
+        if self._gen_file is None:
+            self._gen_file = GenerationFile(self._ctx.env.gen_file)
+        published = self._gen_file.current()
+        return self._ctx.gen + 1 if published is None else published  # unreadable: ask the store
 
     def clear_abort(self) -> None:
         """A joiner joining again (its generation was superseded): what the lost generation
