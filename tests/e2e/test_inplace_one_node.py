@@ -82,6 +82,8 @@ def test_killed_rank_is_replaced_on_the_device_plane(tmp_path: Path, reference: 
     _check(code, log, final, steps, reference, survivors=[0])
     assert "device plane: CPU tensors on one gloo group per generation" in log
     assert "generation 1: all 2 ranks recovered" in log
+    # the joiner was healed over the plane (device to device on a GPU), not through host copies
+    assert re.search(r"rank 1: recovered into generation 1 .*healed \[1\], device [\d.]+ MB from 1 donor\)\n", log), log
     assert len({pid for _, pid in steps[1]}) == 2
 
 

@@ -451,3 +451,158 @@ def test_no_deferral_across_hosts_or_for_device_tensors():
         assert results == [(False, False), (False, False)]
     finally:
         close_all(comms)
+
+
+# -- healing over the device plane (tmrun.worker.device_transfer), with an in-process plane -------
+class FakePlane:
+    """One plane for every member of a test: a stripe sent to a member waits in a mailbox until
+    that member's receive takes it. ``takes``: which tracked tensors the plane carries."""
+
+    def __init__(self, takes, tamper=None) -> None:
+        import queue
+        import threading
+
+        self._boxes: dict = {}
+        self._lock = threading.Lock()
+        self._queue = queue.Queue
+        self.takes_fn = takes
+        self.tamper = tamper
+        self.ready_calls = 0
+
+    def box(self, src: int, dst: int):
+        with self._lock:
+            return self._boxes.setdefault((src, dst), self._queue())
+
+    def link(self, rank: int, takes=None):
+        return FakeLink(self, rank, takes or self.takes_fn)
+
+
+class FakeLink:
+    def __init__(self, plane: FakePlane, rank: int, takes) -> None:
+        self._plane, self._rank, self._takes = plane, rank, takes
+
+    def takes(self, tensor) -> bool:
+        return bool(tensor.numel()) and self._takes(tensor)
+
+    def ready(self) -> None:
+        self._plane.ready_calls += 1
+
+    def device(self):
+        return torch.device("cpu")
+
+    def send(self, views, dst: int) -> None:
+        for view in views:
+            copy = view.clone()
+            if self._plane.tamper is not None:
+                self._plane.tamper(copy)
+            self._plane.box(self._rank, dst).put(copy)
+
+    def recv(self, views, src: int):
+        plane, me = self._plane, self._rank
+
+        class Work:
+            def __init__(self, view) -> None:
+                self.view = view
+
+            def wait(self) -> None:
+                self.view.copy_(plane.box(src, me).get(timeout=30))
+
+        return [Work(view) for view in views]
+
+
+def _weights_only(tensor) -> bool:  # a mixed state: matrices on the "device", the rest on the host
+    return tensor.dim() == 2
+
+
+@pytest.mark.parametrize("n,needy", [(2, [1]), (3, [1]), (4, [0, 3])])
+def test_healing_over_the_device_plane_is_bit_for_bit(n, needy):
+    """The plane's tensors go over it, striped over the donors and checksummed; the others take
+    the host path; the healed state equals the donors' bit for bit."""
+    from tmrun.worker.device_transfer import checksum  # noqa: F401  (imported by transfer)
+
+    plane = FakePlane(_weights_only)
+    comms = make_group(n, job=f"heal-device{n}")
+    try:
+        members = {r: make_member(seed=1 if r not in needy else 100 + r, steps=3 if r not in needy else 0)
+                   for r in range(n)}
+
+        def body(comm):
+            state = members[comm.rank][0]
+            fresh = comm.rank in needy
+            plan = agree(comm, -1 if fresh else 3, state.layout_digest(), fresh)
+            return plan, heal(comm, state, plan, {"committed_step": 3}, device=plane.link(comm.rank))
+
+        results, _ = run_ranks(comms, body, timeout=60)
+        plan = results[0][0]
+        reference = snapshot(members[plan.donors[0]][0])
+        for rank in range(n):
+            assert snapshot(members[rank][0]) == reference, f"rank {rank} differs"
+        device_bytes = sum(t.numel() * t.element_size() for _, t in members[plan.donors[0]][0].tensors()
+                           if _weights_only(t))
+        for rank in needy:
+            healed = results[rank][1]
+            assert sum(healed.paths["device"]) == device_bytes and len(healed.paths["device"]) == len(plan.donors)
+            assert healed.nbytes == sum(len(b) for b in reference)
+        assert plane.ready_calls == n  # every member made sure the plane's generation exists
+    finally:
+        close_all(comms)
+
+
+def test_optimizer_state_allocated_elsewhere_arrives_through_a_scratch_copy():
+    """The joiner's optimizer never stepped: the state it allocates is not where the plane takes
+    it (on a GPU: a CPU step counter the donor keeps on the device, or the reverse); the donor's
+    choice rules, and the joiner receives into a scratch tensor and copies it over."""
+    plane = FakePlane(_weights_only)
+    comms = make_group(2, job="heal-scratch")
+    try:
+        members = {0: make_member(1, 3), 1: make_member(100, 0)}
+
+        def body(comm):
+            state = members[comm.rank][0]
+            fresh = comm.rank == 1
+            plan = agree(comm, -1 if fresh else 3, state.layout_digest(), fresh)
+            # the joiner's plane takes nothing of its own: every device tensor goes through scratch
+            link = plane.link(1, takes=lambda t: False) if fresh else plane.link(0)
+            return heal(comm, state, plan, {"committed_step": 3}, device=link)
+
+        run_ranks(comms, body, timeout=60)
+        assert snapshot(members[1][0]) == snapshot(members[0][0])
+    finally:
+        close_all(comms)
+
+
+def test_a_damaged_device_stripe_is_a_transfer_error():
+    def flip(copy) -> None:
+        copy.view(-1)[0] ^= 1
+
+    plane = FakePlane(_weights_only, tamper=flip)
+    comms = make_group(2, job="heal-device-damaged")
+    try:
+        members = {0: make_member(1, 3), 1: make_member(100, 0)}
+
+        def body(comm):
+            state = members[comm.rank][0]
+            fresh = comm.rank == 1
+            plan = agree(comm, -1 if fresh else 3, state.layout_digest(), fresh)
+            return heal(comm, state, plan, {"committed_step": 3}, device=plane.link(comm.rank))
+
+        _, errors = run_ranks(comms, body, timeout=60, raise_errors=False)
+        assert isinstance(errors[1], TransferError) and "checksum mismatch in the device stripe" in str(errors[1])
+        assert errors[0] is None  # the donor finished its side
+    finally:
+        close_all(comms)
+
+
+def test_the_device_checksum_sees_a_changed_or_moved_byte():
+    from tmrun.worker import device_transfer
+
+    data = torch.arange(100, dtype=torch.uint8)
+    base = device_transfer.checksum([data])
+    assert base == device_transfer.checksum([data.clone()]) and 0 <= base < 2 ** 32
+    changed = data.clone()
+    changed[57] ^= 4
+    swapped = data.clone()
+    swapped[[3, 4]] = swapped[[4, 3]]
+    assert device_transfer.checksum([changed]) != base and device_transfer.checksum([swapped]) != base
+    assert device_transfer.checksum([data[:40], data[40:]]) == base  # where the views split does not matter
+    assert device_transfer.checksum([]) == 0

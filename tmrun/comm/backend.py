@@ -704,6 +704,26 @@ class TmrunProcessGroup(dist.ProcessGroup):
                 self._plane = DevicePlane(str(self._plane_kind), timeout)
             return self._plane
 
+    def plane_takes(self, tensor: torch.Tensor) -> bool:
+        """Whether an operation on ``tensor`` goes to this group's device plane (False where the
+        plane cannot take it, e.g. a CUDA tensor without NCCL: the caller keeps its own path)."""
+        try:
+            return self._on_plane(((tensor,),))
+        except DevicePlaneError:
+            return False
+
+    def plane_device(self) -> torch.device:
+        """Where the plane's tensors live: the current CUDA device for NCCL, the CPU for gloo."""
+        if self._plane_kind == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def ensure_device_plane(self) -> None:
+        """Create the current generation's inner group now, on every member at the same point
+        (healing, before its first stripe: a gloo group bootstraps with all members at once)."""
+        comm = self._comm_or_raise()
+        self._device_plane().group(self._plane_store(), int(comm.epoch), self._rank, self._size)
+
     def prepare_device_plane(self, generation: int, rank: Optional[int] = None) -> Optional[threading.Thread]:
         """Build ``generation``'s device communicator in the background, as ``rank`` (default:
         this group's rank): a planned migration's members, before the switch step. Only when

@@ -30,6 +30,7 @@ from tmrun.comm.backend import TmrunProcessGroup
 from tmrun.protocol import keys, messages as proto
 from tmrun.worker import group, rng, subgroups
 from tmrun.worker.context import FAST_POLL, Context, GenerationFile, RecoveryError, Superseded, log
+from tmrun.worker.device_transfer import device_link
 from tmrun.worker.roles import Role
 from tmrun.worker.transfer import (MISPLACED, READ_TIMEOUT, NoReplicaError, TransferError, agree,
                                    heal as transfer_state)
@@ -238,9 +239,11 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float, repl
     shard_key = ctx.tracked.shard_key()
     if ctx.fresh and shard_key and not ctx.built_as_rank:  # built as rank 0 of a standby's sandbox
         shard_key = MISPLACED  # every member refuses the plan at once (a 1-D FSDP job: docs/mesh.md)
+    # tracked tensors on the device plane (CUDA on NCCL) heal device to device: no deferral then
+    link = device_link(group.backend(), ctx.tracked.tensors())
     try:
         plan = agree(comm, ctx.committed_step, ctx.tracked.layout_digest(), ctx.fresh, ctx.env.heal_reads,
-                     state_tensors=ctx.tracked.tensors(), shard_key=shard_key)
+                     state_tensors=None if link is not None else ctx.tracked.tensors(), shard_key=shard_key)
     except NoReplicaError as exc:  # every member at once: the controller falls back without waiting
         # An expected end, not a bug: one line per worker, then exit for the group restart (a
         # RecoveryError would print a traceback through the script on every rank)
@@ -249,7 +252,7 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float, repl
         raise SystemExit(1) from None
     step_meta = {"committed_step": ctx.committed_step}
     healed = transfer_state(comm, ctx.tracked, plan, step_meta, on_donate=lambda: ctx.fire("transfer"),
-                            board=StoreCrcBoard(store, ctx.gen))
+                            board=StoreCrcBoard(store, ctx.gen), device=link)
     if healed.deferred is not None:  # the optimizer state still arrives (transfer: deferred healing)
         gen, rank = ctx.gen, ctx.rank
         healed.deferred.start(lambda status: store.set(keys.heal_done(gen, rank), status))

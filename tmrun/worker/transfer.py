@@ -32,7 +32,8 @@ import torch
 import tmrun_native
 from tmrun.comm.native import as_buffer, crc32c_of
 from tmrun.comm.staging import HostBytes
-from tmrun.worker import peer_read
+from tmrun.worker import device_transfer, peer_read
+from tmrun.worker.device_transfer import PlaneLink
 from tmrun.worker.tracked import TensorSpec, TrackedState
 
 TAG_META = 0x7E01
@@ -40,6 +41,7 @@ TAG_STRIPE = 0x7E02
 TAG_CRC = 0x7E03
 PATH_SOCKET = "socket"  # how a part reaches the member that needs it
 PATH_MEMORY = "memory"
+PATH_DEVICE = "device"  # over the device plane (tmrun.worker.device_transfer)
 READ_TIMEOUT = 120.0  # seconds for copying a part out of a peer's memory (GB/s: never near)
 AGREED = 7  # values per member in agree()'s allgather
 
@@ -273,13 +275,18 @@ def heal(
     step_meta: dict[str, object],
     on_donate: Callable[[], None] | None = None,
     board: CrcBoard | None = None,
+    device: PlaneLink | None = None,
 ) -> Healed:
     """Move the state from ``plan.donors`` to ``plan.needy``. Returns what moved here, and the
     donor's step metadata as received (``step_meta`` on a donor). ``board``: where the CRCs of
-    deferred optimizer state go (needed when ``plan.defer``)."""
+    deferred optimizer state go (needed when ``plan.defer``). ``device``: the default group's
+    device plane, when it takes tracked tensors (every member passes one, or none): those move
+    over it (tmrun.worker.device_transfer), the others over the host path."""
     me = comm.rank
     if plan.defer and board is None:
         raise ValueError("deferred healing needs a CRC board")
+    if device is not None:
+        device.ready()
     healed = Healed(step_meta)
     donated: HostBytes | None = None  # a donor's bytes, loaded once for every member it heals
     parts: tuple[HostBytes, HostBytes] | None = None  # the same, model and optimizer state apart
@@ -294,11 +301,14 @@ def heal(
                     healed.served.append(needy)
                 healed.add(path, nbytes)
                 continue
+            on_device = [device is not None and device.takes(t) for _, t in state.tensors()]
             if donated is None:
-                donated = HostBytes([t for _, t in state.tensors()], load=True)
-            healed.add(*_donate(comm, state, donated, plan, needy, step_meta))
+                donated = HostBytes([t for (_, t), d in zip(state.tensors(), on_device) if not d], load=True)
+            for path, nbytes in _donate(comm, state, donated, plan, needy, step_meta, device, on_device):
+                healed.add(path, nbytes)
         elif me == needy:
-            healed = _receive_deferred(comm, state, plan, board) if plan.defer else _receive(comm, state, plan)  # type: ignore[arg-type]
+            healed = (_receive_deferred(comm, state, plan, board) if plan.defer  # type: ignore[arg-type]
+                      else _receive(comm, state, plan, device))
     return healed
 
 
@@ -425,10 +435,12 @@ def _receive_deferred(comm: tmrun_native.Communicator, state: TrackedState, plan
 
 
 def _send_header(comm: tmrun_native.Communicator, state: TrackedState, step_meta: dict[str, object], dst: int,
-                 peer: dict[str, Any] | None = None) -> None:
+                 peer: dict[str, Any] | None = None, on_device: list[bool] | None = None) -> None:
     """What the receiver needs before the tensors: their specs, the non-tensor state, the step
-    (and, in a handover on one host, where to read the leaver's tensors)."""
-    header = {"specs": state.specs(), "rest": state.rest(), "meta": step_meta, "peer": peer}
+    (and, in a handover on one host, where to read the leaver's tensors; in healing, which
+    tensors move over the device plane)."""
+    header = {"specs": state.specs(), "rest": state.rest(), "meta": step_meta, "peer": peer,
+              "on_device": on_device or []}
     _send_blob(comm, pickle.dumps(header), dst)
 
 
@@ -479,32 +491,57 @@ class PendingTransfer:
 
 
 def _donate(comm: tmrun_native.Communicator, state: TrackedState, host: HostBytes, plan: HealPlan, needy: int,
-            step_meta: dict[str, object]) -> tuple[str, int]:
-    """Give ``needy`` this donor's stripe. Returns (the path it took, its bytes)."""
+            step_meta: dict[str, object], device: PlaneLink | None = None,
+            on_device: list[bool] | None = None) -> list[tuple[str, int]]:
+    """Give ``needy`` this donor's stripe: of the device plane's tensors over the plane, then of
+    the others. Returns (the path it took, its bytes) per part."""
     donors = plan.donors_of(needy)
     index = donors.index(comm.rank)
     if index == 0:
-        _send_header(comm, state, step_meta, needy)
+        _send_header(comm, state, step_meta, needy, on_device=on_device)
+    moved: list[tuple[str, int]] = []
+    if device is not None and on_device and any(on_device):
+        views = device_transfer.views_of([t for (_, t), d in zip(state.tensors(), on_device) if d])
+        stripe = _stripe(views, index, len(donors))
+        device.send(stripe, needy)
+        _send_crc(comm, device_transfer.checksum(stripe), needy)
+        moved.append((PATH_DEVICE, sum(v.numel() for v in stripe)))
+        if not host.views:
+            return moved  # everything went over the plane
     stripe = _stripe(host.views, index, len(donors))
     if not plan.same_host(comm.rank, needy):
-        return PATH_SOCKET, _send_part(comm, stripe, needy)
+        return moved + [(PATH_SOCKET, _send_part(comm, stripe, needy))]
     _send_json(comm, peer_read.offer(plan.pids[needy], stripe=stripe), needy)
     _send_crc(comm, crc32c_of(stripe), needy)  # computed while the needy member reads
     if _receipt(comm, needy).get("path") == PATH_SOCKET:  # it could not read this process
-        return PATH_SOCKET, _send_part(comm, stripe, needy)
-    return PATH_MEMORY, sum(v.numel() for v in stripe)
+        return moved + [(PATH_SOCKET, _send_part(comm, stripe, needy))]
+    return moved + [(PATH_MEMORY, sum(v.numel() for v in stripe))]
 
 
-def _receive(comm: tmrun_native.Communicator, state: TrackedState, plan: HealPlan) -> Healed:
-    """The needy member's side: the header, then every donor's stripe (same-host donors' read at
-    once in the background while the others' arrive over the socket)."""
+def _receive(comm: tmrun_native.Communicator, state: TrackedState, plan: HealPlan,
+             device: PlaneLink | None = None) -> Healed:
+    """The needy member's side: the header, the device plane's stripes (when the donors send
+    some), then every donor's other stripe (same-host donors' read at once in the background
+    while the others' arrive over the socket)."""
     donors = plan.donors_of(comm.rank)
     header = _receive_header(comm, state, donors[0])
-    host = HostBytes([t for _, t in state.tensors()], load=False)
+    tensors = [t for _, t in state.tensors()]
+    on_device = list(header.get("on_device") or [False] * len(tensors))
+    healed = Healed(dict(header["meta"]), received=True)
+    damaged: TransferError | None = None  # raised once the host part is through (the donors finish theirs)
+    if any(on_device):
+        if device is None or len(on_device) != len(tensors):
+            raise TransferError("the donors heal over the device plane and this member has none")
+        damaged = _receive_on_device(comm, [t for t, d in zip(tensors, on_device) if d], donors, device, healed)
+    host = HostBytes([t for t, d in zip(tensors, on_device) if not d], load=False)
+    if any(on_device) and not host.views:  # everything came over the plane
+        if damaged is not None:
+            raise damaged
+        state.apply_rest(header["rest"])
+        return healed
     stripes = {donor: _stripe(host.views, index, len(donors)) for index, donor in enumerate(donors)}
     reads = {donor: _read_stripe(comm, donor, stripes[donor]) for donor in donors
              if plan.same_host(donor, comm.rank)}
-    healed = Healed(dict(header["meta"]), received=True)
     for donor, views in stripes.items():
         if donor not in reads:
             healed.add(PATH_SOCKET, _receive_part(comm, views, donor))
@@ -514,11 +551,38 @@ def _receive(comm: tmrun_native.Communicator, state: TrackedState, plan: HealPla
             healed.add(_finish_read(comm, donor, read, stripes[donor], healed.fallbacks), read.nbytes)
         except TransferError as exc:
             failure = failure or exc
+    failure = failure or damaged
     if failure is not None:
         raise failure
     host.store()
     state.apply_rest(header["rest"])
     return healed
+
+
+def _receive_on_device(comm: tmrun_native.Communicator, tensors: list[torch.Tensor], donors: list[int],
+                       device: PlaneLink, healed: Healed) -> TransferError | None:
+    """Every donor's stripe of ``tensors`` over the device plane, received in place (a tensor
+    that is not on the plane's device, e.g. optimizer state this member just allocated, through
+    a scratch copy there), each checked against its donor's checksum. Returns the error of a
+    damaged stripe (the caller raises it after the host part, which the donors still send)."""
+    where = device.device()
+    targets = [(t, t if device.takes(t) else torch.empty_like(t, device=where)) for t in tensors]
+    views = device_transfer.views_of([scratch for _, scratch in targets])
+    stripes = {donor: _stripe(views, index, len(donors)) for index, donor in enumerate(donors)}
+    works = {donor: device.recv(stripe, donor) for donor, stripe in stripes.items()}  # every donor sends at once
+    damaged: TransferError | None = None
+    for donor, stripe in stripes.items():
+        for work in works[donor]:
+            work.wait()
+        if device_transfer.checksum(stripe) != _recv_crc(comm, donor):
+            damaged = damaged or TransferError(f"checksum mismatch in the device stripe from rank {donor}")
+        healed.add(PATH_DEVICE, sum(v.numel() for v in stripe))
+    if damaged is None:
+        for tensor, scratch in targets:
+            if scratch is not tensor:
+                with torch.no_grad():
+                    tensor.copy_(scratch)
+    return damaged
 
 
 def _read_stripe(comm: tmrun_native.Communicator, donor: int, views: list[torch.Tensor]) -> peer_read.BackgroundRead:
