@@ -722,3 +722,78 @@ def test_coalesced_async_completes_from_the_completer(groups) -> None:
         assert all(torch.equal(x, torch.full_like(x, 3.0)) for x in rs_outs)
 
     run_threads(n, body, timeout=30)
+
+
+# ------------------------------------------------------------------------------------- device plane
+class _RefusingInner:
+    """An inner group that refuses every operation (as torch's NCCL group refuses bad
+    arguments); ``before_raising`` runs first (a loss watcher aborting the group meanwhile)."""
+
+    def __init__(self, before_raising: Callable[[], None] = lambda: None) -> None:
+        self.before_raising = before_raising
+        self.calls = 0
+
+    def allreduce(self, tensors: Any, opts: Any) -> Any:
+        self.calls += 1
+        self.before_raising()
+        raise ValueError("Tensors must be contiguous")
+
+
+class _OnePlane:
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def group(self, store: Any, epoch: int, rank: int, size: int) -> Any:
+        return self.inner
+
+
+def _plane_group(groups, inner: Any) -> Any:
+    pg = groups(1)[0]
+    pg._plane_kind = "gloo"  # CPU tensors to the plane, as in its test mode
+    pg._device_plane = lambda: _OnePlane(inner)
+    return pg
+
+
+def test_the_inner_groups_refusal_is_the_callers_error_at_once(groups) -> None:
+    inner = _RefusingInner()
+    pg = _plane_group(groups, inner)
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="contiguous"):
+        pg.allreduce([torch.ones(3)], AllreduceOptions())
+    assert time.monotonic() - started < 2.0  # no wait for a loss the TCP side never saw
+    assert inner.calls == 1 and pg.stats()["device_ops"] == 1
+
+
+def test_an_inner_group_aborted_under_the_call_gives_the_step_up(groups) -> None:
+    holder: list = []
+    inner = _RefusingInner(before_raising=lambda: holder[0].abort_collectives())
+    pg = _plane_group(groups, inner)
+    holder.append(pg)
+    work = pg.allreduce([torch.ones(3)], AllreduceOptions())
+    assert work.wait() and work.is_success()  # absorbed: the step is redone after the recovery
+    assert pg.stats()["absorbed_errors"] == 1 and pg.aborted
+
+
+class _FailingLater:
+    """An inner group whose operation fails after it was launched (its future's error)."""
+
+    def allreduce(self, tensors: Any, opts: Any) -> Any:
+        future: torch.futures.Future = torch.futures.Future()
+
+        class Work:
+            def get_future(self) -> torch.futures.Future:
+                return future
+
+        threading.Timer(0.1, lambda: future.set_exception(RuntimeError("inner collective failed"))).start()
+        return Work()
+
+
+def test_a_failed_device_collective_without_a_lost_peer_is_the_callers_error(groups, monkeypatch) -> None:
+    """The TCP communicator names no lost peer within the grace: not a membership change (a bug,
+    a bad argument), so the error reaches the caller and the group is not aborted."""
+    monkeypatch.setattr(tb, "PLANE_LOSS_GRACE", 0.3)
+    pg = _plane_group(groups, _FailingLater())
+    work = pg.allreduce([torch.ones(3)], AllreduceOptions())
+    with pytest.raises(RuntimeError, match="inner collective failed"):
+        work.wait(timeout=10)
+    assert not pg.aborted and pg.stats()["raised_errors"] == 1

@@ -751,8 +751,14 @@ class TmrunProcessGroup(dist.ProcessGroup):
         op.abort_seq = self._abort_seq
         try:
             work = getattr(inner, method)(*args)
-        except Exception as exc:  # noqa: BLE001  e.g. an aborted inner group refusing new work
-            self._plane_fail(op, exc)
+        except Exception as exc:
+            with self._handler_lock:  # the inner group was aborted under us: the step is given up
+                gave_up = self._aborted or op.abort_seq != self._abort_seq
+            if not gave_up:  # torch's own refusal of the arguments: the caller's, at once
+                op.complete(exc)
+                raise
+            self._stats["absorbed_errors"] += 1
+            op.complete()
             return TmrunWork(op)
         op.keep.append(work)
         op.on_plane = True
