@@ -518,8 +518,6 @@ def _weights_only(tensor) -> bool:  # a mixed state: matrices on the "device", t
 def test_healing_over_the_device_plane_is_bit_for_bit(n, needy):
     """The plane's tensors go over it, striped over the donors and checksummed; the others take
     the host path; the healed state equals the donors' bit for bit."""
-    from tmrun.worker.device_transfer import checksum  # noqa: F401  (imported by transfer)
-
     plane = FakePlane(_weights_only)
     comms = make_group(n, job=f"heal-device{n}")
     try:

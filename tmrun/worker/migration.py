@@ -25,7 +25,6 @@ from typing import Any, NoReturn
 
 from tmrun.comm import native
 from tmrun.protocol import keys, messages as proto
-from tmrun.comm.backend import TmrunProcessGroup
 from tmrun.worker import group, rng, subgroups
 from tmrun.worker.context import Context, RecoveryError, Rejoin, Superseded, log
 from tmrun.worker.leave import leave
@@ -77,7 +76,7 @@ class Migration:
             self._hand_over(plan, switch_at, rng.capture())
         ctx.loss_noticed = time.time()  # a migration's "noticed": training stopped at the switch
         ctx.life.to(Role.SWITCHING)
-        touched, untouched = _subgroups_of(plan)
+        touched, untouched = subgroups.split(plan.replaced.keys())
         try:
             if (touched or untouched) and ctx.newest_gen() > plan.gen:
                 # a job with subgroups whose joiner was lost before the switch (the controller
@@ -91,14 +90,8 @@ class Migration:
             # (a resynchronisation: nothing is in flight at a step boundary), the default group,
             # then the leaver's subgroups in creation order, each as the joiner re-creates it
             # (its script builds its mesh once the default group's switch let its join return)
-            for pg in untouched:
-                pg.prepare_replacement([], plan.gen)
-                pg.comm.commit()
-            group.comm().commit()
-            for pg in touched:
-                pg.prepare_replacement(subgroups.replaced_in(pg, plan.replaced.keys()), plan.gen,
-                                       get=ctx.address_getter(plan.gen))
-                pg.comm.commit()
+            subgroups.move_all(plan.replaced.keys(), plan.gen, ctx.address_getter(plan.gen),
+                               lambda: group.comm().commit())  # the default group's links were prepared in phase 1
             ctx.gen = plan.gen
             return heal(ctx, started=started, aborted_step=-1, connected=time.time(), replaced=plan.replaced.keys())
         except Superseded as exc:  # the joiner was lost before it re-created a subgroup
@@ -207,11 +200,3 @@ class Migration:
             handoff.close()
         log(f"rank {self._ctx.rank}: optimizer state complete ({pending.nbytes} bytes), "
             f"{time.monotonic() - started:.3f}s after the handover began")
-
-
-def _subgroups_of(plan: proto.ReplacementPlan) -> tuple[list[TmrunProcessGroup], list[TmrunProcessGroup]]:
-    """This process's network subgroups (creation order) that hold a rank ``plan`` moves, and
-    the others (none in a job without subgroups)."""
-    others = [pg for pg in subgroups.subgroups() if not pg.local]
-    touched = [pg for pg in others if subgroups.replaced_in(pg, plan.replaced.keys())]
-    return touched, [pg for pg in others if pg not in touched]

@@ -184,18 +184,15 @@ class Recovery:
                 comm = group.comm()
                 # the native communicator's "epoch" is the generation
                 replaced = self._folded | set(plan.replaced.keys())
-                others = subgroups.subgroups()
-                touched = [pg for pg in others if not pg.local and subgroups.replaced_in(pg, replaced)]
                 # every wait for a peer's address gives up (Superseded) once a newer plan is out:
                 # a joiner lost before it re-created a subgroup never publishes its address there
                 get = ctx.address_getter(plan.gen)
-                for pg in others:  # first the subgroups that lost nobody (docs/mesh.md, section 2)
-                    if not pg.local and pg not in touched:
-                        _repair(pg, [], plan.gen, get)
-                native.prepare_replacement(ctx.comm_store(), comm, replaced, plan.gen, get=get)
-                comm.commit()
-                for pg in touched:  # in creation order: the joiner creates them in that order
-                    _repair(pg, subgroups.replaced_in(pg, replaced), plan.gen, get)
+
+                def move_default(comm=comm, replaced=replaced, gen=plan.gen, get=get) -> None:
+                    native.prepare_replacement(ctx.comm_store(), comm, replaced, gen, get=get)
+                    comm.commit()
+
+                subgroups.move_all(replaced, plan.gen, get, move_default)
                 self._folded = set()
                 connected = time.time()
                 # (not under _lock: the backend calls on_comm_failure under its own)
@@ -214,17 +211,6 @@ class Recovery:
                     ctx.aborted_by = None
                 self.on_comm_failure(exc)
                 log(f"rank {ctx.rank}: lost a member again during recovery ({exc}); waiting for the next plan")
-
-
-def _repair(pg: TmrunProcessGroup, replaced: list[int], gen: int, get: native.Getter) -> None:
-    """Move subgroup ``pg``'s communicator to generation ``gen``: its members ``replaced``
-    (group ranks) are taken by joiners, which connect as they re-create the group (join mode);
-    with none replaced, every link only discards the aborted step's frames (a resynchronisation).
-    A member still inside one of the aborted step's collectives on ``pg`` ends it when this
-    rank's switch reaches it (its collective fails with the peer's epoch switch, absorbed).
-    ``get``: how to wait for a joiner's address (gives up when the plan is superseded)."""
-    pg.prepare_replacement(replaced, gen, get=get)
-    pg.comm.commit()
 
 
 def heal(ctx: Context, started: float, aborted_step: int, connected: float, replaced: Collection[int] = ()) -> int:

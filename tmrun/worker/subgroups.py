@@ -56,6 +56,38 @@ def replaced_in(pg: TmrunProcessGroup, replaced: Collection[int]) -> list[int]:
     return sorted(ranks.index(r) for r in replaced if r in ranks)
 
 
+def split(replaced: Collection[int]) -> tuple[list[TmrunProcessGroup], list[TmrunProcessGroup]]:
+    """This process's network subgroups (creation order) that hold a rank of ``replaced``
+    (global ranks), and the others (both empty in a job without subgroups)."""
+    others = [pg for pg in subgroups() if not pg.local]
+    touched = [pg for pg in others if replaced_in(pg, replaced)]
+    return touched, [pg for pg in others if pg not in touched]
+
+
+def repair(pg: TmrunProcessGroup, replaced: list[int], gen: int, get: Callable | None) -> None:
+    """Move subgroup ``pg``'s communicator to generation ``gen``: its members ``replaced``
+    (group ranks) are taken by joiners, which connect as they re-create the group (join mode);
+    with none replaced, every link only discards the aborted step's frames (a resynchronisation).
+    A member still inside one of the aborted step's collectives on ``pg`` ends it when this
+    rank's switch reaches it (its collective fails with the peer's epoch switch, absorbed).
+    ``get``: how to wait for a joiner's address (gives up when the plan is superseded)."""
+    pg.prepare_replacement(replaced, gen, get=get)
+    pg.comm.commit()
+
+
+def move_all(replaced: Collection[int], gen: int, get: Callable | None, move_default: Callable[[], None]) -> None:
+    """Every group of this process to generation ``gen``, in a change's order (docs/mesh.md,
+    section 2): first the subgroups that lose nobody, then the default group
+    (``move_default``), then the subgroups of ``replaced`` in creation order (the joiner
+    re-creates them in that order, each once its default group's join returned)."""
+    touched, untouched = split(replaced)
+    for pg in untouched:
+        repair(pg, [], gen, get)
+    move_default()
+    for pg in touched:
+        repair(pg, replaced_in(pg, replaced), gen, get)
+
+
 def abort_all(skip: TmrunProcessGroup | None = None) -> None:
     """Every tmrun group of this process enters the aborted state (``skip``: the group whose
     failure handler is running: it enters it by itself, and holds its lock)."""
