@@ -101,7 +101,7 @@ def test_one_inner_group_per_generation_under_its_own_prefix() -> None:
     assert store.check(["tmrun/dp/e0/probe"])
     second = plane.group(store, 1, 1, 2)  # a new generation without an abort (a subgroup's repair)
     assert second is not first and store.check(["tmrun/dp/e1/probe"])
-    assert first.shut  # the previous generation's group was released
+    assert first.aborted.wait(5)  # the previous generation's group was let go (the generation only grows)
     assert plane.counts() == {"builds": 2, "aborts": 0, "built_on_demand": 2}
 
 
@@ -136,6 +136,19 @@ def test_a_generation_built_ahead_is_ready_at_its_first_collective() -> None:
     waiter.join(5)
     assert got and got[0] is factory.made[0] and len(factory.made) == 1
     assert plane.counts() == {"builds": 1, "aborts": 0, "built_on_demand": 0}
+
+
+def test_the_current_generation_serves_on_while_the_next_is_built_ahead() -> None:
+    """A planned migration: generation 1 is built while generation 0 still trains; 0 keeps its
+    group until the first collective of 1, which lets 0 go."""
+    store, factory = dist.HashStore(), Factory()
+    plane = _plane(factory)
+    current = plane.group(store, 0, 0, 2)
+    plane.prepare(store, 1, 0, 2).join(5)
+    assert plane.group(store, 0, 0, 2) is current and not current.aborted.is_set()
+    ahead = plane.group(store, 1, 0, 2)
+    assert ahead is factory.made[1] and current.aborted.wait(5)
+    assert plane.counts() == {"builds": 2, "aborts": 0, "built_on_demand": 1}
 
 
 def test_a_generation_aborted_while_it_was_built_ahead_is_dropped() -> None:

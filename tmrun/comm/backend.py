@@ -722,7 +722,7 @@ class TmrunProcessGroup(dist.ProcessGroup):
         """Create the current generation's inner group now, on every member at the same point
         (healing, before its first stripe: a gloo group bootstraps with all members at once)."""
         comm = self._comm_or_raise()
-        self._device_plane().group(self._plane_store(), int(comm.epoch), self._rank, self._size)
+        self._device_plane().group(self._plane_store, int(comm.epoch), self._rank, self._size)
 
     def prepare_device_plane(self, generation: int, rank: Optional[int] = None) -> Optional[threading.Thread]:
         """Build ``generation``'s device communicator in the background, as ``rank`` (default:
@@ -732,20 +732,27 @@ class TmrunProcessGroup(dist.ProcessGroup):
         if not self._plane_wanted:
             return None
         rank = self._rank if rank is None else int(rank)
-        return self._device_plane().prepare(self._plane_store(), int(generation), rank, self._size)
+        return self._device_plane().prepare(self._plane_store, int(generation), rank, self._size)
 
     def _plane_store(self) -> Any:
-        """Where this group's device plane bootstraps: under the job's plane store when the
-        runtime set one (:func:`set_plane_store`: a promoted standby's group was created over a
-        local store), else the store torch handed the group."""
-        if _PLANE_STORE is not None:
-            return dist.PrefixStore(f"g{self._group_name}", _PLANE_STORE)
-        return self.store
+        """Where a generation of this group's device plane bootstraps (called once per build):
+        under the job's plane store when the runtime set one (:func:`set_plane_store`: a
+        promoted standby's group was created over a local store), else the store torch handed
+        the group; through a client of its own (``clone``), since the inner group waits in the
+        store for its peers while this process's other threads use theirs (a standby waiting
+        there for its links' addresses, the loss watcher), and one client serves one wait at a
+        time."""
+        base = _PLANE_STORE if _PLANE_STORE is not None else self.store
+        try:
+            base = base.clone()
+        except (AttributeError, RuntimeError, NotImplementedError):  # a store without clients (HashStore)
+            pass
+        return dist.PrefixStore(f"g{self._group_name}", base) if _PLANE_STORE is not None else base
 
     def _run_on_plane(self, op: _Op, comm: Any, method: str, args: tuple) -> TmrunWork:
         """Launch ``op`` on the inner group of the communicator's generation; its Work completes
         when the inner one does (at once for NCCL, whose future carries CUDA events)."""
-        inner = self._device_plane().group(self._plane_store(), int(comm.epoch), self._rank, self._size)
+        inner = self._device_plane().group(self._plane_store, int(comm.epoch), self._rank, self._size)
         self._stats["network_ops"] += 1
         self._stats["device_ops"] += 1
         op.abort_seq = self._abort_seq

@@ -153,42 +153,49 @@ class DevicePlane:
         self._factory = factory or FACTORIES[kind]
         self._timeout = timeout
         self._lock = threading.Lock()
-        self._epoch = -1  # the generation of _inner
-        self._inner: Any = None
+        # generation -> its inner group. Two at a time while a planned migration's next
+        # generation is built ahead (the current one still trains); a generation goes once a
+        # newer one is in use, or when it is aborted
+        self._groups: dict[int, Any] = {}
         self._building: dict[int, threading.Event] = {}
         self._dead_through = -1  # every generation up to this one was aborted
         self._aborting: list[threading.Thread] = []
-        self._retired: list = []  # aborted inner groups (see abort)
+        # inner groups given up, kept until shutdown: the last reference to one must not go with
+        # a Work that one of its own threads completes (its destructor would join that thread)
+        self._retired: list = []
         self.builds = 0  # inner groups created (each is one NCCL communicator init)
         self.aborts = 0
         self.built_on_demand = 0  # builds a collective had to wait for (not built ahead)
 
     def group(self, store: Any, epoch: int, rank: int, size: int) -> Any:
         """The inner group of generation ``epoch``, created (and bootstrapped through ``store``)
-        when this is its first use."""
+        when this is its first use. Older generations' groups are let go: the communicator's
+        generation only grows."""
         with self._lock:
             if epoch <= self._dead_through:
                 raise DevicePlaneError(
                     f"tmrun: the device communicator of generation {epoch} was aborted and the group was not "
                     "repaired into a new generation")
-            if self._inner is not None and self._epoch == epoch:
-                return self._inner
-            pending = self._building.get(epoch)
-        if pending is not None:  # built ahead (prepare), still under way
+            inner = self._groups.get(epoch)
+            pending = self._building.get(epoch) if inner is None else None
+        if inner is None and pending is not None:  # built ahead (prepare), still under way
             pending.wait(self._timeout.total_seconds())
             with self._lock:
-                if self._inner is not None and self._epoch == epoch:
-                    return self._inner
-            raise DevicePlaneError(f"tmrun: the device communicator of generation {epoch} was not built in time")
-        self.built_on_demand += 1
-        return self._build(store, epoch, rank, size)
+                inner = self._groups.get(epoch)
+            if inner is None:
+                raise DevicePlaneError(f"tmrun: the device communicator of generation {epoch} was not built in time")
+        if inner is None:
+            self.built_on_demand += 1
+            inner = self._build(store, epoch, rank, size)
+        self._let_go(lambda e: e < epoch)
+        return inner
 
     def prepare(self, store: Any, epoch: int, rank: int, size: int) -> threading.Thread:
         """Build generation ``epoch``'s inner group in the background (every member of that
         generation calls this: a planned migration's survivors and joiner, before the switch),
         so that the first collective after the switch finds it ready: for NCCL, the
         communicator is initialised then (on the caller's current device), not at the switch.
-        Returns the thread."""
+        The current generation's group goes on serving meanwhile. Returns the thread."""
         done = threading.Event()
         with self._lock:
             self._building[epoch] = done
@@ -214,19 +221,19 @@ class DevicePlane:
         return thread
 
     def _build(self, store: Any, epoch: int, rank: int, size: int) -> Any:
+        """``store``: the group's plane store, or a callable that makes it (only called here, when
+        a generation is built: e.g. a client of its own, see TmrunProcessGroup._plane_store)."""
+        store = store() if callable(store) else store
         inner = self._factory(dist.PrefixStore(f"{STORE_PREFIX}/e{epoch}", store), rank, size, self._timeout)
-        old = None
         with self._lock:
-            if epoch <= self._dead_through:
-                old, inner = inner, None
-            elif epoch >= self._epoch:
-                old, self._inner, self._epoch = self._inner, inner, epoch
+            aborted = epoch <= self._dead_through
+            if aborted:
+                self._retired.append(inner)
             else:
-                old = inner
+                self._groups[epoch] = inner
             self.builds += 1
-        if old is not None:
-            _end(old)
-        if inner is None:
+        if aborted:
+            _end(inner)
             raise DevicePlaneError(f"tmrun: generation {epoch} was aborted while its device communicator was built")
         if self.builds == 1:
             say(describe(self.kind), worker=True)
@@ -234,31 +241,32 @@ class DevicePlane:
 
     def abort(self, epoch: int) -> None:
         """Drop the device work of every generation up to ``epoch`` at once (the tmrun group
-        gave them up): abort the inner group; it is never used again."""
+        gave them up): abort their inner groups; they are never used again."""
         with self._lock:
             self._dead_through = max(self._dead_through, epoch)
-            inner = self._inner if self._epoch <= epoch else None
-            if inner is not None:
-                self._inner, self._epoch = None, -1
-                self.aborts += 1
-                # kept until shutdown: its last reference must not go with a Work that one of its
-                # own threads completes (its destructor would join that very thread)
-                self._retired.append(inner)
-        if inner is not None:
-            # on a thread of its own: the caller may be one of the inner group's threads (a
-            # failed work's callback), which the inner group's abort joins
+        self.aborts += self._let_go(lambda e: e <= epoch)
+
+    def _let_go(self, which: Callable[[int], bool]) -> int:
+        """Abort the inner groups of the generations ``which`` selects, each on a thread of its
+        own (the caller may be one of the inner group's threads, a failed work's callback, which
+        its abort joins); returns how many."""
+        with self._lock:
+            gone = [self._groups.pop(e) for e in sorted(self._groups) if which(e)]
+            self._retired.extend(gone)
+        for inner in gone:
             thread = threading.Thread(target=_abort, args=(inner,), name="tmrun-device-plane-abort", daemon=True)
             self._aborting.append(thread)
             thread.start()
+        return len(gone)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         with self._lock:
-            inner, self._inner, self._epoch = self._inner, None, -1
+            groups, self._groups = list(self._groups.values()), {}
             aborting, self._aborting = self._aborting, []
             self._retired = []
         for thread in aborting:
             thread.join(timeout)
-        if inner is not None:
+        for inner in groups:
             _end(inner)
 
     def counts(self) -> dict:
