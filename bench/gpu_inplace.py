@@ -75,6 +75,8 @@ def main() -> int:
         return SKIP
     print(f"GPU: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
     os.environ["TMRUN_DEVICE_PLANE"] = "staging"  # this check's path; the NCCL plane's is bench/gpu_nccl.py
+    if torch.cuda.device_count() < 3:  # 2 workers and a standby: the standby shares a GPU
+        os.environ["TMRUN_STANDBY_SHARE_GPU"] = "1"
     kill = str(args.kill_step)
     with tempfile.TemporaryDirectory(prefix="tmrun-gpu-") as tmp:
         work = Path(args.keep or tmp)

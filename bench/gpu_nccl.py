@@ -235,6 +235,8 @@ def main() -> int:
     shared = args.ranks > gpus
     env = {**os.environ, **({"TMRUN_NCCL_SHARED_GPU": "1", "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"}
                             if shared else {})}
+    if args.ranks + 1 > gpus:  # the standby of (b), (d), (e) has no spare GPU: it shares one
+        env["TMRUN_STANDBY_SHARE_GPU"] = "1"
     os.environ.update(env)
     torch.zeros(1, device="cuda")
     report: dict = {"gpu": torch.cuda.get_device_name(0), "gpus": gpus, "ranks": args.ranks, "torch": torch.__version__,
