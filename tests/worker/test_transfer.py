@@ -546,12 +546,10 @@ def test_healing_over_the_device_plane_is_bit_for_bit(n, needy):
         close_all(comms)
 
 
-def test_optimizer_state_allocated_elsewhere_arrives_through_a_scratch_copy():
-    """The joiner's optimizer never stepped: the state it allocates is not where the plane takes
-    it (on a GPU: a CPU step counter the donor keeps on the device, or the reverse); the donor's
-    choice rules, and the joiner receives into a scratch tensor and copies it over."""
-    plane = FakePlane(_weights_only)
-    comms = make_group(2, job="heal-scratch")
+def _heal_a_joiner_on_the_plane(plane: FakePlane, job: str, joiner_takes=None) -> tuple[dict, list]:
+    """Rank 1 (new) heals from rank 0 over ``plane``; ``joiner_takes``: what the joiner's own
+    plane takes (default: as the donor's). Returns (members, errors)."""
+    comms = make_group(2, job=job)
     try:
         members = {0: make_member(1, 3), 1: make_member(100, 0)}
 
@@ -559,36 +557,33 @@ def test_optimizer_state_allocated_elsewhere_arrives_through_a_scratch_copy():
             state = members[comm.rank][0]
             fresh = comm.rank == 1
             plan = agree(comm, -1 if fresh else 3, state.layout_digest(), fresh)
-            # the joiner's plane takes nothing of its own: every device tensor goes through scratch
-            link = plane.link(1, takes=lambda t: False) if fresh else plane.link(0)
+            link = plane.link(comm.rank, takes=joiner_takes if fresh else None)
             return heal(comm, state, plan, {"committed_step": 3}, device=link)
 
-        run_ranks(comms, body, timeout=60)
-        assert snapshot(members[1][0]) == snapshot(members[0][0])
+        _, errors = run_ranks(comms, body, timeout=60, raise_errors=False)
+        return members, errors
     finally:
         close_all(comms)
+
+
+def test_optimizer_state_allocated_elsewhere_arrives_through_a_scratch_copy():
+    """The joiner's optimizer never stepped: the state it allocates is not where the plane takes
+    it (on a GPU: a CPU step counter the donor keeps on the device, or the reverse); the donor's
+    choice rules, and the joiner receives into a scratch tensor and copies it over."""
+    # the joiner's plane takes nothing of its own: every device tensor goes through scratch
+    members, errors = _heal_a_joiner_on_the_plane(FakePlane(_weights_only), "heal-scratch",
+                                                   joiner_takes=lambda t: False)
+    assert errors == [None, None]
+    assert snapshot(members[1][0]) == snapshot(members[0][0])
 
 
 def test_a_damaged_device_stripe_is_a_transfer_error():
     def flip(copy) -> None:
         copy.view(-1)[0] ^= 1
 
-    plane = FakePlane(_weights_only, tamper=flip)
-    comms = make_group(2, job="heal-device-damaged")
-    try:
-        members = {0: make_member(1, 3), 1: make_member(100, 0)}
-
-        def body(comm):
-            state = members[comm.rank][0]
-            fresh = comm.rank == 1
-            plan = agree(comm, -1 if fresh else 3, state.layout_digest(), fresh)
-            return heal(comm, state, plan, {"committed_step": 3}, device=plane.link(comm.rank))
-
-        _, errors = run_ranks(comms, body, timeout=60, raise_errors=False)
-        assert isinstance(errors[1], TransferError) and "checksum mismatch in the device stripe" in str(errors[1])
-        assert errors[0] is None  # the donor finished its side
-    finally:
-        close_all(comms)
+    _, errors = _heal_a_joiner_on_the_plane(FakePlane(_weights_only, tamper=flip), "heal-device-damaged")
+    assert isinstance(errors[1], TransferError) and "checksum mismatch in the device stripe" in str(errors[1])
+    assert errors[0] is None  # the donor finished its side
 
 
 def test_the_device_checksum_sees_a_changed_or_moved_byte():
