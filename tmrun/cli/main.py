@@ -317,9 +317,10 @@ def _validate_device_environment() -> None:
     """``TMRUN_DEVICE_PLANE`` and ``TMRUN_NCCL_LIBRARY`` (docs/nccl.md), checked before any worker starts."""
     from tmrun.protocol import environment
 
-    plane = os.environ.get(environment.ENV_DEVICE_PLANE, "auto").strip().lower() or "auto"
-    if plane not in environment.DEVICE_PLANES:
-        raise UsageError(f"{environment.ENV_DEVICE_PLANE}={plane!r} is not one of {', '.join(environment.DEVICE_PLANES)}")
+    try:
+        environment.device_plane(os.environ)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     library = os.environ.get(environment.ENV_NCCL_LIBRARY, "")
     if library and not os.path.isfile(library):
         raise UsageError(f"{environment.ENV_NCCL_LIBRARY}={library!r}: no such file "

@@ -742,12 +742,13 @@ class TmrunProcessGroup(dist.ProcessGroup):
         store for its peers while this process's other threads use theirs (a standby waiting
         there for its links' addresses, the loss watcher), and one client serves one wait at a
         time."""
-        base = _PLANE_STORE if _PLANE_STORE is not None else self.store
+        shared = _PLANE_STORE is not None
+        base = _PLANE_STORE if shared else self.store
         try:
             base = base.clone()
-        except (AttributeError, RuntimeError, NotImplementedError):  # a store without clients (HashStore)
+        except (AttributeError, RuntimeError, NotImplementedError):  # a store without clients
             pass
-        return dist.PrefixStore(f"g{self._group_name}", base) if _PLANE_STORE is not None else base
+        return dist.PrefixStore(f"g{self._group_name}", base) if shared else base
 
     def _run_on_plane(self, op: _Op, comm: Any, method: str, args: tuple) -> TmrunWork:
         """Launch ``op`` on the inner group of the communicator's generation; its Work completes
@@ -1096,8 +1097,9 @@ class TmrunProcessGroup(dist.ProcessGroup):
             outs = [torch.empty_like(inp, device="cpu") for _ in range(self._size)]
         if self._serve_locally() or self._comm is None or not self._on_plane(([inp],)):
             return self.allgather([outs], [inp], opts)
-        op = _Op("gather", [outs] if self._rank == root else [])  # (never served locally: see above)
-        return self._run(op, opts, _nothing, device=("gather", ([outs] if self._rank == root else [], [inp], opts)))
+        gathered = [outs] if self._rank == root else []  # torch's gather: outputs on the root only
+        op = _Op("gather", gathered)  # (never served locally: see above)
+        return self._run(op, opts, _nothing, device=("gather", (gathered, [inp], opts)))
 
     def scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> TmrunWork:
         """The root sends block r to every rank r (point-to-point, in rank order)."""

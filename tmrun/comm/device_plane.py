@@ -50,7 +50,6 @@ from tmrun.protocol import environment
 
 ENV_PLANE = environment.ENV_DEVICE_PLANE
 ENV_SHARED_GPU = "TMRUN_NCCL_SHARED_GPU"  # "1": several ranks share a GPU (each process its own NCCL_HOSTID)
-KINDS = environment.DEVICE_PLANES
 STORE_PREFIX = "tmrun/dp"  # under the group's plane store: e<generation>/... (one inner group each)
 
 
@@ -61,10 +60,10 @@ class DevicePlaneError(RuntimeError):
 
 def configured_kind(environ: Optional[dict] = None) -> str:
     """The plane ``TMRUN_DEVICE_PLANE`` asks for (``auto`` when unset)."""
-    raw = (environ if environ is not None else os.environ).get(ENV_PLANE, "auto").strip().lower() or "auto"
-    if raw not in KINDS:
-        raise DevicePlaneError(f"{ENV_PLANE}={raw!r} is not one of {', '.join(KINDS)}")
-    return raw
+    try:
+        return environment.device_plane(environ if environ is not None else os.environ)
+    except ValueError as exc:
+        raise DevicePlaneError(str(exc)) from None
 
 
 def resolve_kind(kind: str, nccl_available: bool) -> str:

@@ -49,6 +49,15 @@ ENV_NCCL_LIBRARY = "TMRUN_NCCL_LIBRARY"  # an NCCL library to use instead of tor
 ENV_NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"  # torch's watchdog: 2 = clean up, do not kill
 ENV_DEVICE_PLANE = "TMRUN_DEVICE_PLANE"  # one of DEVICE_PLANES (tmrun.comm.device_plane)
 DEVICE_PLANES = ("auto", "nccl", "staging", "gloo")
+
+
+def device_plane(environ: Mapping[str, str]) -> str:
+    """The device plane ``TMRUN_DEVICE_PLANE`` asks for (``auto`` when unset); ``ValueError``
+    (one line) for any other value than :data:`DEVICE_PLANES`."""
+    raw = environ.get(ENV_DEVICE_PLANE, "auto").strip().lower() or "auto"
+    if raw not in DEVICE_PLANES:
+        raise ValueError(f"{ENV_DEVICE_PLANE}={raw!r} is not one of {', '.join(DEVICE_PLANES)}")
+    return raw
 # torchrun's own
 ENV_RANK = "RANK"
 ENV_WORLD_SIZE = "WORLD_SIZE"

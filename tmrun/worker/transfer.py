@@ -289,6 +289,7 @@ def heal(
         device.ready()
     healed = Healed(step_meta)
     donated: HostBytes | None = None  # a donor's bytes, loaded once for every member it heals
+    on_device: list[bool] = []  # per tracked tensor: whether it moves over the device plane (a donor's choice)
     parts: tuple[HostBytes, HostBytes] | None = None  # the same, model and optimizer state apart
     for needy in plan.needy:
         if me in plan.donors_of(needy):
@@ -301,8 +302,8 @@ def heal(
                     healed.served.append(needy)
                 healed.add(path, nbytes)
                 continue
-            on_device = [device is not None and device.takes(t) for _, t in state.tensors()]
-            if donated is None:
+            if donated is None:  # once for every member this donor heals
+                on_device = [device is not None and device.takes(t) for _, t in state.tensors()]
                 donated = HostBytes([t for (_, t), d in zip(state.tensors(), on_device) if not d], load=True)
             for path, nbytes in _donate(comm, state, donated, plan, needy, step_meta, device, on_device):
                 healed.add(path, nbytes)
