@@ -314,11 +314,15 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 def _validate_device_environment() -> None:
-    """``TMRUN_DEVICE_PLANE`` and ``TMRUN_NCCL_LIBRARY`` (docs/nccl.md), checked before any worker starts."""
+    """``TMRUN_DEVICE_PLANE``, ``TMRUN_NCCL_LIBRARY`` (docs/nccl.md) and ``TMRUN_ORPHAN_GRACE``, checked
+    before any worker starts."""
     from tmrun.protocol import environment
+
+    from tmrun.protocol import orphan_guard
 
     try:
         environment.device_plane(os.environ)
+        orphan_guard.grace_from_environ(os.environ)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     library = os.environ.get(environment.ENV_NCCL_LIBRARY, "")

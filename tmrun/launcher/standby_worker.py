@@ -15,7 +15,8 @@ import signal
 import sys
 import time
 
-from tmrun.protocol import keys
+from tmrun.console import say
+from tmrun.protocol import keys, orphan_guard
 from tmrun.protocol.environment import LaunchEnv, Mode
 
 
@@ -44,6 +45,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, _on_term)
     signal.signal(signal.SIGINT, _on_term)
     env = LaunchEnv.from_environ()
+    orphan_guard.start(env.agent_pid, lambda message: say(message, worker=True))
     import torch  # noqa: F401  - the warm-up: importing torch is most of a cold start
     import torch.distributed as dist
 

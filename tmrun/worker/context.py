@@ -111,6 +111,14 @@ class Context:
         if not self.life.is_(Role.STANDBY):
             self.drills.fire(point, self.current_step)
 
+    def fire_at_boundary(self, step: int) -> None:
+        """Drills at the start of ``step`` (``at=step``) where this rank recovers at the boundary
+        into it instead of starting it: a failure elsewhere ended its previous step. Two ranks
+        killed "at the start of step N" then both die, however far apart they reach the boundary
+        (the first one's loss would otherwise send the second into recovery before step N)."""
+        if not self.life.is_(Role.STANDBY):
+            self.drills.fire("step", step)
+
     def require_store(self) -> dist.Store:
         assert self.store is not None, "the in-place store (an in-place job only)"
         return self.store

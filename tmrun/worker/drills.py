@@ -9,7 +9,8 @@ worker whose rank matches kills itself once, at the named point of the named ste
 process that started as that rank fires (a joiner that takes the rank over does not), unless
 ``who=joiner``, which fires in the standby promoted to that rank, during its promotion.
 
-Points (``at=``): ``step`` (start of the step, default), ``forward`` (the tracked module's
+Points (``at=``): ``step`` (start of the step, default; a rank that a failure elsewhere sends
+into recovery at the end of the step before fires it there), ``forward`` (the tracked module's
 forward), ``backward`` (while gradients are being reduced), ``optimizer`` (inside
 ``optimizer.step``), ``transfer`` (while donating state to a joiner; ``step=`` may be left out),
 ``promotion`` (a joiner, after it joined and before it received the state), ``handover`` (a

@@ -56,6 +56,8 @@ class StepLoop:
             if ctx.aborted_by is not None:
                 if ctx.committed_step < step:  # undo what the aborted step advanced
                     ctx.tracked.restore_stateful(self._stateful_at_start)
+                else:  # this rank's step went through: the boundary into the next one is here
+                    ctx.fire_at_boundary(step + 1)
                 step = self._recover()
                 continue
             ctx.committed_step = step
@@ -64,6 +66,7 @@ class StepLoop:
                 ctx.publish_first_step()  # the recovery's last phase (docs/events.md)
             plan = self._recovery.pending_plan()
             if plan is not None and not plan.planned:
+                ctx.fire_at_boundary(step + 1)
                 step = self._recover()  # a failure elsewhere: this rank's step went through
                 continue
             step += 1

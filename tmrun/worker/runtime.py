@@ -29,10 +29,10 @@ from typing import Any, Iterator
 import torch
 
 from tmrun.comm import ddp as tmrun_ddp
-from tmrun.protocol import messages as proto
+from tmrun.protocol import messages as proto, orphan_guard
 from tmrun.protocol.environment import LaunchEnv
 from tmrun.worker import drills, group, optimizer as guarded
-from tmrun.worker.context import Context, RecoveryError
+from tmrun.worker.context import Context, RecoveryError, log
 from tmrun.worker.loop import StepLoop
 from tmrun.worker.loss_watch import LossWatcher
 from tmrun.worker.migration import Migration
@@ -47,6 +47,7 @@ class Runtime:
     """What ``tmrun.init()`` returns (one per process)."""
 
     def __init__(self, env: LaunchEnv) -> None:
+        orphan_guard.start(env.agent_pid, log)  # never outlive the agent (a stalled step included)
         self._ctx = ctx = Context(env)
         self._recovery = Recovery(ctx)
         self._migration = Migration(ctx, self._recovery)
