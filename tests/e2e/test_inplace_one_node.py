@@ -67,6 +67,10 @@ def test_killed_rank_is_replaced_in_place(tmp_path: Path, reference: str, point:
     assert "generation 1: all 2 ranks recovered" in log
     # the standby warmed up on a spare device (local rank 2: after the 2 active ranks') and keeps it
     assert "promoted to rank 1 (generation 1); LOCAL_RANK 2" in log, log
+    # deferred healing: the joiner's optimizer state arrived from rank 0's memory after it resumed
+    assert re.search(r"rank 1: recovered into generation 1 .*memory [\d.]+ MB from 1 donor; the optimizer state "
+                     r"follows in the background", log), log
+    assert re.search(r"rank 1: the optimizer state arrived \(\d+ MB\) [\d.]+s after healing; waited [\d.]+s", log), log
     pids = {pid for _, pid in steps[1]}
     assert len(pids) == 2, "rank 1 should have been played by two processes"
 

@@ -415,6 +415,7 @@ def test_deferred_healing_returns_with_the_model_and_delivers_the_optimizer_stat
         healed.deferred.start(status.append)
         healed.deferred.wait(timeout=30)
         assert status == ["ok"]
+        assert healed.deferred.seconds is not None and healed.deferred.seconds >= 0  # for the worker's line
         assert snapshot(members[rank][0]) == reference  # the optimizer state after the wait
     for rank in plans[0].donors:
         assert results[rank][1].served == needy and results[rank][1].deferred is None

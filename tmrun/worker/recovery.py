@@ -293,6 +293,7 @@ def settle_heal(ctx: Context, skip: Collection[int] = (), in_change: bool = Fals
     in the change under way (``in_change``: fresh); outside one it cannot step, and stops."""
     read, ctx.heal_read = ctx.heal_read, None
     if read is not None:
+        waiting = time.monotonic()
         try:
             read.wait()
         except TransferError as exc:
@@ -300,6 +301,9 @@ def settle_heal(ctx: Context, skip: Collection[int] = (), in_change: bool = Fals
                 raise RecoveryError(f"rank {ctx.rank}: {exc}") from None
             log(f"rank {ctx.rank}: {exc}; healed again in this change")
             ctx.fresh = True
+        else:
+            log(f"rank {ctx.rank}: the optimizer state arrived ({read.nbytes / 1e6:.0f} MB) {read.seconds or 0.0:.3f}s "
+                f"after healing; waited {time.monotonic() - waiting:.3f}s for it")
     served, ctx.heal_served = ctx.heal_served, None
     if served is None:
         return

@@ -23,6 +23,7 @@ import os
 import pickle
 import struct
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -363,6 +364,8 @@ class DeferredRead:
         self._reads, self._host, self._board, self._me = reads, host, board, me
         self._on_done: Callable[[str], None] = lambda _: None
         self._error: str | None = None
+        self._began = time.monotonic()
+        self.seconds: float | None = None  # from heal's return to the read checked (or failed)
         self._thread = threading.Thread(target=self._finish, name="tmrun-deferred-heal", daemon=True)
 
     def start(self, on_done: Callable[[str], None]) -> None:
@@ -377,6 +380,7 @@ class DeferredRead:
                 self._error = self._error or str(exc)
         if self._error is None:
             self._host.store()
+        self.seconds = time.monotonic() - self._began
         try:
             self._on_done("ok" if self._error is None else f"error: {self._error}")
         except Exception as exc:  # noqa: BLE001  (the store is gone: the donors' wait ends on its own)
