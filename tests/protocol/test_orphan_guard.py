@@ -85,6 +85,8 @@ def test_a_live_agent_keeps_its_worker(tmp_path: Path) -> None:
 
 def test_no_agent_no_guard() -> None:
     assert orphan_guard.start(0, print) is None
+    assert not orphan_guard.orphaned(0)  # a process started without an agent is never an orphan
+    assert not orphan_guard.orphaned(os.getppid()) and orphan_guard.orphaned(os.getpid())
 
 
 @pytest.mark.parametrize(("value", "grace"), [("", 5.0), ("2.5", 2.5), (" 0 ", 0.0)])

@@ -26,8 +26,7 @@ def _loop(drill: str, pending_plan: bool) -> tuple[StepLoop, mock.MagicMock, moc
     ctx.life.is_.side_effect = lambda role: role is Role.ACTIVE
     ctx.drills = DrillRunner([Drill.parse(drill)], rank=3, promoted=False)
     ctx.progress.end_step.return_value = 0.0
-    ctx.fire = lambda point: Context.fire(ctx, point)  # the real drills, at every step's start
-    ctx.fire_at_boundary = lambda step: Context.fire_at_boundary(ctx, step)
+    ctx.fire = lambda point, step=None: Context.fire(ctx, point, step)  # the real drills
     recovery = mock.MagicMock()
     recovery.pending_plan.return_value = None
     plan = mock.MagicMock(planned=False)

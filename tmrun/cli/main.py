@@ -316,9 +316,7 @@ def _validate(args: argparse.Namespace) -> None:
 def _validate_device_environment() -> None:
     """``TMRUN_DEVICE_PLANE``, ``TMRUN_NCCL_LIBRARY`` (docs/nccl.md) and ``TMRUN_ORPHAN_GRACE``, checked
     before any worker starts."""
-    from tmrun.protocol import environment
-
-    from tmrun.protocol import orphan_guard
+    from tmrun.protocol import environment, orphan_guard
 
     try:
         environment.device_plane(os.environ)

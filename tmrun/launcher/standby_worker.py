@@ -61,7 +61,7 @@ def main() -> int:
         tcp = open_job_store(env, timeout=60)
         store = dist.PrefixStore(env.store_prefix, tcp)
     while not stop:
-        if env.agent_pid and os.getppid() != env.agent_pid:
+        if orphan_guard.orphaned(env.agent_pid):
             return 0  # orphaned: the agent died without stopping us
         if store is not None and target is not None and store.check([keys.API]):
             signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -48,8 +48,9 @@ def grace_from_environ(environ: Mapping[str, str] = os.environ) -> float:
 
 
 def orphaned(agent_pid: int) -> bool:
-    """True once the agent that started this process is no longer its parent."""
-    return os.getppid() != agent_pid
+    """True once the agent that started this process is no longer its parent (never for a
+    process started without one: ``agent_pid`` 0)."""
+    return agent_pid > 0 and os.getppid() != agent_pid
 
 
 def _wait_until_gone(agent_pid: int) -> None:

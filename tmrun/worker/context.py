@@ -14,7 +14,6 @@ is a generation.
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from dataclasses import replace
@@ -23,7 +22,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from tmrun.console import say
-from tmrun.protocol import keys, messages as proto
+from tmrun.protocol import keys, messages as proto, orphan_guard
 from tmrun.protocol.environment import LaunchEnv, Mode
 from tmrun.protocol.stores import open_job_store
 from tmrun.worker import group
@@ -106,18 +105,11 @@ class Context:
     def in_place(self) -> bool:
         return self.env.mode is not Mode.PLAIN
 
-    def fire(self, point: str) -> None:
-        """Failure drills of ``point`` in the current step (never in a standby's sandbox)."""
+    def fire(self, point: str, step: int | None = None) -> None:
+        """Failure drills of ``point`` in ``step`` (default: the current step; never in a
+        standby's sandbox)."""
         if not self.life.is_(Role.STANDBY):
-            self.drills.fire(point, self.current_step)
-
-    def fire_at_boundary(self, step: int) -> None:
-        """Drills at the start of ``step`` (``at=step``) where this rank recovers at the boundary
-        into it instead of starting it: a failure elsewhere ended its previous step. Two ranks
-        killed "at the start of step N" then both die, however far apart they reach the boundary
-        (the first one's loss would otherwise send the second into recovery before step N)."""
-        if not self.life.is_(Role.STANDBY):
-            self.drills.fire("step", step)
+            self.drills.fire(point, self.current_step if step is None else step)
 
     def require_store(self) -> dist.Store:
         assert self.store is not None, "the in-place store (an in-place job only)"
@@ -301,7 +293,7 @@ class Context:
             raise RecoveryError(f"in-place recovery abandoned by the controller: {notice.reason}")
         if self.stop_requested:
             raise SystemExit(0)
-        if self.env.agent_pid and os.getppid() != self.env.agent_pid:
+        if orphan_guard.orphaned(self.env.agent_pid):
             raise SystemExit(0)  # orphaned: the agent is gone
         if time.monotonic() > deadline:
             raise RecoveryError(f"{missing} within {self.env.recovery_timeout:.0f}s ({what})")

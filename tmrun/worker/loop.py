@@ -12,11 +12,10 @@ Per step: a STANDBY runs it as a shadow step until it is assigned and warm, then
 
 from __future__ import annotations
 
-import os
 import pickle
 from typing import Any, Iterator
 
-from tmrun.protocol import keys
+from tmrun.protocol import keys, orphan_guard
 from tmrun.worker import rng, subgroups
 from tmrun.worker.context import Context, Rejoin, log
 from tmrun.worker.migration import Migration
@@ -57,7 +56,7 @@ class StepLoop:
                 if ctx.committed_step < step:  # undo what the aborted step advanced
                     ctx.tracked.restore_stateful(self._stateful_at_start)
                 else:  # this rank's step went through: the boundary into the next one is here
-                    ctx.fire_at_boundary(step + 1)
+                    self._fire_at_boundary(step + 1)
                 step = self._recover()
                 continue
             ctx.committed_step = step
@@ -66,7 +65,7 @@ class StepLoop:
                 ctx.publish_first_step()  # the recovery's last phase (docs/events.md)
             plan = self._recovery.pending_plan()
             if plan is not None and not plan.planned:
-                ctx.fire_at_boundary(step + 1)
+                self._fire_at_boundary(step + 1)
                 step = self._recover()  # a failure elsewhere: this rank's step went through
                 continue
             step += 1
@@ -86,6 +85,13 @@ class StepLoop:
         if ctx.in_place and not ctx.life.is_(Role.STANDBY):
             ctx.require_store().set(keys.done(ctx.rank), str(ctx.committed_step))
 
+    def _fire_at_boundary(self, step: int) -> None:
+        """Drills at the start of ``step`` where this rank recovers at the boundary into it
+        instead of starting it (a failure elsewhere ended its previous step): two ranks killed
+        "at the start of step N" both die, however far apart they reach the boundary (the first
+        one's loss would otherwise send the second into recovery before step N)."""
+        self._ctx.fire("step", step)
+
     def _recover(self) -> int:
         try:
             return self._recovery.recover()
@@ -94,7 +100,7 @@ class StepLoop:
 
     def _begin_step(self, step: int) -> None:
         ctx = self._ctx
-        if ctx.env.agent_pid and os.getppid() != ctx.env.agent_pid:
+        if orphan_guard.orphaned(ctx.env.agent_pid):
             # The agent (supervisor, store, controller) was killed: nobody can replace a rank or
             # collect this job's result any more. The job ends; every worker and standby leaves
             # at its next step boundary (a peer's departure ends a collective in flight, whose
