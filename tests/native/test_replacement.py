@@ -170,6 +170,44 @@ def test_replacement_while_collectives_run():
         close_all(comms)
 
 
+def test_a_newer_prepare_ends_the_pending_one_toward_a_lost_joiner():
+    """A joiner lost before the switch: the controller replaces it, and every survivor's prepare()
+    for the newer epoch ends the pending dials (rank 0, below the joiner) and waits (rank 2,
+    above it) toward the dead joiner at once, instead of after connect_timeout (here 10 minutes,
+    far beyond run_ranks' bound, so the old behaviour fails this test as a hang). The group then
+    commits with the second joiner and works."""
+    n, victim, job = 3, 1, "superseded"
+    comms = make_group(n, job=job, connect_timeout=600.0)
+    try:
+        lost = tn.Communicator(victim, n, job, 1, tn.Options(timeout=5.0))
+        lost_address = lost.address
+        lost.close()  # gone before it connected: its port refuses, it never dials
+        survivors = [c for c in comms if c.rank != victim]
+        for c in survivors:
+            c.prepare([victim], {victim: lost_address}, 1)
+        assert not any(c.prepare_done() for c in survivors)
+        joiner = tn.Communicator(victim, n, job, 2, tn.Options(timeout=5.0))
+        group = [joiner if r == victim else comms[r] for r in range(n)]
+        full = [c.address for c in group]
+
+        def body(c) -> None:
+            if c is joiner:
+                c.connect(full)
+            else:
+                c.prepare([victim], {victim: joiner.address}, 2)
+                c.commit()
+
+        run_ranks(group, body, timeout=60)
+        comms[victim].close()
+        comms = group
+        check_allreduce(group, tag=1)
+        for c in survivors:
+            assert c.counters()["prepares_superseded"] == 1
+            assert c.counters()["commits"] == 1
+    finally:
+        close_all(comms)
+
+
 def test_commit_async_queued_behind_collectives():
     n, victim, job = 4, 3, "queued"
     comms = make_group(n, job=job)

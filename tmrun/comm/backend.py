@@ -566,7 +566,8 @@ class TmrunProcessGroup(dist.ProcessGroup):
         """The native communicator's counters (zeros when none is attached)."""
         if self._comm is None:
             return {"links_opened": 0, "links_closed": 0, "collectives": 0, "p2p_ops": 0, "bytes_sent": 0,
-                    "bytes_recv": 0, "rejected_connections": 0, "commits": 0, "last_reject_reason": "",
+                    "bytes_recv": 0, "rejected_connections": 0, "auth_failures": 0, "commits": 0,
+                    "prepares_superseded": 0, "last_reject_reason": "",
                     "per_peer": {}}
         return self._comm.counters()
 

@@ -413,6 +413,7 @@ a Work. Operations run in submission order on the communicator's worker thread.)
              d["rejected_connections"] = k.rejected_connections;
              d["auth_failures"] = k.auth_failures;
              d["commits"] = k.commits;
+             d["prepares_superseded"] = k.prepares_superseded;
              d["last_reject_reason"] = k.last_reject_reason;
              for (auto& kv : k.per_peer) {
                py::dict pp;

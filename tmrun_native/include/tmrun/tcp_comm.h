@@ -75,6 +75,7 @@ struct Counters {
   uint64_t rejected_connections = 0;
   uint64_t auth_failures = 0;  // connections (accepted or dialled) that failed authentication
   uint64_t commits = 0;
+  uint64_t prepares_superseded = 0;  // pending prepares whose dials and waits a newer prepare() ended
   std::map<int, std::pair<uint64_t, uint64_t>> per_peer;  // peer -> (sent, received)
   std::string last_reject_reason;
 };

@@ -270,7 +270,7 @@ void Communicator::Impl::handle_hello(PendingConn& pc) {
 // Claims the link `peer` opened to us for `epoch`, waiting for it up to `deadline`. tick_idle:
 // the caller holds op_mu_ (see dial_peer), so heartbeat the other links while waiting.
 std::unique_ptr<Link> Communicator::Impl::await_accepted(int peer, uint64_t epoch, Clock::time_point deadline,
-                                                         bool tick_idle) {
+                                                         bool tick_idle, const std::atomic<bool>* cancel) {
   std::unique_lock<std::mutex> g(accept_mu_);
   for (;;) {
     auto it = accepted_.find({peer, epoch});
@@ -280,6 +280,7 @@ std::unique_ptr<Link> Communicator::Impl::await_accepted(int peer, uint64_t epoc
       return l;
     }
     if (stop_) throw CommError("communicator is closed");
+    if (cancel != nullptr && cancel->load()) throw CommError("superseded by a newer prepare");
     if (Clock::now() >= deadline) {
       std::string msg = "rank " + std::to_string(rank_) + " timed out waiting for rank " + std::to_string(peer) +
                         " to connect (epoch " + std::to_string(epoch) + ")";

@@ -252,7 +252,8 @@ struct Communicator::Impl {
   // ---- link table and dialling (links.cpp)
   void connect(const std::vector<std::string>& addresses);
   std::unique_ptr<Link> dial_peer(const std::string& address, int peer, uint64_t epoch, bool ring,
-                                  Clock::time_point deadline, bool tick_idle = false);
+                                  Clock::time_point deadline, bool tick_idle = false,
+                                  const std::atomic<bool>* cancel = nullptr);
   std::unique_ptr<Link> dial_once(const std::string& host, int port, int peer, uint64_t epoch, bool ring,
                                   Clock::time_point deadline, const WaitTick& tick);
   void install_link(std::unique_ptr<Link> l);
@@ -276,7 +277,8 @@ struct Communicator::Impl {
   void handle_hello(PendingConn& pc);
   void refuse(PendingConn& pc, const std::string& why);
   void reject(const std::string& why);
-  std::unique_ptr<Link> await_accepted(int peer, uint64_t epoch, Clock::time_point deadline, bool tick_idle);
+  std::unique_ptr<Link> await_accepted(int peer, uint64_t epoch, Clock::time_point deadline, bool tick_idle,
+                                       const std::atomic<bool>* cancel = nullptr);
 
   // ---- replacement (replace.cpp)
   void prepare(const std::vector<int>& replaced, const std::map<int, std::string>& new_addresses,
@@ -340,6 +342,9 @@ struct Communicator::Impl {
   std::string pending_error_;
   bool pending_ready_ = false;
   std::thread prepare_thread_;
+  // set by a newer prepare() while it ends the pending one's dials and waits (a joiner that may be gone)
+  std::atomic<bool> prepare_cancel_{false};
+  std::atomic<uint64_t> prepares_superseded_{0};
 
   // threads
   std::atomic<bool> stop_{false};

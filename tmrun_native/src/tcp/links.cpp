@@ -133,7 +133,8 @@ std::unique_ptr<Link> Communicator::Impl::dial_once(const std::string& host, int
 // and gives up when that notices a failure of the epoch. Without it a dial retried until
 // connect_timeout (30 s) silenced this rank and neighbours waiting on it declared it lost.
 std::unique_ptr<Link> Communicator::Impl::dial_peer(const std::string& address, int peer, uint64_t epoch, bool ring,
-                                                    Clock::time_point deadline, bool tick_idle) {
+                                                    Clock::time_point deadline, bool tick_idle,
+                                                    const std::atomic<bool>* cancel) {
   auto [host, port] = split_address(address);
   std::string last = "not attempted";
   WaitTick tick;
@@ -142,6 +143,12 @@ std::unique_ptr<Link> Communicator::Impl::dial_peer(const std::string& address, 
     tick.fn = [this] {
       idle_tick({});
       if (failed_) raise_failure();  // as in run_plan: the epoch is over, stop dialling
+      if (stop_) throw CommError("communicator is closed");
+    };
+  } else if (cancel != nullptr) {
+    tick.ms = 20;
+    tick.fn = [this, cancel] {
+      if (cancel->load()) throw CommError("superseded by a newer prepare");
       if (stop_) throw CommError("communicator is closed");
     };
   }
@@ -275,6 +282,7 @@ Counters Communicator::Impl::counters() const {
   c.rejected_connections = rejected_;
   c.auth_failures = auth_failures_;
   c.commits = commits_;
+  c.prepares_superseded = prepares_superseded_;
   std::lock_guard<std::mutex> t(table_mu_);
   c.per_peer = closed_bytes_;
   for (auto& kv : links_) {

@@ -31,7 +31,20 @@ void Communicator::Impl::prepare(const std::vector<int>& replaced, const std::ma
       split_address(new_addresses.at(p));
       needed.push_back(p);
     }
-  if (prepare_thread_.joinable()) prepare_thread_.join();
+  if (prepare_thread_.joinable()) {
+    // A newer prepare supersedes the pending one (a joiner was lost before the switch, and the
+    // controller replaced it): the pending dials and waits end now instead of at connect_timeout.
+    bool was_running;
+    {
+      std::lock_guard<std::mutex> g(accept_mu_);
+      was_running = pending_ && !pending_ready_;
+      prepare_cancel_ = true;
+    }
+    accept_cv_.notify_all();
+    prepare_thread_.join();
+    prepare_cancel_ = false;
+    if (was_running) prepares_superseded_++;
+  }
   {
     std::lock_guard<std::mutex> g(accept_mu_);
     pending_ = true;
@@ -56,9 +69,9 @@ void Communicator::Impl::prepare_links(std::vector<int> needed, uint64_t new_epo
   auto deadline = Clock::now() + secs(opts_.connect_timeout);
   try {
     for (int p : needed)
-      if (rank_ < p) got[p] = dial_peer(new_addresses.at(p), p, new_epoch, true, deadline);
+      if (rank_ < p) got[p] = dial_peer(new_addresses.at(p), p, new_epoch, true, deadline, false, &prepare_cancel_);
     for (int p : needed)
-      if (rank_ > p) got[p] = await_accepted(p, new_epoch, deadline, false);
+      if (rank_ > p) got[p] = await_accepted(p, new_epoch, deadline, false, &prepare_cancel_);
   } catch (const std::exception& e) {
     err = e.what();
   }
