@@ -25,11 +25,12 @@ FAIL_STEP = 2
 JOB_TIMEOUT = 240
 
 
-def _run(work: Path, *tmrun_args: str) -> tuple[str, list[list[str]]]:
+def _run(work: Path, *tmrun_args: str, wrap: str = "tm") -> tuple[str, list[list[str]]]:
     work.mkdir()
     cmd = tmrun_cmd("--standalone", "--nproc-per-node", "2", "--standby", "1", *tmrun_args,
                     str(SCRIPTS / "interrupt_train.py"), "--steps", str(STEPS), "--layers", str(LAYERS),
-                    "--slow", "0.05", "--log", str(work / "log-{rank}"), "--final", str(work / "final-{rank}"))
+                    "--slow", "0.05", "--log", str(work / "log-{rank}"), "--final", str(work / "final-{rank}"),
+                    "--wrap", wrap)
     code, log = run_job(cmd, work / "agent.log", {"TMRUN_STATE_DIR": str(work / "state")}, JOB_TIMEOUT)
     assert code == 0, log
     finals = {(work / f"final-{rank}").read_text() for rank in (0, 1)}
@@ -45,9 +46,12 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     return final
 
 
-@pytest.mark.parametrize("point", ["forward", "backward"])
-def test_the_survivor_stops_the_doomed_step_at_once(tmp_path: Path, reference: str, point: str) -> None:
-    final, rows = _run(tmp_path / point, "--inject-failure", f"rank=1,step={FAIL_STEP},at={point}")
+@pytest.mark.parametrize(("point", "wrap"), [("forward", "tm"), ("backward", "tm"), ("backward", "torch")])
+def test_the_survivor_stops_the_doomed_step_at_once(tmp_path: Path, reference: str, point: str, wrap: str) -> None:
+    """wrap="torch": the script wraps its model in DistributedDataParallel itself and gives it to
+    tm.track (no tm.ddp): stopped the same way, same bits as tm.ddp's run without the failure."""
+    final, rows = _run(tmp_path / f"{point}-{wrap}", "--inject-failure", f"rank=1,step={FAIL_STEP},at={point}",
+                       wrap=wrap)
     assert final == reference, "final state (model, optimizer, scheduler, scaler, loader) differs"
     steps = [int(r[0]) for r in rows]
     assert steps == [0, 1, FAIL_STEP, *range(FAIL_STEP, STEPS)], steps  # only the step in flight redone

@@ -95,6 +95,8 @@ def main() -> None:
     parser.add_argument("--slow", type=float, default=0.05)
     parser.add_argument("--log", required=True)
     parser.add_argument("--final", required=True)
+    parser.add_argument("--wrap", choices=("tm", "torch"), default="tm",
+                        help="tm: tm.ddp; torch: the script's own DistributedDataParallel, given to tm.track")
     args = parser.parse_args()
 
     tm = tmrun.init()
@@ -102,7 +104,10 @@ def main() -> None:
     blocks: list[torch.nn.Module] = []
     for _ in range(args.layers):
         blocks += [torch.nn.Linear(16, 16), Slow(args.slow)]
-    model = tm.ddp(torch.nn.Sequential(*blocks))
+    if args.wrap == "tm":
+        model = tm.ddp(torch.nn.Sequential(*blocks))
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(*blocks))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)

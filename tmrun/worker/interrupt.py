@@ -5,7 +5,8 @@ Once a step is *doomed* (``ctx.aborted_by`` is set: a collective lost a peer, or
 communicator's watcher thread saw the loss while this rank computed, see
 :mod:`tmrun.worker.loss_watch`), the rest of its compute is wasted: its gradients will never be
 applied and ``steps()`` yields the step again after the recovery. :class:`StepInterrupter` cuts
-that waste short, for the models given to ``tm.ddp``:
+that waste short, for the DDP models of the job (``tm.ddp``'s, or the script's own
+``DistributedDataParallel`` given to ``tm.track``):
 
 * **forward**: a check at the entry of every submodule's forward (a forward pre-hook). In a
   doomed step it raises :class:`StepInterrupted`, which the DDP model's own forward catches

@@ -53,7 +53,7 @@ class Runtime:
         self._migration = Migration(ctx, self._recovery)
         self._standby = Standby(ctx, self._recovery, self._migration)
         self._loop = StepLoop(ctx, self._recovery, self._migration, self._standby)
-        self._hooked: set[int] = set()  # tracked FSDP2 modules given the failure drills' hooks
+        self._hooked: set[int] = set()  # DDP and tracked FSDP2 modules given the failure drills' hooks
         ctx.connect(on_comm_failure=self._recovery.on_comm_failure, on_term=self._standby.on_term)
         if ctx.in_place:  # a loss dooms the step at once (tmrun.worker.interrupt)
             LossWatcher(group.comm, self._recovery.on_loss_seen).start()
@@ -116,11 +116,22 @@ class Runtime:
         """``DistributedDataParallel`` over the job's group (:func:`tmrun.comm.ddp.wrap`), with the
         "forward" and "backward" failure drills."""
         drills.install_hooks(module, self._ctx.fire)
-        self._ctx.ddp_used = True
         model = tmrun_ddp.wrap(module, group.process_group(), **kwargs)
+        self._adopt_ddp(model, drills_installed=True)
+        return model
+
+    def _adopt_ddp(self, model: torch.nn.parallel.DistributedDataParallel, drills_installed: bool = False) -> None:
+        """A DDP model of this job, from ``tm.ddp`` or wrapped by the script and given to
+        ``tm.track``: failure drills, the standby's DDP warm-up and, in place, the stop of a
+        doomed step at the next layer."""
+        if id(model) in self._hooked:
+            return
+        self._hooked.add(id(model))
+        if not drills_installed:
+            drills.install_hooks(model.module, self._ctx.fire)
+        self._ctx.ddp_used = True
         if self._ctx.in_place:
             self._ctx.interrupter.install(model)  # a doomed step stops at the next layer
-        return model
 
     def track(self, **objects: Any) -> None:
         """What a joiner receives: modules, optimizers, objects with ``state_dict`` /
@@ -128,7 +139,9 @@ class Runtime:
         stepped as ``opt.step()`` and is guarded (:mod:`tmrun.worker.optimizer`)."""
         self._ctx.tracked.track(**objects)
         for obj in objects.values():
-            if self._ctx.in_place and drills.is_sharded(obj) and id(obj) not in self._hooked:
+            if isinstance(obj, torch.nn.parallel.DistributedDataParallel):
+                self._adopt_ddp(obj)  # wrapped by the script itself rather than by tm.ddp
+            elif self._ctx.in_place and drills.is_sharded(obj) and id(obj) not in self._hooked:
                 self._hooked.add(id(obj))
                 drills.install_sharded_hooks(obj, self._ctx.fire)  # the "forward" and "backward" drills
             if isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, guarded.GuardedOptimizer):
