@@ -307,7 +307,10 @@ def test_joiner_killed_during_a_migration(tmp_path: Path, migration_reference: s
     assert final == migration_reference, log
     assert "falling back" not in log, log
     assert "nobody to hand over to: leaving" in log, log
-    assert "lost a member during the migration's switch" in log, log
+    # rank 0 lost the joiner in the switch, or (the newer generation out before it got there)
+    # skipped the switch: either way it recovers in place into generation 2
+    assert ("lost a member during the migration's switch" in log
+            or "rank 0: generation 2 superseded generation 1" in log), log
     assert re.search(r"in-place replacement, generation 2: rank 1 \(pid \d+, signal SIGKILL\)", log), log
     for rank in (0, 1):
         done = [s for s, _ in by_rank[rank]]

@@ -317,3 +317,36 @@ def test_hsdp_joiner_killed_during_a_planned_migration(tmp_path: Path, reference
     assert "falling back" not in log and "Traceback" not in log, log[-6000:]
     for rank in (0, 2, 3):
         assert len({pid for _, pid in _steps(work, rank)}) == 1, (rank, _steps(work, rank))
+
+
+def test_hsdp_leaver_killed_during_the_handover(tmp_path: Path, reference: list[str]) -> None:
+    """Rank 1 asks to be moved and is SIGKILLed once its joiner is connected, before it handed
+    anything over: the joiner heals from rank 3 (its shard's replica) instead, in the planned
+    generation; the groups are repaired as in any migration. Every rank's final digest equals
+    torchrun's; no group restart, no traceback, the survivors keep their processes."""
+    work = tmp_path / "leaverkill"
+    log = _tmrun(work, "--standby", "1", "--inject-failure", "rank=1,at=handover",
+                 script=[*SCRIPT, "--migrate-at", "1", "--migrate-rank", "1", "--step-time", "1.5"])
+    assert _finals(work) == reference, log[-6000:]
+    assert "planned migration, generation 1: rank 1" in log, log[-6000:]
+    assert "the leaver's handover failed" in log and "healing from the other ranks instead" in log, log[-6000:]
+    assert re.search(r"rank 1: recovered into generation 1 .*from 1 donor", log), log[-6000:]
+    assert "falling back" not in log and "Traceback" not in log, log[-6000:]
+    for rank in (0, 2, 3):
+        assert len({pid for _, pid in _steps(work, rank)}) == 1, (rank, _steps(work, rank))
+
+
+def test_hsdp_survivor_killed_at_the_switch(tmp_path: Path, reference: list[str]) -> None:
+    """Rank 1 asks to be moved; rank 2 (staying, a replica of rank 0's shard) is SIGKILLed once
+    it prepared its links to the joiner, before the switch: the controller replaces it with the
+    other standby in an unplanned generation, healed from rank 0. Every rank's final digest
+    equals torchrun's; no group restart, no traceback, ranks 0 and 3 keep their processes."""
+    work = tmp_path / "survivorkill"
+    log = _tmrun(work, "--standby", "2", "--inject-failure", "rank=2,at=switch",
+                 script=[*SCRIPT, "--migrate-at", "1", "--migrate-rank", "1", "--step-time", "1.5"])
+    assert _finals(work) == reference, log[-6000:]
+    assert "planned migration, generation 1: rank 1" in log, log[-6000:]
+    assert re.search(r"in-place replacement, generation 2: rank 2 \(pid \d+, signal SIGKILL\)", log), log[-6000:]
+    assert "falling back" not in log and "Traceback" not in log, log[-6000:]
+    for rank in (0, 3):
+        assert len({pid for _, pid in _steps(work, rank)}) == 1, (rank, _steps(work, rank))

@@ -76,14 +76,14 @@ class Migration:
             self._hand_over(plan, switch_at, rng.capture())
         ctx.loss_noticed = time.time()  # a migration's "noticed": training stopped at the switch
         ctx.life.to(Role.SWITCHING)
-        touched, untouched = subgroups.split(plan.replaced.keys())
         try:
-            if (touched or untouched) and ctx.newest_gen() > plan.gen:
-                # a job with subgroups whose joiner was lost before the switch (the controller
-                # replaced it meanwhile): no survivor commits toward the dead joiner (each would
-                # wait out its connect timeout, and the ones still in the switch would then count
-                # the others lost); all recover into the newer generation, which replaces the
-                # links prepared for this one
+            if ctx.newest_gen() > plan.gen:
+                # a member was lost before the switch (the joiner, or a rank that stays; the
+                # controller published a newer generation meanwhile, in which a live joiner takes
+                # the leaver's rank again): no survivor commits toward this generation's joiner
+                # (each would wait out its connect timeout, and the ones still in the switch would
+                # then count the others lost); all recover into the newer generation, which
+                # replaces the links prepared for this one
                 raise Superseded(plan.gen, ctx.newest_gen(), "the migration's switch")
             # phase 2, at the step boundary. Every group moves to the plan's generation, in the
             # order of a recovery (docs/mesh.md, section 2): the subgroups without the leaver

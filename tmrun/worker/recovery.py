@@ -181,6 +181,11 @@ class Recovery:
                 self.on_replaced(plan)  # never returns
             ctx.fire("recovery")  # drills: a survivor lost once the plan is out, before its links
             try:
+                if ctx.newest_gen() > plan.gen:
+                    # a member was lost while this plan's generation was still under way: its
+                    # joiners (a migration's too) take their rank again in the newer generation and
+                    # no longer connect for this one; nobody commits toward them here
+                    raise Superseded(plan.gen, ctx.newest_gen(), "its recovery")
                 comm = group.comm()
                 # the native communicator's "epoch" is the generation
                 replaced = self._folded | set(plan.replaced.keys())

@@ -287,7 +287,10 @@ class ProcessReplacement:
         for rank, member in carried.items():
             say(f"generation {self.gen}: rank {rank}'s joiner (standby {member.index}, pid {member.process.pid}) "
                 f"had not recovered into generation {self.gen - 1}: it reconnects for generation {self.gen}")
-        self._joining = {} if planned else {**moves, **carried}
+        # a generation's joiners, planned ones included: a failure before they all recovered gives
+        # them their rank again in the unplanned generation that follows (a migration's joiner
+        # too: its leaver, superseded, leaves without handing over and the joiner is healed)
+        self._joining = {**moves, **carried}
 
     def _abandon(self, failed: dict[int, int], why: str) -> Outcome:
         say(f"{_ranks(failed)} failed and {why}: falling back to restarting the worker group (as torchrun)")
