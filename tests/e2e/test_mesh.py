@@ -295,6 +295,21 @@ def test_hsdp_failure_then_planned_migration(tmp_path: Path, reference: list[str
     _check_committed(_steps(work, 2), processes=2, rank=2, failed=frozenset({1}))  # killed, then its joiner
 
 
+def _migrate_with_failure(work: Path, reference: list[str], standby: int, injection: str,
+                          staying: tuple[int, ...]) -> str:
+    """Rank 1 asks to be moved after step 1 (paced steps) while ``injection`` strikes: every
+    rank's final digest equals torchrun's, the migration was planned, no group restart, no
+    traceback, and the ``staying`` ranks kept their processes. Returns the log."""
+    log = _tmrun(work, "--standby", str(standby), "--inject-failure", injection,
+                 script=[*SCRIPT, "--migrate-at", "1", "--migrate-rank", "1", "--step-time", "1.5"])
+    assert _finals(work) == reference, log[-6000:]
+    assert "planned migration, generation 1: rank 1" in log, log[-6000:]
+    assert "falling back" not in log and "Traceback" not in log, log[-6000:]
+    for rank in staying:
+        assert len({pid for _, pid in _steps(work, rank)}) == 1, (rank, _steps(work, rank))
+    return log
+
+
 def test_hsdp_joiner_killed_during_a_planned_migration(tmp_path: Path, reference: list[str]) -> None:
     """Rank 1 asks to be moved; its joiner (promoted in tmrun.init()) is SIGKILLed at once, while
     rank 1 still trains: the controller replaces it with the other standby in an unplanned
@@ -304,19 +319,12 @@ def test_hsdp_joiner_killed_during_a_planned_migration(tmp_path: Path, reference
     traceback, the survivors keep their processes. (The links prepared for the dead joiner end
     when the newer generation's links are prepared, not at their connect timeout: counted in
     tests/native/test_replacement.py.)"""
-    work = tmp_path / "joinerkill"
-    log = _tmrun(work, "--standby", "2", "--inject-failure", "rank=1,who=joiner",
-                 script=[*SCRIPT, "--migrate-at", "1", "--migrate-rank", "1", "--step-time", "1.5"])
-    assert _finals(work) == reference, log[-6000:]
-    assert "planned migration, generation 1: rank 1" in log, log[-6000:]
+    log = _migrate_with_failure(tmp_path / "joinerkill", reference, 2, "rank=1,who=joiner", staying=(0, 2, 3))
     assert re.search(r"in-place replacement, generation 2: rank 1 \(pid \d+, signal SIGKILL\)", log), log[-6000:]
     # the survivors see the newer generation at the switch step, or (the joiner killed before
     # they got there) while waiting for its address in the default group: either way, in place
     assert re.search(r"rank [023]: generation 2 superseded generation 1 while waiting for", log), log[-6000:]
     assert "nobody to hand over to: leaving" in log, log[-6000:]
-    assert "falling back" not in log and "Traceback" not in log, log[-6000:]
-    for rank in (0, 2, 3):
-        assert len({pid for _, pid in _steps(work, rank)}) == 1, (rank, _steps(work, rank))
 
 
 def test_hsdp_leaver_killed_during_the_handover(tmp_path: Path, reference: list[str]) -> None:
@@ -324,16 +332,9 @@ def test_hsdp_leaver_killed_during_the_handover(tmp_path: Path, reference: list[
     anything over: the joiner heals from rank 3 (its shard's replica) instead, in the planned
     generation; the groups are repaired as in any migration. Every rank's final digest equals
     torchrun's; no group restart, no traceback, the survivors keep their processes."""
-    work = tmp_path / "leaverkill"
-    log = _tmrun(work, "--standby", "1", "--inject-failure", "rank=1,at=handover",
-                 script=[*SCRIPT, "--migrate-at", "1", "--migrate-rank", "1", "--step-time", "1.5"])
-    assert _finals(work) == reference, log[-6000:]
-    assert "planned migration, generation 1: rank 1" in log, log[-6000:]
+    log = _migrate_with_failure(tmp_path / "leaverkill", reference, 1, "rank=1,at=handover", staying=(0, 2, 3))
     assert "the leaver's handover failed" in log and "healing from the other ranks instead" in log, log[-6000:]
     assert re.search(r"rank 1: recovered into generation 1 .*from 1 donor", log), log[-6000:]
-    assert "falling back" not in log and "Traceback" not in log, log[-6000:]
-    for rank in (0, 2, 3):
-        assert len({pid for _, pid in _steps(work, rank)}) == 1, (rank, _steps(work, rank))
 
 
 def test_hsdp_survivor_killed_at_the_switch(tmp_path: Path, reference: list[str]) -> None:
@@ -341,12 +342,8 @@ def test_hsdp_survivor_killed_at_the_switch(tmp_path: Path, reference: list[str]
     it prepared its links to the joiner, before the switch: the controller replaces it with the
     other standby in an unplanned generation, healed from rank 0. Every rank's final digest
     equals torchrun's; no group restart, no traceback, ranks 0 and 3 keep their processes."""
-    work = tmp_path / "survivorkill"
-    log = _tmrun(work, "--standby", "2", "--inject-failure", "rank=2,at=switch",
-                 script=[*SCRIPT, "--migrate-at", "1", "--migrate-rank", "1", "--step-time", "1.5"])
-    assert _finals(work) == reference, log[-6000:]
-    assert "planned migration, generation 1: rank 1" in log, log[-6000:]
+    log = _migrate_with_failure(tmp_path / "survivorkill", reference, 2, "rank=2,at=switch", staying=(0, 3))
     assert re.search(r"in-place replacement, generation 2: rank 2 \(pid \d+, signal SIGKILL\)", log), log[-6000:]
-    assert "falling back" not in log and "Traceback" not in log, log[-6000:]
-    for rank in (0, 3):
-        assert len({pid for _, pid in _steps(work, rank)}) == 1, (rank, _steps(work, rank))
+    assert re.search(r"generation 2: rank 1's joiner \(standby 0, pid \d+\) had not recovered into generation 1: "
+                     r"it reconnects for generation 2", log), log[-6000:]
+    assert "generation 3" not in log, log[-6000:]  # one generation for the loss, the joiner carried
