@@ -46,6 +46,18 @@ def make(tmp_path: Path, pool: FakePool, world: int = 2, replacements: int = 3, 
     return store, controller
 
 
+def api_job(tmp_path: Path, pool: FakePool, processes: dict[int, subprocess.Popen[bytes]]):
+    """A controller over ``processes`` whose ranks run the worker API (migrations allowed), with
+    the job's events store (where migration requests arrive)."""
+    store = dist.HashStore()
+    job = dist.HashStore()
+    controller = ProcessReplacement(store, pool, len(processes), 0.0, 3, job, str(tmp_path / "gen"))  # type: ignore[arg-type]
+    controller.adopt(processes)
+    store.set(keys.API, "1")
+    store.add(keys.MEMBERS, len(processes))
+    return store, job, controller
+
+
 def wait_exit(process: subprocess.Popen[bytes]) -> None:
     process.wait(timeout=30)
 
@@ -134,12 +146,7 @@ def test_migration_requests(tmp_path: Path, procs) -> None:  # type: ignore[no-u
     a, b, standby = (child("import time; time.sleep(60)") for _ in range(3))
     procs += [a, b, standby]
     pool = FakePool([FakeMember(2, standby)])
-    store = dist.HashStore()
-    job = dist.HashStore()
-    controller = ProcessReplacement(store, pool, 2, 0.0, 3, job, str(tmp_path / "gen"))  # type: ignore[arg-type]
-    controller.adopt({0: a, 1: b})
-    store.set(keys.API, "1")
-    store.add(keys.MEMBERS, 2)
+    store, job, controller = api_job(tmp_path, pool, {0: a, 1: b})
     proto.request_migration(job, 5)  # no such rank: refused, nothing published
     controller.step()
     assert not store.check([keys.plan(1)])
@@ -210,3 +217,29 @@ def test_a_migration_in_a_job_with_subgroups_is_planned_like_any_other(tmp_path:
     assert proto.Assignment.decode("a", store.get(keys.standby_assign(2))) == proto.Assignment(1, 1, planned=True)
     assert controller.slots[1].process is standby and [s.process for s in controller.slots.leavers] == [b]
     assert "migrate-refused" not in job.get(keys.event(0)).decode()
+
+
+def test_a_loss_before_a_migrations_switch_cancels_it(tmp_path: Path, procs) -> None:  # type: ignore[no-untyped-def]
+    """Rank 1 migrates to standby 2 (planned generation 1); rank 0 dies before the switch (generation
+    1 still recovering): generation 2 replaces rank 0 with standby 3 and gives rank 1 back to its
+    own process (``returned``), which keeps the state; the migration's joiner is stopped (SIGTERM).
+    Once generation 2 recovered, a later loss no longer touches that migration."""
+    a, b, joiner, spare = (child("import time; time.sleep(60)") for _ in range(4))
+    procs += [a, b, joiner, spare]
+    pool = FakePool([FakeMember(2, joiner), FakeMember(3, spare)])
+    store, job, controller = api_job(tmp_path, pool, {0: a, 1: b})
+    store.set(keys.standby_ready(2), "{}")
+    proto.request_migration(job, 1, "drain")
+    controller.step()
+    assert controller.slots[1].process is joiner
+    store.set(keys.standby_ready(3), "{}")
+    a.kill()
+    wait_exit(a)
+    controller.step()
+    plan = proto.ReplacementPlan.decode("p", store.get(keys.plan(2)))
+    assert plan.replaced == {0: 3} and not plan.planned and plan.returned == (1,)
+    assert controller.slots[1].process is b and controller.slots[0].process is spare
+    assert joiner.wait(timeout=30) == -15  # stopped: it never played the rank
+    assert b.poll() is None and controller.slots.leavers == []
+    events = [job.get(keys.event(i)).decode() for i in range(job.add(keys.EVENT_SEQ, 0))]
+    assert any("migrate-cancelled" in e for e in events), events

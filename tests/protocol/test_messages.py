@@ -13,6 +13,9 @@ from tmrun.worker.drills import DrillRunner, InjectedFailure
 def test_plan_round_trip() -> None:
     plan = proto.ReplacementPlan(gen=3, world_size=8, replaced={5: 2, 6: 3}, reason="x", planned=True)
     assert proto.ReplacementPlan.decode("k", plan.encode()) == plan
+    cancelling = proto.ReplacementPlan(gen=4, world_size=8, replaced={2: 4}, returned=(5,))
+    assert proto.ReplacementPlan.decode("k", cancelling.encode()).returned == (5,)
+    assert proto.ReplacementPlan.decode("k", '{"gen": 1, "world_size": 2, "replaced": {"1": 0}}').returned == ()
 
 
 @pytest.mark.parametrize(
@@ -26,6 +29,10 @@ def test_plan_round_trip() -> None:
         ('{"gen": 1, "world_size": 2, "replaced": {"2": 0}}', "bad replacement"),
         ('{"gen": 1, "world_size": 2, "replaced": {"1": -1}}', "bad replacement"),
         ('{"gen": true, "world_size": 2, "replaced": {"1": 0}}', "gen"),
+        ('{"gen": 2, "world_size": 2, "replaced": {"1": 0}, "returned": [1]}', "returned"),  # both moved and kept
+        ('{"gen": 2, "world_size": 2, "replaced": {"1": 0}, "returned": [2]}', "returned"),
+        ('{"gen": 2, "world_size": 2, "replaced": {"1": 0}, "returned": "0"}', "returned"),
+        ('{"gen": 2, "world_size": 2, "replaced": {"1": 0}, "returned": [true]}', "returned"),
     ],
 )
 def test_bad_plans_are_refused_with_the_key(raw: bytes | str, match: str) -> None:

@@ -164,6 +164,10 @@ class Detection:
         self._local[rank] = local_rank
         self._bad_gpus.pop(rank, None)
 
+    def local_rank(self, rank: int) -> int | None:
+        """The local rank (device) ``rank`` runs on, as far as this detection knows."""
+        return self._local.get(rank)
+
     def poll(self, pids: dict[int, int], busy: bool, now: float | None = None) -> Findings:
         """``pids``: rank -> pid of its current process (running ones); ``busy``: a change is under
         way (no hang or straggler verdict then: everyone waits for it)."""

@@ -47,7 +47,7 @@ def enrich(event: dict[str, Any]) -> dict[str, Any]:
         match = _SECONDS.search(detail)
         if match:
             out["seconds"] = float(match.group(1))
-    if "ranks" not in out and kind in ("replace", "migrate", "migrate-refused", "fallback", "failure"):
+    if "ranks" not in out and kind in ("replace", "migrate", "migrate-refused", "migrate-cancelled", "fallback", "failure"):
         found = re.findall(r"(\d+)\s*->\s*standby", detail) or _RANKS.findall(detail)
         if found:
             out["ranks"] = sorted({int(r) for r in found})

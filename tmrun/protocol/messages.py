@@ -87,10 +87,14 @@ class ReplacementPlan:
     reason: str = ""
     planned: bool = False  # a migration (the leaver donates, nothing is recomputed)
     created: float = 0.0
+    # ranks whose move in the superseded planned generation before this one is void: the
+    # migration had not switched when a member was lost, and its leaver keeps the rank
+    returned: tuple[int, ...] = ()
 
     def encode(self) -> str:
         data = asdict(self)
         data["replaced"] = {str(rank): sid for rank, sid in self.replaced.items()}
+        data["returned"] = list(self.returned)
         return json.dumps(data)
 
     @classmethod
@@ -117,7 +121,16 @@ class ReplacementPlan:
             reason=str(data.get("reason", "")),
             planned=bool(data.get("planned", False)),
             created=_float(key, data, "created"),
+            returned=_returned(key, data, world, replaced),
         )
+
+
+def _returned(key: str, data: dict[str, Any], world: int, replaced: dict[int, int]) -> tuple[int, ...]:
+    raw = data.get("returned", [])
+    if not isinstance(raw, list) or not all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < world
+                                           and r not in replaced for r in raw):
+        raise ProtocolMessageError(f"{key}: field 'returned' must list ranks below {world} that are not replaced")
+    return tuple(sorted(set(raw)))
 
 
 @dataclass(frozen=True)

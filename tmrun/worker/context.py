@@ -216,6 +216,18 @@ class Context:
             newest = max(newest, proto.read_gen(self.require_store()))
         return newest
 
+    def returned_after(self, gen: int) -> set[int]:
+        """Ranks that a generation newer than ``gen`` gave back to their process: the migration
+        of a superseded planned generation was cancelled before its switch (the leaver keeps
+        its rank)."""
+        store = self.require_store()
+        returned: set[int] = set()
+        for newer in range(gen + 1, self.newest_gen() + 1):
+            key = keys.plan(newer)
+            if store.check([key]):
+                returned.update(proto.ReplacementPlan.decode(key, store.get(key)).returned)
+        return returned
+
     def address_getter(self, gen: int) -> Callable[[Any, str], str]:
         """How a change to generation ``gen`` waits for a peer's address (the native bootstrap,
         :mod:`tmrun.comm.native`): polled, and given up at once (:class:`Superseded`) when the

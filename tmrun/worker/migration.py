@@ -72,8 +72,14 @@ class Migration:
             raise RecoveryError(f"rank {ctx.rank} passed the switch step {switch_at} of generation {plan.gen}")
         started = time.monotonic()
         if leaving:
-            settle_heal(ctx, skip=plan.replaced.keys(), in_change=True)  # nobody reads this process any more
-            self._hand_over(plan, switch_at, rng.capture())
+            try:
+                if ctx.rank in ctx.returned_after(plan.gen):  # a member was lost: the migration is cancelled
+                    raise Superseded(plan.gen, ctx.newest_gen(), "the migration's switch")
+                settle_heal(ctx, skip=plan.replaced.keys(), in_change=True)  # nobody reads this process any more
+                self._hand_over(plan, switch_at, rng.capture())
+            except Superseded as exc:  # this rank stays: it recovers into the newer generation
+                self._recovery.superseded(plan, exc)
+                return self._recovery.recover()
         ctx.loss_noticed = time.time()  # a migration's "noticed": training stopped at the switch
         ctx.life.to(Role.SWITCHING)
         try:
@@ -141,17 +147,22 @@ class Migration:
     def _hand_over(self, plan: proto.ReplacementPlan, switch_at: int, rng_state: Any) -> NoReturn:
         """ACTIVE (or RECOVERING) -> LEAVING: stream the state to the joiner (the model first,
         then the optimizer's state, which the joiner receives while it computes), then leave
-        cleanly. ``rng_state``: the random state the joiner's first step starts from."""
+        cleanly. ``rng_state``: the random state the joiner's first step starts from. Raises
+        :class:`Superseded` (still ACTIVE or RECOVERING) when a newer generation cancelled the
+        migration before the joiner connected: this rank stays."""
         ctx = self._ctx
-        ctx.life.to(Role.LEAVING)
         started = time.monotonic()
         try:
             handoff = self._handoff_comm(plan.gen, 0)
         except Superseded as exc:
+            if ctx.rank in ctx.returned_after(plan.gen):
+                raise  # a member was lost before the switch: the migration is cancelled, this rank stays
             # the joiner was lost before it connected: the newer generation gives this rank to
             # another standby, which heals from the other ranks; nothing is left to hand over
+            ctx.life.to(Role.LEAVING)
             log(f"rank {ctx.rank}: {exc}; nobody to hand over to: leaving")
             leave()
+        ctx.life.to(Role.LEAVING)
         try:
             ctx.fire("handover")
             meta = {"committed_step": switch_at, "rng": rng_state}

@@ -155,7 +155,7 @@ class Recovery:
         """A newer generation was published while this rank prepared for ``plan`` (a member was
         lost meanwhile): skip ``plan``'s change; its joiners' links are replaced in the next."""
         ctx = self._ctx
-        self._folded.update(plan.replaced.keys())
+        self._folded.update(set(plan.replaced.keys()) - ctx.returned_after(plan.gen))  # not the cancelled moves
         with self._lock:
             ctx.gen = max(ctx.gen, plan.gen)
             ctx.aborted_by = None
@@ -177,8 +177,13 @@ class Recovery:
             key = keys.plan(ctx.gen + 1)
             raw = ctx.await_key(key, started + ctx.env.recovery_timeout, poll=FAST_POLL)
             plan = proto.ReplacementPlan.decode(key, raw)
-            if ctx.rank in plan.replaced and self.on_replaced is not None:
-                self.on_replaced(plan)  # never returns
+            if ctx.rank in plan.replaced and self.on_replaced is not None \
+                    and ctx.rank not in ctx.returned_after(plan.gen):
+                try:
+                    self.on_replaced(plan)  # never returns, unless a newer generation gives the rank back
+                except Superseded as exc:  # this leaver's migration was cancelled before its switch
+                    self.superseded(plan, exc)
+                    continue
             ctx.fire("recovery")  # drills: a survivor lost once the plan is out, before its links
             try:
                 if ctx.newest_gen() > plan.gen:

@@ -266,6 +266,10 @@ class Standby:
             # this joiner's links were up): the controller published a newer one, which gives
             # this joiner its rank again and whose members replace its links too
             raise Rejoin(ctx.await_reassignment(assignment.gen, str(exc))) from None
+        except native.CommError as exc:
+            # a member died while the links came up: the controller replaces it in a newer
+            # generation, which gives this joiner its rank again (or cancels its migration)
+            raise Rejoin(ctx.await_reassignment(assignment.gen, f"lost a member while connecting ({exc})")) from None
         connected = time.time()
         old = group.attach_replacing(comm)
         if old is not None:

@@ -131,13 +131,14 @@ class Generations:
     def current(self) -> int:
         return proto.read_gen(self._store)
 
-    def publish(self, world_size: int, replaced: dict[int, int], reason: str, planned: bool) -> int:
+    def publish(self, world_size: int, replaced: dict[int, int], reason: str, planned: bool,
+                returned: tuple[int, ...] = ()) -> int:
         """Generation current+1, in which each rank of ``replaced`` is played by the standby it
         maps to. The assignments go first (the joiners connect while the survivors read the
         plan), the generation file last (a worker that sees it finds the plan)."""
         gen = self.current() + 1
         plan = proto.ReplacementPlan(gen, world_size, dict(replaced), reason=reason, planned=planned,
-                                     created=time.time())
+                                     created=time.time(), returned=tuple(returned))
         for rank, standby_id in replaced.items():
             self._store.set(keys.standby_assign(standby_id), proto.Assignment(rank, gen, planned=planned).encode())
         self._store.set(keys.plan(gen), plan.encode())
@@ -403,6 +404,13 @@ class Slots:
         if leaving:
             self.leavers.append(old)
         return old
+
+    def give_back(self, rank: int, leaver: Slot) -> None:
+        """A migration cancelled before its switch: ``leaver`` (still running) plays ``rank``
+        again; the joiner's slot is dropped (the caller stops its process)."""
+        if leaver in self.leavers:
+            self.leavers.remove(leaver)
+        self.by_rank[rank] = leaver
 
     def reap_leavers(self) -> None:
         for slot in list(self.leavers):

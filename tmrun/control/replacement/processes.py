@@ -81,6 +81,11 @@ class ProcessReplacement:
         # its rank again, so that every member replaces its links the same way (the joiner
         # reconnects for the new generation instead of waiting for a dead rank's address)
         self._joining: dict[int, StandbyProcess] = {}
+        # rank -> (its joiner, its leaver's slot) of the last planned generation, while it
+        # recovers: a member lost before the migration switched cancels it (the leaver, the
+        # holder of the rank's state, keeps the rank; the joiner is stopped)
+        self._migrating: dict[int, tuple[StandbyProcess, core.Slot, int | None]] = {}  # + the leaver's local rank
+        self._cancelled: list[StandbyProcess] = []  # stopped joiners of cancelled migrations, not reaped yet
 
     def adopt(self, processes: dict[int, subprocess.Popen[bytes]]) -> None:
         """The worker group just started: ``processes`` rank -> its process."""
@@ -98,6 +103,7 @@ class ProcessReplacement:
         self._detect()
         self._recovered(final=False)
         self.slots.reap_leavers()
+        self._cancelled = [member for member in self._cancelled if member.process.poll() is None]
         for request in self._migrations.requests(lambda: bool(self._recoveries) or not self.enabled()):
             if isinstance(request, proto.ProtocolMessageError):
                 say(f"ignored a malformed migration request: {request}")
@@ -270,23 +276,44 @@ class ProcessReplacement:
                      asked: float = 0.0) -> None:
         """Publish ONE generation in which each standby of ``moves`` plays its rank."""
         carried: dict[int, StandbyProcess] = {}
+        returned: dict[int, tuple[StandbyProcess, core.Slot, int | None]] = {}
         if self._recoveries and not planned:
+            for rank, (joiner, leaver, local) in self._migrating.items():
+                slot = self.slots.get(rank)
+                if rank not in moves and leaver.poll() is None and slot is not None and slot.process is joiner.process:
+                    returned[rank] = (joiner, leaver, local)
             for rank, member in self._joining.items():
                 slot = self.slots.get(rank)
-                if rank not in moves and member.process.poll() is None and slot is not None \
-                        and slot.process is member.process:
+                if rank not in moves and rank not in returned and member.process.poll() is None \
+                        and slot is not None and slot.process is member.process:
                     carried[rank] = member
         assigned = {r: m.index for r, m in {**moves, **carried}.items()}
-        self.gen = self._generations.publish(self._world_size, assigned, reason, planned)
+        previous = self.gen
+        self.gen = self._generations.publish(self._world_size, assigned, reason, planned, returned=tuple(returned))
         self._recoveries.begin(self._store, self.gen, self._world_size, started, asked=asked)
+        migrating: dict[int, tuple[StandbyProcess, core.Slot, int | None]] = {}
         for rank, member in moves.items():
             self._pool.take(member)
-            self.slots.replace(rank, member.process, leaving=planned)
+            old = self.slots.replace(rank, member.process, leaving=planned)
+            if planned:
+                migrating[rank] = (member, old, self.detection.local_rank(rank) if self.detection is not None else None)
             if self.detection is not None:
                 self.detection.moved(rank, member.local_rank)  # its GPU's health is the rank's now
         for rank, member in carried.items():
             say(f"generation {self.gen}: rank {rank}'s joiner (standby {member.index}, pid {member.process.pid}) "
                 f"had not recovered into generation {self.gen - 1}: it reconnects for generation {self.gen}")
+        for rank, (joiner, leaver, local) in returned.items():
+            self.slots.give_back(rank, leaver)
+            if self.detection is not None and local is not None:
+                self.detection.moved(rank, local)
+            joiner.process.terminate()  # it waits for links of the cancelled generation: it stops (SIGTERM)
+            self._cancelled.append(joiner)
+            say(f"generation {self.gen}: the migration of rank {rank} (generation {previous}) had not switched: "
+                f"cancelled; its process (pid {leaver.pid}) keeps the rank, the joiner (standby {joiner.index}, "
+                f"pid {joiner.process.pid}) is stopped")
+            record_event(self._events, "migrate-cancelled", self.gen,
+                         f"rank {rank}: a member was lost before the switch of generation {previous}")
+        self._migrating = migrating
         # a generation's joiners, planned ones included: a failure before they all recovered gives
         # them their rank again in the unplanned generation that follows (a migration's joiner
         # too: its leaver, superseded, leaves without handing over and the joiner is healed)
