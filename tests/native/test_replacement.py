@@ -170,40 +170,76 @@ def test_replacement_while_collectives_run():
         close_all(comms)
 
 
+def _prepared_toward_a_lost_joiner(job: str, victim: int = 1, n: int = 3) -> list:
+    """A group (connect_timeout 10 minutes) whose survivors prepared epoch 1 toward a joiner of
+    ``victim`` that is gone before it connected (its port refuses, it never dials)."""
+    comms = make_group(n, job=job, connect_timeout=600.0)
+    lost = tn.Communicator(victim, n, job, 1, tn.Options(timeout=5.0))
+    lost_address = lost.address
+    lost.close()
+    for c in comms:
+        if c.rank != victim:
+            c.prepare([victim], {victim: lost_address}, 1)
+    return comms
+
+
+def _replace_with_another_joiner(comms: list, job: str, commit, victim: int = 1) -> list:
+    """Epoch 2: a live joiner for ``victim``; the survivors prepare and ``commit(c)``; returns the
+    new group, checked with an allreduce."""
+    n = len(comms)
+    joiner = tn.Communicator(victim, n, job, 2, tn.Options(timeout=5.0))
+    group = [joiner if r == victim else comms[r] for r in range(n)]
+    full = [c.address for c in group]
+
+    def body(c) -> None:
+        if c is joiner:
+            c.connect(full)
+        else:
+            c.prepare([victim], {victim: joiner.address}, 2)
+            commit(c)
+
+    run_ranks(group, body, timeout=60)
+    comms[victim].close()
+    check_allreduce(group, tag=2)
+    return group
+
+
 def test_a_newer_prepare_ends_the_pending_one_toward_a_lost_joiner():
     """A joiner lost before the switch: the controller replaces it, and every survivor's prepare()
     for the newer epoch ends the pending dials (rank 0, below the joiner) and waits (rank 2,
     above it) toward the dead joiner at once, instead of after connect_timeout (here 10 minutes,
     far beyond run_ranks' bound, so the old behaviour fails this test as a hang). The group then
     commits with the second joiner and works."""
-    n, victim, job = 3, 1, "superseded"
-    comms = make_group(n, job=job, connect_timeout=600.0)
+    comms = _prepared_toward_a_lost_joiner("superseded")
     try:
-        lost = tn.Communicator(victim, n, job, 1, tn.Options(timeout=5.0))
-        lost_address = lost.address
-        lost.close()  # gone before it connected: its port refuses, it never dials
-        survivors = [c for c in comms if c.rank != victim]
-        for c in survivors:
-            c.prepare([victim], {victim: lost_address}, 1)
+        survivors = [comms[0], comms[2]]
         assert not any(c.prepare_done() for c in survivors)
-        joiner = tn.Communicator(victim, n, job, 2, tn.Options(timeout=5.0))
-        group = [joiner if r == victim else comms[r] for r in range(n)]
-        full = [c.address for c in group]
-
-        def body(c) -> None:
-            if c is joiner:
-                c.connect(full)
-            else:
-                c.prepare([victim], {victim: joiner.address}, 2)
-                c.commit()
-
-        run_ranks(group, body, timeout=60)
-        comms[victim].close()
-        comms = group
-        check_allreduce(group, tag=1)
+        comms = _replace_with_another_joiner(comms, "superseded", lambda c: c.commit())
         for c in survivors:
             assert c.counters()["prepares_superseded"] == 1
             assert c.counters()["commits"] == 1
+    finally:
+        close_all(comms)
+
+
+def test_a_commit_waiting_for_a_lost_joiner_ends_when_superseded():
+    """Survivors that reached the switch commit toward a joiner that is gone (it moved on to a
+    newer generation): ``commit_unless`` cancels the pending prepare once ``superseded()`` says
+    so, and the commit raises at once instead of after connect_timeout (10 minutes here: the old
+    behaviour fails as a hang). The communicators stay usable: the next epoch's prepare and
+    commit with another joiner work."""
+    from tmrun.comm import native
+
+    comms = _prepared_toward_a_lost_joiner("cancelled")
+    try:
+        survivors = [comms[0], comms[2]]
+        start = time.monotonic()
+        _, errors = run_ranks(survivors, lambda c: native.commit_unless(c, lambda: time.monotonic() > start + 0.2),
+                              timeout=60, raise_errors=False)
+        assert all(isinstance(e, tn.CommError) and "superseded" in str(e) for e in errors), errors
+        assert all(c.counters()["prepares_superseded"] == 1 and c.counters()["commits"] == 0 for c in survivors)
+        assert not any(c.cancel_prepare() for c in survivors)  # nothing pending any more
+        comms = _replace_with_another_joiner(comms, "cancelled", lambda c: native.commit_unless(c, lambda: False))
     finally:
         close_all(comms)
 

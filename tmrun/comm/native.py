@@ -197,6 +197,19 @@ def prepare_replacement(
     comm.prepare(replaced, new_addresses, new_epoch)
 
 
+def commit_unless(comm: Communicator, superseded: Callable[[], bool], poll: float = 0.05) -> None:
+    """``comm.commit()``, given up as soon as ``superseded()`` turns true while the commit still
+    waits for the links prepared toward a joiner (a joiner that moved on to a newer generation
+    never connects): the pending prepare is cancelled and the commit raises :class:`CommError`
+    at once instead of after ``connect_timeout``. A commit whose links are up is not touched."""
+    work = comm.commit_async()
+    asked = False
+    while not work.wait(poll):
+        if not asked and superseded():
+            asked = True
+            comm.cancel_prepare()
+
+
 def torch_dtype_to_native(dtype: Any) -> DType:
     import torch
 

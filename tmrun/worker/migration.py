@@ -96,8 +96,10 @@ class Migration:
             # (a resynchronisation: nothing is in flight at a step boundary), the default group,
             # then the leaver's subgroups in creation order, each as the joiner re-creates it
             # (its script builds its mesh once the default group's switch let its join return)
+            # the default group's links were prepared in phase 1; a rank lost just as this one got
+            # here (the newer generation published after the check above) ends the commit at once
             subgroups.move_all(plan.replaced.keys(), plan.gen, ctx.address_getter(plan.gen),
-                               lambda: group.comm().commit())  # the default group's links were prepared in phase 1
+                               lambda: native.commit_unless(group.comm(), lambda: ctx.newest_gen() > plan.gen))
             ctx.gen = plan.gen
             return heal(ctx, started=started, aborted_step=-1, connected=time.time(), replaced=plan.replaced.keys())
         except Superseded as exc:  # the joiner was lost before it re-created a subgroup

@@ -375,6 +375,13 @@ a Work. Operations run in submission order on the communicator's worker thread.)
            "Phase 1 of replacement (call on every surviving rank): links to the joiners of `replaced_ranks` "
            "(new_addresses: {rank: 'host:port'} or a full list) are built in the background.")
       .def("prepare_done", &Comm::prepare_done, "True once prepare's background connections finished.")
+      .def("cancel_prepare",
+           [](Comm& c) {
+             py::gil_scoped_release rel;
+             return c.cancel_prepare();
+           },
+           "End the pending prepare's dials and waits now if its links are not ready (any thread): a commit "
+           "waiting for them raises CommError at once. Returns whether there was one to end.")
       .def("commit_async", &commit_async)
       .def("commit", sync(&commit_async),
            "Phase 2 (every surviving rank): after the operations queued before it, close the links to "

@@ -130,6 +130,10 @@ class Communicator {
                uint64_t new_epoch);
   bool prepare_done() const;
   bool prepare_pending() const;
+  // Ends the pending prepare's dials and waits now, if its links are not ready yet (any thread):
+  // a commit waiting for them fails at once ("superseded") instead of at connect_timeout.
+  // Returns whether there was one to end.
+  bool cancel_prepare();
   Op commit_async();
 
   // ---- introspection (any thread, never waits for a running operation)

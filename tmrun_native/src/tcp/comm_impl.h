@@ -286,6 +286,7 @@ struct Communicator::Impl {
   void prepare_links(std::vector<int> needed, uint64_t new_epoch, std::map<int, std::string> new_addresses);
   bool prepare_done() const;
   bool prepare_pending() const;
+  bool cancel_prepare();
   void await_prepared(std::unique_lock<std::mutex>& g);
   void retire_replaced(const std::set<int>& replaced);
   void sync_links(uint64_t new_epoch);

@@ -98,6 +98,7 @@ void Communicator::prepare(const std::vector<int>& replaced, const std::map<int,
 }
 bool Communicator::prepare_done() const { return impl_->prepare_done(); }
 bool Communicator::prepare_pending() const { return impl_->prepare_pending(); }
+bool Communicator::cancel_prepare() { return impl_->cancel_prepare(); }
 
 Communicator::Op Communicator::commit_async() {
   Impl* c = impl_.get();

@@ -96,6 +96,17 @@ bool Communicator::Impl::prepare_pending() const {
   return pending_;
 }
 
+bool Communicator::Impl::cancel_prepare() {
+  {
+    std::lock_guard<std::mutex> g(accept_mu_);
+    if (!pending_ || pending_ready_) return false;
+    prepare_cancel_ = true;
+  }
+  accept_cv_.notify_all();
+  prepares_superseded_++;
+  return true;
+}
+
 // ---------------------------------------------------------------- phase 2
 void Communicator::Impl::do_commit() {
   std::map<int, std::unique_ptr<Link>> fresh;
@@ -114,6 +125,7 @@ void Communicator::Impl::do_commit() {
     new_epoch = pending_epoch_;
   }
   if (prepare_thread_.joinable()) prepare_thread_.join();
+  prepare_cancel_ = false;
   retire_replaced(replaced);
   for (auto& kv : fresh) install_link(std::move(kv.second));
   for (auto& kv : addrs)
