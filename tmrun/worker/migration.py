@@ -85,8 +85,8 @@ class Migration:
         try:
             if ctx.newest_gen() > plan.gen:
                 # a member was lost before the switch (the joiner, or a rank that stays; the
-                # controller published a newer generation meanwhile, in which a live joiner takes
-                # the leaver's rank again): no survivor commits toward this generation's joiner
+                # controller published a newer generation meanwhile, which cancels this migration
+                # or replaces its lost joiner): no survivor commits toward this generation's joiner
                 # (each would wait out its connect timeout, and the ones still in the switch would
                 # then count the others lost); all recover into the newer generation, which
                 # replaces the links prepared for this one
@@ -161,10 +161,11 @@ class Migration:
                 raise  # a member was lost before the switch: the migration is cancelled, this rank stays
             # the joiner was lost before it connected: the newer generation gives this rank to
             # another standby, which heals from the other ranks; nothing is left to hand over
-            ctx.life.to(Role.LEAVING)
-            log(f"rank {ctx.rank}: {exc}; nobody to hand over to: leaving")
-            leave()
+            handoff, nobody = None, exc
         ctx.life.to(Role.LEAVING)
+        if handoff is None:
+            log(f"rank {ctx.rank}: {nobody}; nobody to hand over to: leaving")
+            leave()
         try:
             ctx.fire("handover")
             meta = {"committed_step": switch_at, "rng": rng_state}

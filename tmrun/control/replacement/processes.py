@@ -76,7 +76,7 @@ class ProcessReplacement:
         self.replacements = 0
         self.detection = detection  # hangs, stragglers, unhealthy GPUs (control.detection)
         self._waiting_for_standby = core.MigrationsWaiting("it moves")  # ranks to move once a standby is warm
-        # rank -> its joiner in the last unplanned generation, while that generation recovers: a
+        # rank -> its joiner in the last generation, while that generation recovers: a
         # generation published meanwhile (a rank lost during the recovery) gives each live one
         # its rank again, so that every member replaces its links the same way (the joiner
         # reconnects for the new generation instead of waiting for a dead rank's address)
@@ -279,13 +279,11 @@ class ProcessReplacement:
         returned: dict[int, tuple[StandbyProcess, core.Slot, int | None]] = {}
         if self._recoveries and not planned:
             for rank, (joiner, leaver, local) in self._migrating.items():
-                slot = self.slots.get(rank)
-                if rank not in moves and leaver.poll() is None and slot is not None and slot.process is joiner.process:
+                if rank not in moves and leaver.poll() is None and self._plays(rank, joiner):
                     returned[rank] = (joiner, leaver, local)
             for rank, member in self._joining.items():
-                slot = self.slots.get(rank)
                 if rank not in moves and rank not in returned and member.process.poll() is None \
-                        and slot is not None and slot.process is member.process:
+                        and self._plays(rank, member):
                     carried[rank] = member
         assigned = {r: m.index for r, m in {**moves, **carried}.items()}
         previous = self.gen
@@ -318,6 +316,11 @@ class ProcessReplacement:
         # them their rank again in the unplanned generation that follows (a migration's joiner
         # too: its leaver, superseded, leaves without handing over and the joiner is healed)
         self._joining = {**moves, **carried}
+
+    def _plays(self, rank: int, member: StandbyProcess) -> bool:
+        """``member``'s process is the one that plays ``rank`` now."""
+        slot = self.slots.get(rank)
+        return slot is not None and slot.process is member.process
 
     def _abandon(self, failed: dict[int, int], why: str) -> Outcome:
         say(f"{_ranks(failed)} failed and {why}: falling back to restarting the worker group (as torchrun)")

@@ -34,16 +34,9 @@ void Communicator::Impl::prepare(const std::vector<int>& replaced, const std::ma
   if (prepare_thread_.joinable()) {
     // A newer prepare supersedes the pending one (a joiner was lost before the switch, and the
     // controller replaced it): the pending dials and waits end now instead of at connect_timeout.
-    bool was_running;
-    {
-      std::lock_guard<std::mutex> g(accept_mu_);
-      was_running = pending_ && !pending_ready_;
-      prepare_cancel_ = true;
-    }
-    accept_cv_.notify_all();
+    cancel_prepare();
     prepare_thread_.join();
     prepare_cancel_ = false;
-    if (was_running) prepares_superseded_++;
   }
   {
     std::lock_guard<std::mutex> g(accept_mu_);
