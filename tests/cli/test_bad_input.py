@@ -37,6 +37,8 @@ ENV_CASES = {
     "unknown device plane": ({"TMRUN_DEVICE_PLANE": "infiniband"}, "TMRUN_DEVICE_PLANE='infiniband' is not one of"),
     "missing NCCL library": ({"TMRUN_NCCL_LIBRARY": "/nonexistent/libnccl.so.2"}, "TMRUN_NCCL_LIBRARY"),
     "bad orphan grace": ({"TMRUN_ORPHAN_GRACE": "-3"}, "TMRUN_ORPHAN_GRACE='-3' is not a number of seconds >= 0"),
+    "unknown heal overlap": ({"TMRUN_HEAL_OVERLAP": "sometimes"},
+                             "TMRUN_HEAL_OVERLAP='sometimes' is not one of auto, on, off"),
 }
 
 

@@ -369,8 +369,9 @@ class Board:
             return self._posted[donor, needy]
 
 
-def _heal_deferred(n: int, needy: list[int], tamper=None, monkeypatch=None):
-    """Every member on this host, state in host memory: returns (results, errors, members)."""
+def _heal_deferred(n: int, needy: list[int], tamper=None, monkeypatch=None, no_overlap=()):
+    """Every member on this host, state in host memory: returns (results, errors, members).
+    ``no_overlap``: members with no CPU core to spare for a background read."""
     from tmrun.worker import peer_read
 
     if tamper is not None:
@@ -390,7 +391,8 @@ def _heal_deferred(n: int, needy: list[int], tamper=None, monkeypatch=None):
         def body(comm):
             state = members[comm.rank][0]
             fresh = comm.rank in needy
-            plan = agree(comm, -1 if fresh else 3, state.layout_digest(), fresh, state_tensors=state.tensors())
+            plan = agree(comm, -1 if fresh else 3, state.layout_digest(), fresh, state_tensors=state.tensors(),
+                         overlap=comm.rank not in no_overlap)
             return plan, heal(comm, state, plan, {"committed_step": 3}, board=board)
 
         results, errors = run_ranks(comms, body, timeout=60, raise_errors=False)
@@ -421,6 +423,24 @@ def test_deferred_healing_returns_with_the_model_and_delivers_the_optimizer_stat
         assert results[rank][1].served == needy and results[rank][1].deferred is None
 
 
+@pytest.mark.parametrize("n,needy,no_overlap", [(2, [1], [1]), (2, [1], [0]), (3, [1], [2]), (4, [0, 3], [0])])
+def test_a_member_without_a_spare_core_has_everything_read_before_healing_returns(n, needy, no_overlap):
+    """One member (donor or healed) has no core to spare (tmrun.worker.cpu_budget): every member
+    plans alike, and the healed members read the optimizer state out of the donors' memory
+    before heal returns, nothing left in the background."""
+    results, errors, members = _heal_deferred(n, needy, no_overlap=no_overlap)
+    assert errors == [None] * n
+    plans = [plan for plan, _ in results]
+    assert all(not plan.defer and plan.read_first for plan in plans)
+    reference = snapshot(members[plans[0].donors[0]][0])
+    for rank in needy:
+        healed = results[rank][1]
+        assert healed.deferred is None and healed.received and list(healed.paths) == ["memory"]
+        assert snapshot(members[rank][0]) == reference  # model and optimizer state, at once
+    for rank in plans[0].donors:
+        assert results[rank][1].served == []  # no read outstanding: the donor may step at once
+
+
 def test_deferred_optimizer_state_damaged_in_memory_cannot_be_stepped_with(monkeypatch):
     def flip(views, what):
         if "optimizer state" in what:
@@ -446,10 +466,11 @@ def test_no_deferral_across_hosts_or_for_device_tensors():
             without_host_memory = agree(comm, 3 if comm.rank == 0 else -1, state.layout_digest(), comm.rank == 1)
             socket_only = agree(comm, 3 if comm.rank == 0 else -1, state.layout_digest(), comm.rank == 1,
                                 same_host_reads=False, state_tensors=state.tensors())
-            return without_host_memory.defer, socket_only.defer
+            return (without_host_memory.defer, socket_only.defer, without_host_memory.read_first,
+                    socket_only.read_first)
 
         results, _ = run_ranks(comms, body, timeout=60)
-        assert results == [(False, False), (False, False)]
+        assert results == [(False, False, False, False)] * 2  # nothing to read first: not deferrable anyway
     finally:
         close_all(comms)
 

@@ -49,6 +49,8 @@ ENV_NCCL_LIBRARY = "TMRUN_NCCL_LIBRARY"  # an NCCL library to use instead of tor
 ENV_NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"  # torch's watchdog: 2 = clean up, do not kill
 ENV_DEVICE_PLANE = "TMRUN_DEVICE_PLANE"  # one of DEVICE_PLANES (tmrun.comm.device_plane)
 DEVICE_PLANES = ("auto", "nccl", "staging", "gloo")
+ENV_HEAL_OVERLAP = "TMRUN_HEAL_OVERLAP"  # one of HEAL_OVERLAPS (tmrun.worker.cpu_budget)
+HEAL_OVERLAPS = ("auto", "on", "off")
 
 
 def device_plane(environ: Mapping[str, str]) -> str:
@@ -58,6 +60,18 @@ def device_plane(environ: Mapping[str, str]) -> str:
     if raw not in DEVICE_PLANES:
         raise ValueError(f"{ENV_DEVICE_PLANE}={raw!r} is not one of {', '.join(DEVICE_PLANES)}")
     return raw
+
+
+def heal_overlap(environ: Mapping[str, str]) -> str:
+    """Whether a healed member reads the optimizer state in the background while it computes
+    (``TMRUN_HEAL_OVERLAP``: ``auto`` when unset, see :mod:`tmrun.worker.cpu_budget`);
+    ``ValueError`` (one line) for any other value than :data:`HEAL_OVERLAPS`."""
+    raw = environ.get(ENV_HEAL_OVERLAP, "auto").strip().lower() or "auto"
+    if raw not in HEAL_OVERLAPS:
+        raise ValueError(f"{ENV_HEAL_OVERLAP}={raw!r} is not one of {', '.join(HEAL_OVERLAPS)}")
+    return raw
+
+
 # torchrun's own
 ENV_RANK = "RANK"
 ENV_WORLD_SIZE = "WORLD_SIZE"

@@ -13,9 +13,11 @@ committed step while it is pending, :meth:`Migration.at_boundary`:
    group moves to the new generation there (docs/mesh.md, "Planned migration").
 
 The joiner's side (:meth:`Migration.take_over`, called by :mod:`tmrun.worker.standby`) receives
-the model before it returns; the optimizer's state keeps arriving while the joiner computes its
+the model before it returns; where the host has idle cores (:mod:`tmrun.worker.cpu_budget`,
+``TMRUN_HEAL_OVERLAP``) the optimizer's state keeps arriving while the joiner computes its
 first forward and backward, until :meth:`Migration.finish_handover` (before the optimizer
-steps, and at the end of the joiner's first step at the latest).
+steps, and at the end of the joiner's first step at the latest); elsewhere it is read before
+the joiner resumes.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any, NoReturn
 
 from tmrun.comm import native
 from tmrun.protocol import keys, messages as proto
-from tmrun.worker import group, rng, subgroups
+from tmrun.worker import cpu_budget, group, rng, subgroups
 from tmrun.worker.context import Context, RecoveryError, Rejoin, Superseded, log
 from tmrun.worker.leave import leave
 from tmrun.worker.recovery import Recovery, heal, settle_heal
@@ -179,15 +181,21 @@ class Migration:
 
     def take_over(self, plan_gen: int) -> None:
         """A JOINING rank of a migration: receive the model from the leaver; the optimizer's state
-        keeps arriving in the background until :meth:`finish_handover`. If the leaver cannot
+        keeps arriving in the background until :meth:`finish_handover`, or (no core to spare for
+        that: :mod:`tmrun.worker.cpu_budget`) is read before this returns. If the leaver cannot
         hand over (it died, its state arrived damaged), this joiner stays fresh and heals from
         the other ranks, which hold the same committed state."""
         ctx = self._ctx
         started = time.monotonic()
         handoff = None
+        # the optimizer state's read overlaps with the first step only where cores are idle
+        overlap, because = cpu_budget.decide()
         try:
             handoff = self._handoff_comm(plan_gen, 1)
             meta, pending, received = take_over(handoff, ctx.tracked, same_host_reads=ctx.env.same_host_reads)
+            model_took = time.monotonic() - started
+            if not overlap:
+                pending.finish()  # the leaver only waits meanwhile: the read has its core
         except BaseException as exc:
             if handoff is not None:
                 handoff.close()
@@ -195,12 +203,18 @@ class Migration:
                 raise
             log(f"rank {ctx.rank}: the leaver's handover failed ({exc}); healing from the other ranks instead")
             return
-        self._handover = (handoff, pending, started)
+        if overlap:
+            self._handover = (handoff, pending, started)
+        else:
+            handoff.close()
         ctx.committed_step = int(meta["committed_step"])  # type: ignore[call-overload]
         rng.restore(meta["rng"])  # type: ignore[arg-type]
         ctx.fresh = False
-        log(f"rank {ctx.rank}: received the model ({received} bytes) in {time.monotonic() - started:.3f}s "
-            f"({pending.path}); {pending.nbytes} bytes of optimizer state follow in the background")
+        log(f"rank {ctx.rank}: received the model ({received} bytes) in {model_took:.3f}s ({pending.path}); "
+            f"{pending.nbytes} bytes of optimizer state "
+            + ("follow in the background" if overlap else f"read before resuming: {because}"))
+        if not overlap:
+            self._log_complete(pending.nbytes, started)
 
     def finish_handover(self) -> None:
         """Wait for the rest of a migration's state (nothing to do unless a handover is pending)."""
@@ -212,5 +226,8 @@ class Migration:
             pending.finish()
         finally:
             handoff.close()
-        log(f"rank {self._ctx.rank}: optimizer state complete ({pending.nbytes} bytes), "
+        self._log_complete(pending.nbytes, started)
+
+    def _log_complete(self, nbytes: int, started: float) -> None:
+        log(f"rank {self._ctx.rank}: optimizer state complete ({nbytes} bytes), "
             f"{time.monotonic() - started:.3f}s after the handover began")

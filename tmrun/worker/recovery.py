@@ -28,7 +28,7 @@ import torch.distributed as dist
 from tmrun.comm import native
 from tmrun.comm.backend import TmrunProcessGroup
 from tmrun.protocol import keys, messages as proto
-from tmrun.worker import group, rng, subgroups
+from tmrun.worker import cpu_budget, group, rng, subgroups
 from tmrun.worker.context import FAST_POLL, Context, GenerationFile, RecoveryError, Superseded, log
 from tmrun.worker.device_transfer import device_link
 from tmrun.worker.roles import Role
@@ -237,9 +237,11 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float, repl
         shard_key = MISPLACED  # every member refuses the plan at once (a 1-D FSDP job: docs/mesh.md)
     # tracked tensors on the device plane (CUDA on NCCL) heal device to device: no deferral then
     link = device_link(group.backend(), ctx.tracked.tensors())
+    overlap, no_overlap_because = cpu_budget.decide()
     try:
         plan = agree(comm, ctx.committed_step, ctx.tracked.layout_digest(), ctx.fresh, ctx.env.heal_reads,
-                     state_tensors=None if link is not None else ctx.tracked.tensors(), shard_key=shard_key)
+                     state_tensors=None if link is not None else ctx.tracked.tensors(), shard_key=shard_key,
+                     overlap=overlap)
     except NoReplicaError as exc:  # every member at once: the controller falls back without waiting
         # An expected end, not a bug: one line per worker, then exit for the group restart (a
         # RecoveryError would print a traceback through the script on every rank)
@@ -272,7 +274,9 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float, repl
     log(
         f"rank {ctx.rank}: recovered into generation {ctx.gen} in {elapsed:.3f}s; "
         f"resume at step {resume} (donors {plan.donors}, healed {plan.needy}, {healed.describe()}"
-        f"{'; the optimizer state follows in the background' if healed.deferred is not None else ''})"
+        f"{'; the optimizer state follows in the background' if healed.deferred is not None else ''}"
+        f"{'; the optimizer state read before resuming: ' if plan.read_first else ''}"
+        f"{(no_overlap_because or 'another member has no CPU core to spare for a background read') if plan.read_first else ''})"
     )
     return resume
 

@@ -64,6 +64,9 @@ class HealPlan:
     hosts: list[int] = field(default_factory=list)  # per member: its host key, 0 where it reads no peer
     pids: list[int] = field(default_factory=list)  # per member: its process id
     defer: bool = False  # the optimizer state is read after heal returns (see DeferredRead)
+    # it could have been, but a member has no core to spare for that read (tmrun.worker.cpu_budget):
+    # the healed members read everything before heal returns
+    read_first: bool = False
     keys: list[int] = field(default_factory=list)  # per member: its shard key (TrackedState.shard_key)
 
     def donors_of(self, member: int) -> list[int]:
@@ -112,14 +115,18 @@ def _megabytes(nbytes: int) -> str:
 
 def agree(comm: tmrun_native.Communicator, committed_step: int, digest: int, fresh: bool,
           same_host_reads: bool = True, state_tensors: list[tuple[str, torch.Tensor]] | None = None,
-          shard_key: int = 0) -> HealPlan:
+          shard_key: int = 0, overlap: bool = True) -> HealPlan:
     """Allgather (committed step, layout digest, fresh, host key, pid, host memory, shard key)
     and derive the same plan on every member. ``same_host_reads=False``: no member reads this
     one's memory, nor it theirs. ``shard_key``: which shard this member holds (0: nothing is
-    sharded); a member is healed only by donors with its key (:func:`replica_donors`)."""
+    sharded); a member is healed only by donors with its key (:func:`replica_donors`).
+    ``overlap=False``: this member has no CPU core to spare for a background read
+    (:mod:`tmrun.worker.cpu_budget`), so nothing is deferred."""
     host = peer_read.host_key() if same_host_reads else 0
     host_memory = all(t.device.type == "cpu" for _, t in state_tensors) if state_tensors is not None else False
-    mine = torch.tensor([committed_step, digest, 1 if fresh else 0, host, os.getpid(), int(host_memory), shard_key],
+    # host memory: 0 no (device tensors, or not said), 1 yes, 2 yes but read it before resuming
+    memory = (1 if overlap else 2) if host_memory else 0
+    mine = torch.tensor([committed_step, digest, 1 if fresh else 0, host, os.getpid(), memory, shard_key],
                         dtype=torch.int64)
     every = torch.zeros(comm.world_size * AGREED, dtype=torch.int64)
     out, dtype = as_buffer(every)
@@ -141,10 +148,11 @@ def agree(comm: tmrun_native.Communicator, committed_step: int, digest: int, fre
                     keys=keys if any(keys) else [])
     # Deferred healing: every pair on one host, every member's state in host memory (given
     # ``state_tensors``): the healed member returns once the model arrived and reads the
-    # optimizer state meanwhile.
-    defer = bool(needy) and all(row[5] for row in rows) and all(
+    # optimizer state meanwhile, unless a member has no core to spare for that read.
+    deferrable = bool(needy) and all(row[5] for row in rows) and all(
         plan.same_host(donor, member) for donor in donors for member in needy)
-    return dataclasses.replace(plan, defer=defer)
+    read_first = deferrable and any(row[5] == 2 for row in rows)
+    return dataclasses.replace(plan, defer=deferrable and not read_first, read_first=read_first)
 
 
 MISPLACED = -1  # the shard key of a joiner whose sharded state was built for other coordinates
