@@ -11,8 +11,8 @@ during healing the donors only wait, so the read has the host to itself.
 
 On this repository's 2-core machine, 100M parameters (1.2 GB of state), 2 workers of one thread
 each: the first step after the recovery took 1.40 s (median) against a steady 1.03 s with the
-read in the background, and 1.07 s with the read done first; the recovery stall's p90 went from
-0.86 s to 0.41 s (docs/benchmarks.md, "Overlap only with spare cores").
+read in the background, and 1.09 s with the read done first; the recovery stall's p90 went from
+0.86 s to 0.43 s (docs/benchmarks.md, "overlap only with spare cores").
 
 ``TMRUN_HEAL_OVERLAP``: ``auto`` (the default) overlaps only when :attr:`CpuBudget.spare`
 leaves room for the read's threads; ``on`` and ``off`` decide for every host. Every member of a
