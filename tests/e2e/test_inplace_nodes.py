@@ -202,7 +202,7 @@ def test_straggler_node_is_migrated_while_training_goes_on(tmp_path: Path, refer
     every phase, across the agents' processes, in order."""
     work = tmp_path / "straggler"
     codes, logs, final = _run_nodes(work, 3, "--straggler-factor", "2", "--straggler-steps", "3",
-                                    "--inject-failure", "rank=3,slow=3x", script_args=["--step-time", "1.0"])
+                                    "--inject-failure", "rank=3,slow=3x", script_args=["--step-time", "0.5"])
     everything = "\n".join(logs)
     assert codes == [0, 0, 0], everything
     found = re.search(r"rank 3: straggler: its own work took ([\d.]+)s per step, over 2x the others' median "
@@ -233,9 +233,9 @@ def test_straggler_node_is_migrated_while_training_goes_on(tmp_path: Path, refer
     marks = [recovered["marks"][n]
              for n in ["failed", "seen", "published", "switch", "connected", "healed", "first_step"]]
     assert marks == sorted(marks), recovered
-    # the survivors trained on until the switch step (at least a step: the overlap), and the
-    # downtime counts from the switch only
-    assert recovered["phases"]["overlap"] >= 1.0, recovered
+    # the survivors trained on until the switch step (at least a step of 0.5 s: the overlap), and
+    # the downtime counts from the switch only
+    assert recovered["phases"]["overlap"] >= 0.5, recovered
     assert recovered["seconds"] < recovered["phases"]["overlap"], recovered
 
 

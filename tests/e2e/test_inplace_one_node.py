@@ -210,7 +210,9 @@ def test_planned_migration_recomputes_nothing(tmp_path: Path, migration_referenc
     code, log, final, by_rank = _migrate_while_training(tmp_path, "migrate", "--handover", handover,
                                                         env={"TMRUN_HEAL_OVERLAP": overlap})
     assert code == 0, log
-    assert "planned migration, generation 1" in log and "handed over and left cleanly" in log
+    assert "planned migration, generation 1" in log and "previous process" in log
+    assert re.search(r"rank 1: handed \d+ bytes to the joiner in [\d.]+s; leaving\n", log), log
+    assert re.search(r"rank 1's previous process \(pid \d+\) left cleanly \(exit code 0\)", log), log
     rest = "follow in the background" if overlap == "on" else "read before resuming: TMRUN_HEAL_OVERLAP=off"
     assert re.search(rf"received the model \(\d+ bytes\) in [\d.]+s \({path}\); \d+ bytes of optimizer state "
                      rf"{rest}\n", log), log
@@ -230,7 +232,8 @@ def test_planned_migration_builds_the_device_communicator_before_the_switch(tmp_
     env = {"TMRUN_DEVICE_PLANE": "gloo", "GLOO_SOCKET_IFNAME": "lo"}
     code, log, final, by_rank = _migrate_while_training(tmp_path, "migrate-plane", env=env)
     assert code == 0, log
-    assert "handed over and left cleanly" in log and final == migration_reference
+    assert re.search(r"rank 1: handed \d+ bytes to the joiner", log) and "left cleanly (exit code 0)" in log, log
+    assert final == migration_reference
     ahead = re.findall(r"worker (\d+) [^\]]*\] device plane: generation 1's communicator built ahead of the switch", log)
     assert len(set(ahead)) == 2, log  # rank 0's process and the joiner's
     for rank in (0, 1):

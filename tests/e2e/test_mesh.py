@@ -261,7 +261,8 @@ def test_hsdp_planned_migration_recomputes_nothing(tmp_path: Path, reference: li
     assert "planned migration, generation 1: rank 1" in log, log[-6000:]
     assert "promoted to rank 1 (generation 1) in tmrun.init()" in log
     assert re.search(r"rank 1: received the model \(\d+ bytes\) in [\d.]+s \(memory\)", log), log[-6000:]
-    assert re.search(r"rank 1's previous process \(pid \d+\) handed over and left cleanly", log), log[-6000:]
+    assert re.search(r"rank 1's previous process \(pid \d+\) left cleanly \(exit code 0\)", log), log[-6000:]
+    assert re.search(r"rank 1: handed \d+ bytes to the joiner", log), log[-6000:]
     assert "1 in-place recoveries (1 planned)" in log and "0 steps recomputed" in log, log[-6000:]
     assert "Traceback" not in log and "refused" not in log, log[-6000:]
     for rank in (0, 2, 3):  # survivors: one process each, every step committed exactly once
@@ -284,7 +285,8 @@ def test_hsdp_failure_then_planned_migration(tmp_path: Path, reference: list[str
     assert _finals(work) == reference, log[-6000:]
     assert "in-place replacement, generation 1: rank 2" in log, log[-6000:]
     assert "planned migration, generation 2: rank 1" in log, log[-6000:]
-    assert re.search(r"rank 1's previous process \(pid \d+\) handed over and left cleanly", log), log[-6000:]
+    assert re.search(r"rank 1's previous process \(pid \d+\) left cleanly \(exit code 0\)", log), log[-6000:]
+    assert re.search(r"rank 1: handed \d+ bytes to the joiner", log), log[-6000:]
     assert "2 in-place recoveries (1 planned)" in log, log[-6000:]
     redone = int(re.search(r"(\d+) steps recomputed", log).group(1))  # type: ignore[union-attr]
     assert redone <= 1

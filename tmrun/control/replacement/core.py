@@ -419,7 +419,9 @@ class Slots:
                 continue
             self.leavers.remove(slot)
             if code == 0:
-                say(f"rank {slot.rank}'s previous process (pid {slot.pid}) handed over and left cleanly")
+                # the process's own line says whether it handed over (a migration whose joiner
+                # was lost before it connected leaves with nothing to hand over, also exit 0)
+                say(f"rank {slot.rank}'s previous process (pid {slot.pid}) left cleanly (exit code 0)")
             else:
                 say(f"rank {slot.rank}'s previous process (pid {slot.pid}) left with exit code {code}")
 
