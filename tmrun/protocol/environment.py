@@ -53,23 +53,26 @@ ENV_HEAL_OVERLAP = "TMRUN_HEAL_OVERLAP"  # one of HEAL_OVERLAPS (tmrun.worker.cp
 HEAL_OVERLAPS = ("auto", "on", "off")
 
 
+def _one_of(environ: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str:
+    """``environ[name]`` lower-cased, ``choices[0]`` when unset or empty; ``ValueError`` (one
+    line) for any other value than ``choices``."""
+    raw = environ.get(name, choices[0]).strip().lower() or choices[0]
+    if raw not in choices:
+        raise ValueError(f"{name}={raw!r} is not one of {', '.join(choices)}")
+    return raw
+
+
 def device_plane(environ: Mapping[str, str]) -> str:
     """The device plane ``TMRUN_DEVICE_PLANE`` asks for (``auto`` when unset); ``ValueError``
     (one line) for any other value than :data:`DEVICE_PLANES`."""
-    raw = environ.get(ENV_DEVICE_PLANE, "auto").strip().lower() or "auto"
-    if raw not in DEVICE_PLANES:
-        raise ValueError(f"{ENV_DEVICE_PLANE}={raw!r} is not one of {', '.join(DEVICE_PLANES)}")
-    return raw
+    return _one_of(environ, ENV_DEVICE_PLANE, DEVICE_PLANES)
 
 
 def heal_overlap(environ: Mapping[str, str]) -> str:
     """Whether a healed member reads the optimizer state in the background while it computes
     (``TMRUN_HEAL_OVERLAP``: ``auto`` when unset, see :mod:`tmrun.worker.cpu_budget`);
     ``ValueError`` (one line) for any other value than :data:`HEAL_OVERLAPS`."""
-    raw = environ.get(ENV_HEAL_OVERLAP, "auto").strip().lower() or "auto"
-    if raw not in HEAL_OVERLAPS:
-        raise ValueError(f"{ENV_HEAL_OVERLAP}={raw!r} is not one of {', '.join(HEAL_OVERLAPS)}")
-    return raw
+    return _one_of(environ, ENV_HEAL_OVERLAP, HEAL_OVERLAPS)
 
 
 # torchrun's own
