@@ -79,6 +79,9 @@ def test_killed_rank_is_replaced_in_place(tmp_path: Path, reference: str, point:
         assert re.search(r"rank 1: recovered into generation 1 .*memory [\d.]+ MB from 1 donor; the optimizer "
                          r"state read before resuming: TMRUN_HEAL_OVERLAP=off\)", log), log
         assert "the optimizer state arrived" not in log, log
+    # DDP's reducers are reset on every member or on none (a stopped backward), never on one alone
+    lines = re.findall(r"rank [01]: recovered into generation 1 .*", log)
+    assert len(lines) == 2 and len({"DDP reducers reset" in line for line in lines}) == 1, lines
     pids = {pid for _, pid in steps[1]}
     assert len(pids) == 2, "rank 1 should have been played by two processes"
 
@@ -217,6 +220,9 @@ def test_planned_migration_recomputes_nothing(tmp_path: Path, migration_referenc
     assert re.search(rf"received the model \(\d+ bytes\) in [\d.]+s \({path}\); \d+ bytes of optimizer state "
                      rf"{rest}\n", log), log
     assert len(re.findall(r"rank 1: optimizer state complete \(\d+ bytes\)", log)) == 1, log
+    # no backward was stopped and every reducer had rebuilt its buckets: DDP keeps them (no rebuild)
+    assert len(re.findall(r"rank [01]: recovered into generation 1 ", log)) == 2, log
+    assert "DDP reducers reset" not in log, log
     assert final == migration_reference
     for rank in (0, 1):
         done = [s for s, _ in by_rank[rank]]

@@ -149,3 +149,57 @@ def test_the_first_forward_runs_whole_even_when_doomed() -> None:
         assert made.forwards == LAYERS
     finally:
         remove_backward_guard()
+
+
+def test_reducers_need_a_reset_only_after_a_stopped_backward_or_before_buckets_were_rebuilt(job: Job) -> None:
+    interrupter = job.interrupter
+    assert interrupter.reducers_need_reset()  # DDP has not rebuilt its buckets yet (a model just made)
+    job.model._has_rebuilt_buckets = True  # what DDP sets once it rebuilt them (its second forward)
+    assert not interrupter.reducers_need_reset()
+
+    job.doom_at_forward = 3  # a forward stopped: the reducer never expected a backward
+    job.step()
+    assert interrupter.counts.forwards_stopped == 1 and not interrupter.reducers_need_reset()
+    job.doomed, job.doom_at_forward = False, -1
+
+    job.doom_at_grad = 2  # a backward stopped: the reducer still waits for it to finish
+    job.step()
+    assert interrupter.counts.backwards_stopped == 1 and interrupter.reducers_need_reset()
+    job.doomed, job.doom_at_grad = False, -1
+    interrupter.reset_models()
+    assert job.model.reducer.resets == 1 and interrupter.counts.reducer_resets == 1
+    assert interrupter.reducers_need_reset()  # reset: its buckets are rebuilt two steps later
+    job.step()
+    job.model._has_rebuilt_buckets = True
+    assert not interrupter.reducers_need_reset()
+
+    job.model.static_graph = True  # DDP counts a static graph's backward calls: always reset
+    assert interrupter.reducers_need_reset()
+
+
+def test_ddp_says_when_it_rebuilt_its_buckets_after_a_reset(tmp_path) -> None:
+    """The DDP attribute reducers_need_reset() reads: set at the rebuild DDP does in the second
+    forward after it was made, and again after a reset (torch 2.13; a change would fail here)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a default process group exists in this process")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)))
+        interrupter = StepInterrupter(doomed=lambda: False)
+        interrupter.install(ddp)
+        seen = []
+        for _ in range(3):
+            ddp(torch.ones(2, 8)).sum().backward()
+            seen.append(interrupter.reducers_need_reset())
+        assert seen == [True, False, False]  # rebuilt in the second forward
+        interrupter.reset_models()
+        seen = []
+        for _ in range(3):
+            ddp(torch.ones(2, 8)).sum().backward()
+            seen.append(interrupter.reducers_need_reset())
+        assert seen == [True, False, False]
+    finally:
+        remove_backward_guard()
+        dist.destroy_process_group()

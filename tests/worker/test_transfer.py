@@ -621,3 +621,21 @@ def test_the_device_checksum_sees_a_changed_or_moved_byte():
     assert device_transfer.checksum([changed]) != base and device_transfer.checksum([swapped]) != base
     assert device_transfer.checksum([data[:40], data[40:]]) == base  # where the views split does not matter
     assert device_transfer.checksum([]) == 0
+
+
+@pytest.mark.parametrize("asking", [[], [1], [0, 2]])
+def test_every_member_resets_its_ddp_reducers_when_any_needs_it(asking):
+    """A member whose DDP reducer must be reset (a stopped backward) makes every member reset:
+    DDP then rebuilds its buckets, with a broadcast, on all of them in the same step."""
+    comms = make_group(3, job="reset-agree")
+    try:
+        members = {r: make_member(1, 3) for r in range(3)}
+
+        def body(comm):
+            state = members[comm.rank][0]
+            return agree(comm, 3, state.layout_digest(), False, reset_models=comm.rank in asking)
+
+        plans, _ = run_ranks(comms, body, timeout=60)
+        assert [plan.reset_models for plan in plans] == [bool(asking)] * 3
+    finally:
+        close_all(comms)

@@ -35,10 +35,15 @@ inside torch's own bookkeeping (DDP's ``_pre_forward`` between two reducer calls
 kernels that take the time; module and gradient boundaries are where torch expects hooks to
 raise. The grain is one layer.
 
-DDP's reducer, stopped inside backward, still expects that backward to finish; every member
-resets the reducers of its ``tm.ddp`` models in every change of the group
-(:meth:`StepInterrupter.reset_models`, called by ``heal``), all in the same iteration, so that
-the bucket rebuild DDP does after a reset (with a broadcast) happens on every member together.
+DDP's reducer, stopped inside backward, still expects that backward to finish: it must be
+reset (``_reset_state``), which makes DDP rebuild its buckets in the second step after (new
+bucket memory, and a broadcast every member must join: 0.15-0.2 s at 100M parameters on the
+2-core machine). So a change of the group resets the reducers only where needed, on every member
+together (:meth:`StepInterrupter.reducers_need_reset`, agreed in ``heal``'s allgather): when a
+member's backward was stopped, or a member's reducer has not rebuilt its buckets since it was
+made or last reset (it would rebuild, with that broadcast, where the others do not). A failure
+seen in forward, between steps or during the optimizer step, a standby's promotion and a planned
+migration keep the buckets as they are.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ class InterruptCounts:
     forwards_skipped: int = 0  # a forward entered in a doomed step: not run
     backwards_stopped: int = 0  # a backward stopped between two gradients
     backwards_skipped: int = 0  # a backward entered in a doomed step: not run
+    reducer_resets: int = 0  # changes of the group that reset this member's DDP reducers
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -97,6 +103,7 @@ class StepInterrupter:
         self._armed = 0  # > 0 while tmrun's forward or backward wrapper runs (any thread of it)
         self._output_shape: dict[int, Any] = {}  # per model: the last output's structure and shapes
         self._models: list[torch.nn.parallel.DistributedDataParallel] = []
+        self._backward_stopped = False  # since the last reset: a reducer waits for a backward that ended early
         self.counts = InterruptCounts()
 
     # -- the checks ----------------------------------------------------------------------------
@@ -157,6 +164,7 @@ class StepInterrupter:
             return inner(*args, **kwargs)
         except StepInterrupted:
             self.counts.backwards_stopped += 1
+            self._backward_stopped = True
             self._fill_missing_grads()
             return None
         finally:
@@ -182,11 +190,26 @@ class StepInterrupter:
 
     # -- after a change of the group -----------------------------------------------------------------
 
+    def reducers_need_reset(self) -> bool:
+        """Whether this member's DDP reducers must be reset in the change under way: a backward
+        was stopped since the last reset (its reducer would refuse the next forward), or a
+        reducer has not rebuilt its buckets since it was made or reset (DDP sets
+        ``_has_rebuilt_buckets`` when it does; never with ``find_unused_parameters``), or one runs
+        a static graph (DDP counts its backward calls)."""
+        return self._backward_stopped or any(
+            not getattr(model, "_has_rebuilt_buckets", False) or getattr(model, "static_graph", False)
+            for model in self._models)
+
     def reset_models(self) -> None:
         """Forget any backward a failure stopped (DDP's reducer would refuse the next forward).
-        Every member calls it in every change (``heal``), so all rebuild DDP's buckets together."""
+        Called on every member of a change when any needs it (``heal``), so that all rebuild
+        DDP's buckets in the same step."""
         for model in self._models:
             model.reducer._reset_state()
+            model._has_rebuilt_buckets = False  # DDP sets it again once it rebuilt them
+        self._backward_stopped = False
+        if self._models:
+            self.counts.reducer_resets += 1
 
 
 _guarded: list[StepInterrupter] = []  # the process's interrupter (the last installed)

@@ -241,7 +241,7 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float, repl
     try:
         plan = agree(comm, ctx.committed_step, ctx.tracked.layout_digest(), ctx.fresh, ctx.env.heal_reads,
                      state_tensors=None if link is not None else ctx.tracked.tensors(), shard_key=shard_key,
-                     overlap=overlap)
+                     overlap=overlap, reset_models=ctx.interrupter.reducers_need_reset())
     except NoReplicaError as exc:  # every member at once: the controller falls back without waiting
         # An expected end, not a bug: one line per worker, then exit for the group restart (a
         # RecoveryError would print a traceback through the script on every rank)
@@ -257,7 +257,8 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float, repl
         ctx.heal_read = healed.deferred
     if healed.served:
         ctx.heal_served = (ctx.gen, list(healed.served))
-    ctx.interrupter.reset_models()  # every member, every change: DDP rebuilds its buckets together
+    if plan.reset_models:  # every member alike: DDP rebuilds its buckets on all of them in one step
+        ctx.interrupter.reset_models()
     resume = plan.target_step + 1
     if ctx.fresh:
         _adopt_rng_of(ctx, ctx.rank, resume)
@@ -272,6 +273,8 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float, repl
     ctx.recoveries.append({"gen": ctx.gen, "seconds": elapsed, "resume": resume, "bytes": healed.nbytes})
     ctx.life.to(Role.ACTIVE)
     rest = "; the optimizer state follows in the background" if healed.deferred is not None else ""
+    if plan.reset_models:
+        rest += "; DDP reducers reset (their buckets are rebuilt in the second step)"
     if plan.read_first:
         because = no_overlap_because or "another member has no CPU core to spare for a background read"
         rest = f"; the optimizer state read before resuming: {because}"
