@@ -36,7 +36,10 @@ is logged by the survivor and logged again when redone: the aborted line is not 
 * (d) committed time lost = (when rank 0 again completes the step that was in flight) -
   (t_last + steady): with torchrun this includes the steps recomputed since the checkpoint;
 * steps recomputed: steps completed before the kill (up to t_last) that rank 0 completed again
-  (the step in flight is not counted: it is (c)).
+  (the step in flight is not counted: it is (c));
+* (f) the next 2 steps = (the second completion after t_next - t_next) - 2 steady: what the
+  recovery still costs after its first step (e.g. DDP rebuilding its buckets after a reset of
+  its reducers, in the second step); not part of (a)-(e).
 
 tmrun's recovery phases (detect, plan, connect, transfer, first_step, recover, total) come from
 the ``recovered`` events of the job's events file (docs/events.md). Every figure is reported
@@ -143,6 +146,7 @@ class KillMetrics:
     in_flight: int  # the step number that was in flight
     t_last: float
     t_next: float
+    after: float = NAN  # (f) the 2 completions after t_next: their time beyond 2 steady steps; NaN: not seen
 
 
 def kill_metrics(rows: list[tuple[int, float, str]], t_kill: float, t_end: float = math.inf,
@@ -172,8 +176,9 @@ def kill_metrics(rows: list[tuple[int, float, str]], t_kill: float, t_end: float
     if again is not None:
         committed = again - t_last - steady
         recomputed = len({step for step, t in comps[j + 1:] if step <= last_step and t <= again})
+    after = times[j + 3] - t_next - 2 * steady if j + 3 < len(times) and times[j + 3] <= t_end else NAN
     return KillMetrics(steady, t_next - t_last - steady, t_next - t_kill - steady, t_kill - t_last, committed,
-                       recomputed, in_flight, t_last, t_next)
+                       recomputed, in_flight, t_last, t_next, after)
 
 
 def recovered_phases(events: list[dict[str, object]], gens: int,
@@ -473,6 +478,7 @@ METRICS: list[tuple[str, Callable[[KillMetrics], float], str]] = [
     ("(e) recovery stall: (t_next - max(t_kill, t_last)) - steady, s", lambda m: recovery_stall(m), "{:.3f}"),
     ("(d) committed time lost (incl. recomputed steps), s", lambda m: m.committed, "{:.3f}"),
     ("steps recomputed", lambda m: float(m.recomputed) if m.recomputed >= 0 else NAN, "{:.1f}"),
+    ("(f) the next 2 steps beyond 2 steady ones, s", lambda m: m.after, "{:.3f}"),
 ]
 
 

@@ -48,6 +48,10 @@ def test_tmrun_kill_the_aborted_step_is_not_a_completion() -> None:
     assert m.downtime == pytest.approx(m.stall + m.lost_work)
     assert m.committed == pytest.approx(1.0)  # step 10 done at 11, expected at 9 + 1
     assert m.recomputed == 0
+    assert math.isnan(m.after)  # only one completion after t_next in this log
+    slower = rows + [(12, 13.5, "100"), (13, 14.5, "100")]  # step 12 took 1.5 s: (f) = (13.5 - 11) - 2
+    assert bench.kill_metrics(slower, 9.4, redone_aborted=True).after == pytest.approx(0.5)
+    assert math.isnan(bench.kill_metrics(slower, 9.4, t_end=13.0, redone_aborted=True).after)  # past the next kill
 
 
 def test_a_step_logged_twice_by_different_processes_is_kept() -> None:
