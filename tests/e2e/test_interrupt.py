@@ -11,6 +11,8 @@ failure, scheduler, scaler and loader position included.
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 
 import pytest
@@ -25,7 +27,7 @@ FAIL_STEP = 2
 JOB_TIMEOUT = 240
 
 
-def _run(work: Path, *tmrun_args: str, wrap: str = "tm") -> tuple[str, list[list[str]]]:
+def _run(work: Path, *tmrun_args: str, wrap: str = "tm") -> tuple[str, list[list[str]], str]:
     work.mkdir()
     cmd = tmrun_cmd("--standalone", "--nproc-per-node", "2", "--standby", "1", *tmrun_args,
                     str(SCRIPTS / "interrupt_train.py"), "--steps", str(STEPS), "--layers", str(LAYERS),
@@ -36,12 +38,12 @@ def _run(work: Path, *tmrun_args: str, wrap: str = "tm") -> tuple[str, list[list
     finals = {(work / f"final-{rank}").read_text() for rank in (0, 1)}
     assert len(finals) == 1, "the ranks ended with different states\n" + log
     rows = [line.split() for line in (work / "log-0").read_text().splitlines()]
-    return finals.pop(), rows
+    return finals.pop(), rows, log
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
-    final, rows = _run(tmp_path_factory.mktemp("interrupt") / "ref")
+    final, rows, _ = _run(tmp_path_factory.mktemp("interrupt") / "ref")
     assert [int(r[0]) for r in rows] == list(range(STEPS))
     return final
 
@@ -50,7 +52,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
 def test_the_survivor_stops_the_doomed_step_at_once(tmp_path: Path, reference: str, point: str, wrap: str) -> None:
     """wrap="torch": the script wraps its model in DistributedDataParallel itself and gives it to
     tm.track (no tm.ddp): stopped the same way, same bits as tm.ddp's run without the failure."""
-    final, rows = _run(tmp_path / f"{point}-{wrap}", "--inject-failure", f"rank=1,step={FAIL_STEP},at={point}",
+    final, rows, log = _run(tmp_path / f"{point}-{wrap}", "--inject-failure", f"rank=1,step={FAIL_STEP},at={point}",
                        wrap=wrap)
     assert final == reference, "final state (model, optimizer, scheduler, scaler, loader) differs"
     steps = [int(r[0]) for r in rows]
@@ -59,10 +61,16 @@ def test_the_survivor_stops_the_doomed_step_at_once(tmp_path: Path, reference: s
     aborted, redone = rows[FAIL_STEP], rows[FAIL_STEP + 1]
     forwards, backwards = int(aborted[3]), int(aborted[4])
     assert aborted[2] == "1" and redone[2] == "0"
+    recovered = re.findall(r"rank [01]: recovered into generation 1 .*", log)
+    assert len(recovered) == 2, log
     if point == "forward":
         assert forwards <= LAYERS // 2 and backwards == 0, aborted  # stopped, not finished
+        # no backward was stopped: DDP keeps its buckets (no reset, no rebuild)
+        assert not any("DDP reducers reset" in line for line in recovered), recovered
     else:
         assert forwards == LAYERS and backwards <= LAYERS // 2, aborted
+        # the survivor's reducer waited for the stopped backward: every member resets its own
+        assert all("DDP reducers reset" in line for line in recovered), recovered
     assert (int(redone[3]), int(redone[4])) == (LAYERS, LAYERS)
     for row in rows:  # the loop body's finally and context manager ran once per attempt
         assert (row[5], row[6]) == ("1", "1"), row

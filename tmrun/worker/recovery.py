@@ -273,11 +273,11 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float, repl
     ctx.recoveries.append({"gen": ctx.gen, "seconds": elapsed, "resume": resume, "bytes": healed.nbytes})
     ctx.life.to(Role.ACTIVE)
     rest = "; the optimizer state follows in the background" if healed.deferred is not None else ""
-    if plan.reset_models:
-        rest += "; DDP reducers reset (their buckets are rebuilt in the second step)"
     if plan.read_first:
         because = no_overlap_because or "another member has no CPU core to spare for a background read"
         rest = f"; the optimizer state read before resuming: {because}"
+    if plan.reset_models:
+        rest += "; DDP reducers reset (their buckets are rebuilt in the second step)"
     log(
         f"rank {ctx.rank}: recovered into generation {ctx.gen} in {elapsed:.3f}s; "
         f"resume at step {resume} (donors {plan.donors}, healed {plan.needy}, {healed.describe()}{rest})"
