@@ -12,7 +12,6 @@ failure, scheduler, scaler and loader position included.
 from __future__ import annotations
 
 import re
-
 from pathlib import Path
 
 import pytest
@@ -27,12 +26,12 @@ FAIL_STEP = 2
 JOB_TIMEOUT = 240
 
 
-def _run(work: Path, *tmrun_args: str, wrap: str = "tm") -> tuple[str, list[list[str]], str]:
+def _run(work: Path, *tmrun_args: str, wrap: str = "tm", script_args: tuple[str, ...] = ()) -> tuple[str, list[list[str]], str]:
     work.mkdir()
     cmd = tmrun_cmd("--standalone", "--nproc-per-node", "2", "--standby", "1", *tmrun_args,
                     str(SCRIPTS / "interrupt_train.py"), "--steps", str(STEPS), "--layers", str(LAYERS),
                     "--slow", "0.05", "--log", str(work / "log-{rank}"), "--final", str(work / "final-{rank}"),
-                    "--wrap", wrap)
+                    "--wrap", wrap, *script_args)
     code, log = run_job(cmd, work / "agent.log", {"TMRUN_STATE_DIR": str(work / "state")}, JOB_TIMEOUT)
     assert code == 0, log
     finals = {(work / f"final-{rank}").read_text() for rank in (0, 1)}
@@ -42,18 +41,37 @@ def _run(work: Path, *tmrun_args: str, wrap: str = "tm") -> tuple[str, list[list
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
-    final, rows, _ = _run(tmp_path_factory.mktemp("interrupt") / "ref")
-    assert [int(r[0]) for r in rows] == list(range(STEPS))
-    return final
+def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The final digests of runs without a failure, per kind of model (made on first use)."""
+    return {}
 
 
-@pytest.mark.parametrize(("point", "wrap"), [("forward", "tm"), ("backward", "tm"), ("backward", "torch")])
-def test_the_survivor_stops_the_doomed_step_at_once(tmp_path: Path, reference: str, point: str, wrap: str) -> None:
+def _reference(references: dict[str, str], work: Path, kind: str) -> str:
+    if kind not in references:
+        final, rows, _ = _run(work / f"ref-{kind}", wrap="tm" if kind == "ddp" else kind)
+        assert [int(r[0]) for r in rows] == list(range(STEPS))
+        references[kind] = final
+    return references[kind]
+
+
+@pytest.mark.parametrize(("point", "wrap"), [("forward", "tm"), ("backward", "tm"), ("backward", "torch"),
+                                             ("forward", "hsdp"), ("backward", "hsdp")])
+def test_the_survivor_stops_the_doomed_step_at_once(tmp_path: Path, references: dict[str, str], point: str,
+                                                    wrap: str) -> None:
     """wrap="torch": the script wraps its model in DistributedDataParallel itself and gives it to
-    tm.track (no tm.ddp): stopped the same way, same bits as tm.ddp's run without the failure."""
-    final, rows, log = _run(tmp_path / f"{point}-{wrap}", "--inject-failure", f"rank=1,step={FAIL_STEP},at={point}",
-                       wrap=wrap)
+    tm.track (no tm.ddp): stopped the same way, same bits as tm.ddp's run without the failure.
+    wrap="hsdp": FSDP2 (fully_shard per block, one shard per replica); the survivor resets FSDP's
+    iteration state that the stop left mid-step, and ends with the bits of an HSDP run without
+    the failure."""
+    reference = _reference(references, tmp_path, "ddp" if wrap != "hsdp" else "hsdp")
+    if (point, wrap) == ("backward", "hsdp"):
+        # the drill's "backward" point of a sharded module comes at the end of its backward (its
+        # first block's output gradient): rank 1 kills itself in its 3rd layer's backward instead
+        final, rows, log = _run(tmp_path / f"{point}-{wrap}", wrap=wrap,
+                                script_args=("--die-in-backward", f"1,{FAIL_STEP},3"))
+    else:
+        final, rows, log = _run(tmp_path / f"{point}-{wrap}", "--inject-failure",
+                                f"rank=1,step={FAIL_STEP},at={point}", wrap=wrap)
     assert final == reference, "final state (model, optimizer, scheduler, scaler, loader) differs"
     steps = [int(r[0]) for r in rows]
     assert steps == [0, 1, FAIL_STEP, *range(FAIL_STEP, STEPS)], steps  # only the step in flight redone
@@ -63,7 +81,14 @@ def test_the_survivor_stops_the_doomed_step_at_once(tmp_path: Path, reference: s
     assert aborted[2] == "1" and redone[2] == "0"
     recovered = re.findall(r"rank [01]: recovered into generation 1 .*", log)
     assert len(recovered) == 2, log
-    if point == "forward":
+    if wrap == "hsdp":
+        assert (forwards <= LAYERS // 2 and backwards == 0) if point == "forward" else \
+            (forwards == LAYERS and backwards <= LAYERS // 2), aborted  # stopped, not finished
+        survivor, joiner = sorted(recovered)
+        assert "FSDP's iteration state reset" in survivor, recovered
+        assert "FSDP's iteration state reset" not in joiner, recovered  # it had no step to stop
+        assert not any("DDP reducers reset" in line for line in recovered), recovered
+    elif point == "forward":
         assert forwards <= LAYERS // 2 and backwards == 0, aborted  # stopped, not finished
         # no backward was stopped: DDP keeps its buckets (no reset, no rebuild)
         assert not any("DDP reducers reset" in line for line in recovered), recovered

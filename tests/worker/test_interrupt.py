@@ -203,3 +203,128 @@ def test_ddp_says_when_it_rebuilt_its_buckets_after_a_reset(tmp_path) -> None:
     finally:
         remove_backward_guard()
         dist.destroy_process_group()
+
+
+class ShardedJob:
+    """FSDP2 (``fully_shard`` per layer but the last, and on the root) on a world of one, gloo: the state the
+    interrupter must leave clean, with the doom set at the k-th layer's forward or at the
+    gradient of the k-th layer's output in backward (counted from the last layer)."""
+
+    def __init__(self, mesh: Any) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        torch.manual_seed(0)
+        self.layers = [torch.nn.Linear(8, 8) for _ in range(LAYERS)]
+        self.model = torch.nn.Sequential(*self.layers)
+        for layer in self.layers[:-1]:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)  # the last layer's parameters are the root's (unsharded after forward)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.doomed = False
+        self.forwards = self.grads = 0
+        self.doom_at_forward = self.doom_at_grad = -1
+        for layer in self.layers:
+            layer.register_forward_hook(self._forward_ran)
+        self.interrupter = StepInterrupter(doomed=lambda: self.doomed)
+        self.interrupter.install_sharded(self.model)
+
+    def _forward_ran(self, _module: Any, _inputs: Any, output: torch.Tensor) -> None:
+        self.forwards += 1
+        if self.forwards == self.doom_at_forward:
+            self.doomed = True
+        if output.requires_grad:
+            output.register_hook(self._grad_ran)
+
+    def _grad_ran(self, _: torch.Tensor) -> None:
+        self.grads += 1
+        if self.grads == self.doom_at_grad:
+            self.doomed = True
+
+    def step(self, seed: int) -> None:
+        """One step of the loop: the optimizer steps only where the step was not doomed."""
+        self.forwards = self.grads = 0
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(seed))
+        self.model(x).square().mean().backward()  # never raises: tmrun catches the stop
+        self.every_grad_there = all(param.grad is not None for param in self.model.parameters())
+        if not self.doomed:
+            self.opt.step()
+        self.opt.zero_grad()
+        self.left_after_zero_grad = self.mid_step()
+
+    def mid_step(self) -> bool:
+        """FSDP left something of a step behind: a state not idle, or a block not resharded."""
+        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+        from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+        states = [module._get_fsdp_state() for module in [*self.layers[:-1], self.model]]  # type: ignore[operator]
+        groups = [group for state in states for group in state._fsdp_param_groups]
+        params = [param for group in groups for param in group.fsdp_params]
+        return (any(getattr(param, "_unsharded_param", None) is not None and param._unsharded_param.grad is not None
+                    for param in params)  # a gradient accumulated but never reduced
+                or any(param.unsharded_accumulated_grad is not None for param in params)
+                or any(param.grad is not None for param in self.model.parameters()) or (any(state._training_state != TrainingState.IDLE for state in states)
+                or any(group._training_state != TrainingState.IDLE for group in groups)
+                or any(param.sharded_state != ShardedState.SHARDED for group in groups for param in group.fsdp_params)
+                or any(group._post_forward_indices for group in groups)  # the backward's prefetch order
+                or bool(states[-1]._comm_ctx.post_forward_order)
+                or states[-1]._state_ctx.iter_forward_root is not None
+                or bool(states[-1]._state_ctx.post_backward_final_callback_queued)))
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [param.to_local().clone() for param in self.model.parameters()]  # type: ignore[operator]
+
+
+@pytest.fixture
+def fsdp_mesh(tmp_path) -> Iterator[Any]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.is_initialized():
+        pytest.skip("a default process group exists in this process")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        remove_backward_guard()
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("point", ["forward", "backward", "after forward"])
+def test_an_fsdp2_step_doomed_midway_stops_and_its_redo_is_bitwise_a_clean_step(fsdp_mesh: Any, point: str) -> None:
+    """A doomed step of an FSDP2 model stops within a layer (forward) or a layer's gradient
+    (backward); "after forward": doomed between a whole forward and its backward, which does not
+    run. FSDP is left mid-step each time; reset_sharded() (what heal runs first) leaves it as
+    after a clean step, and the redone step gives the same bits as a run without the failure."""
+    reference = ShardedJob(fsdp_mesh)
+    for seed in range(3):
+        reference.step(seed)
+    job = ShardedJob(fsdp_mesh)
+    job.step(0)
+    if point == "forward":
+        job.doom_at_forward = 2
+    elif point == "backward":
+        job.doom_at_grad = 2
+    else:
+        job.doom_at_forward = LAYERS  # doomed once the last layer's forward ran
+    job.step(1)
+    counts = job.interrupter.counts
+    if point == "forward":
+        assert job.forwards == 2 and job.grads == 0 and counts.forwards_stopped == 1 and counts.backwards_skipped == 1
+    elif point == "backward":
+        assert job.forwards == LAYERS and job.grads == 2 and counts.backwards_stopped == 1
+    else:
+        assert job.grads == 0 and counts.backwards_skipped == 1
+    # reset where the backward stopped or was skipped, before the zero gradient for the scaler:
+    # zero_grad() left nothing behind (not a zero gradient on an unsharded root parameter)
+    assert not job.left_after_zero_grad
+    assert job.every_grad_there  # zeros where none came: a script that reduces every p.grad itself works
+    assert not job.interrupter.reducers_need_reset()  # no DDP model: nothing for the group to agree on
+    assert job.interrupter.reset_sharded() and counts.sharded_resets == 1  # the change's line says so
+    assert not job.mid_step()
+    assert not job.interrupter.reset_sharded()  # nothing left to reset: no second reset
+    job.doomed, job.doom_at_forward, job.doom_at_grad = False, -1, -1
+    job.step(1)  # the redo
+    job.step(2)
+    assert not job.mid_step()
+    for mine, theirs in zip(job.parameters(), reference.parameters()):
+        assert torch.equal(mine, theirs)

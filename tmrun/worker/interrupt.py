@@ -6,7 +6,8 @@ communicator's watcher thread saw the loss while this rank computed, see
 :mod:`tmrun.worker.loss_watch`), the rest of its compute is wasted: its gradients will never be
 applied and ``steps()`` yields the step again after the recovery. :class:`StepInterrupter` cuts
 that waste short, for the DDP models of the job (``tm.ddp``'s, or the script's own
-``DistributedDataParallel`` given to ``tm.track``):
+``DistributedDataParallel`` given to ``tm.track``) and its tracked sharded modules (FSDP2's
+``fully_shard``, tensor parallelism; :meth:`StepInterrupter.install_sharded`):
 
 * **forward**: a check at the entry of every submodule's forward (a forward pre-hook). In a
   doomed step it raises :class:`StepInterrupted`, which the DDP model's own forward catches
@@ -44,6 +45,15 @@ member's backward was stopped, or a member's reducer has not rebuilt its buckets
 made or last reset (it would rebuild, with that broadcast, where the others do not). A failure
 seen in forward, between steps or during the optimizer step, a standby's promotion and a planned
 migration keep the buckets as they are.
+
+FSDP2 keeps per-iteration state (blocks gathered, training states, the prefetch order, a
+post-backward callback queued in the autograd engine) that a stopped forward or backward leaves
+mid-step; torch's ``FSDPModule.reset_iter_state`` clears it (tmrun also drops the gradients a
+stopped backward left on unsharded parameters, which it keeps). It is local (no collective):
+each member resets its own where its backward stops or is skipped (the parameters are the
+sharded ones again before the zero gradients are filled in, and the script's ``zero_grad()``
+clears them), and at the start of a change if a later forward left it mid-step again
+(:meth:`StepInterrupter.reset_sharded`), before the state is read for the transfer.
 """
 
 from __future__ import annotations
@@ -69,6 +79,7 @@ class InterruptCounts:
     backwards_stopped: int = 0  # a backward stopped between two gradients
     backwards_skipped: int = 0  # a backward entered in a doomed step: not run
     reducer_resets: int = 0  # changes of the group that reset this member's DDP reducers
+    sharded_resets: int = 0  # changes of the group that reset FSDP2's per-iteration state
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -103,7 +114,10 @@ class StepInterrupter:
         self._armed = 0  # > 0 while tmrun's forward or backward wrapper runs (any thread of it)
         self._output_shape: dict[int, Any] = {}  # per model: the last output's structure and shapes
         self._models: list[torch.nn.parallel.DistributedDataParallel] = []
+        self._sharded: list[torch.nn.Module] = []  # tracked modules with sharded parameters (FSDP2, TP)
         self._backward_stopped = False  # since the last reset: a reducer waits for a backward that ended early
+        self._sharded_dirty = False  # since the last reset: a doomed step cut a sharded module's forward or backward short
+        self._sharded_reset_since = False  # an FSDP2 reset since the last change (for its line)
         self.counts = InterruptCounts()
 
     # -- the checks ----------------------------------------------------------------------------
@@ -124,6 +138,32 @@ class StepInterrupter:
         self._models.append(model)
         install_backward_guard(self)
 
+    def install_sharded(self, module: torch.nn.Module) -> None:
+        """The same checks for a tracked module with sharded parameters (FSDP2's ``fully_shard``,
+        tensor parallelism; the script calls it directly, no DDP): at every submodule's forward,
+        ahead of FSDP's own pre-forward hook (a doomed step does not gather the next block's
+        parameters), and at the gradient of every layer's output in backward (the layer's own
+        backward kernels, and its gradient reduction, come after it). The sharded parameters
+        themselves take no part in autograd (FSDP2 computes with unsharded copies and assigns
+        the reduced gradients), so their gradient hooks would never fire."""
+        for sub in module.modules():
+            sub.register_forward_pre_hook(lambda *_: self.checkpoint(), prepend=True)
+            if next(sub.parameters(recurse=False), None) is not None:
+                sub.register_forward_hook(self._check_output_grad)
+        self.wrap_forward(module)
+        self._sharded.append(module)
+        install_backward_guard(self)
+
+    def _check_output_grad(self, _module: torch.nn.Module, _inputs: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        for value in pytree.tree_leaves(output):
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                value.register_hook(self._grad_checkpoint)
+
+    def _grad_checkpoint(self, _grad: torch.Tensor) -> None:
+        self.checkpoint()
+
     # -- forward ---------------------------------------------------------------------------------
 
     def wrap_forward(self, model: torch.nn.Module) -> None:
@@ -137,6 +177,7 @@ class StepInterrupter:
                 output = inner(*args, **kwargs)
             elif self._doomed():
                 self.counts.forwards_skipped += 1
+                self._sharded_dirty = True
                 return pytree.tree_map(_zeros_like, shape)
             else:
                 self._armed += 1
@@ -144,6 +185,7 @@ class StepInterrupter:
                     output = inner(*args, **kwargs)
                 except StepInterrupted:
                     self.counts.forwards_stopped += 1
+                    self._sharded_dirty = True
                     return pytree.tree_map(_zeros_like, shape)
                 finally:
                     self._armed -= 1
@@ -157,7 +199,7 @@ class StepInterrupter:
     def run_backward(self, inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self._doomed():
             self.counts.backwards_skipped += 1
-            self._fill_missing_grads()
+            self._after_stopped_backward()
             return None
         self._armed += 1
         try:
@@ -165,28 +207,47 @@ class StepInterrupter:
         except StepInterrupted:
             self.counts.backwards_stopped += 1
             self._backward_stopped = True
-            self._fill_missing_grads()
+            self._after_stopped_backward()
             return None
         finally:
             self._armed -= 1
 
+    def _after_stopped_backward(self) -> None:
+        """FSDP2 modules are reset at once (their parameters are the sharded ones again, the
+        ones the optimizer holds: the zero gradient below must land there, where the script's
+        ``zero_grad()`` clears it, not on an unsharded parameter left from the forward), then a
+        zero gradient where the backward produced none."""
+        if self._sharded:
+            self._reset_fsdp()
+        self._fill_missing_grads()
+
     def _fill_missing_grads(self) -> None:
-        """A gradient of zeros for one parameter per model and device when the stopped backward
-        produced none there: what the script does next with gradients (``GradScaler.step``
-        wants an infinity check recorded per device, a clip reads their norm) finds some, as
-        after any backward. One small parameter each, not the whole model: zeros for every
-        parameter would cost a write of the model's size on the recovery's critical path.
-        The gradients are void anyway: the step is redone."""
+        """Gradients of zeros where the stopped backward produced none, so that what the script
+        does next with gradients finds them, as after any backward. The gradients are void
+        anyway: the step is redone.
+
+        * A DDP model: one small parameter per model and device, when none got one there
+          (``GradScaler.step`` wants an infinity check recorded per device, a clip reads their
+          norm). Not the whole model: DDP reduces the gradients itself, so scripts do not walk
+          them, and zeros for every parameter would cost a write of the model's size on the
+          recovery's critical path.
+        * A sharded module: every parameter without one (its local shard's size). Scripts reduce
+          such gradients themselves (data parallel over tensor-parallel modules: an allreduce of
+          every ``p.grad``), which a missing one would break."""
         with torch.no_grad():
-            for model in self._models:
+            for module in [model.module for model in self._models]:
                 by_device: dict[torch.device, list[torch.nn.Parameter]] = {}
-                for param in model.module.parameters():
+                for param in module.parameters():
                     if param.requires_grad:
                         by_device.setdefault(param.device, []).append(param)
                 for params in by_device.values():
                     if all(param.grad is None for param in params):
                         smallest = min(params, key=lambda param: param.numel())
                         smallest.grad = torch.zeros_like(smallest)
+            for module in self._sharded:
+                for param in module.parameters():
+                    if param.requires_grad and param.grad is None:
+                        param.grad = torch.zeros_like(param)
 
     # -- after a change of the group -----------------------------------------------------------------
 
@@ -196,9 +257,9 @@ class StepInterrupter:
         reducer has not rebuilt its buckets since it was made or reset (DDP sets
         ``_has_rebuilt_buckets`` when it does; never with ``find_unused_parameters``), or one runs
         a static graph (DDP counts its backward calls)."""
-        return self._backward_stopped or any(
+        return bool(self._models) and (self._backward_stopped or any(
             not getattr(model, "_has_rebuilt_buckets", False) or getattr(model, "static_graph", False)
-            for model in self._models)
+            for model in self._models))
 
     def reset_models(self) -> None:
         """Forget any backward a failure stopped (DDP's reducer would refuse the next forward).
@@ -210,6 +271,46 @@ class StepInterrupter:
         self._backward_stopped = False
         if self._models:
             self.counts.reducer_resets += 1
+
+    def reset_sharded(self) -> bool:
+        """Whether FSDP2's state was reset since the last call (the recovery's line says so), after
+        resetting what is still left: called at the start of every change, before the state is
+        read for the transfer (a block left unsharded would expose its unsharded parameters).
+        Local, no collective: each member resets what its own step left."""
+        if self._sharded_dirty:
+            self._reset_fsdp()
+        reset, self._sharded_reset_since = self._sharded_reset_since, False
+        return reset
+
+    def _reset_fsdp(self) -> None:
+        """Put the tracked FSDP2 modules back as after a clean step, once a doomed step cut a
+        forward or backward short (or skipped a backward after a whole forward). FSDP2 keeps
+        per-iteration state that such a step leaves mid-way: blocks still unsharded (the root
+        stays so after its forward), training states, the prefetch order, a post-backward
+        callback queued in the autograd engine that never ran. torch's
+        ``FSDPModule.reset_iter_state`` (on the root: the tracked module) reshards every block
+        and clears that. It leaves the gradients the stopped backward had accumulated on the
+        unsharded parameters (not yet reduced): dropped here too, or the redone step's
+        backward would add its own to them."""
+        self._sharded_dirty = False
+        try:
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:
+            return
+        for module in self._sharded:
+            if not isinstance(module, FSDPModule):
+                continue
+            module.reset_iter_state()
+            for sub in module.modules():
+                if isinstance(sub, FSDPModule):
+                    for param_group in sub._get_fsdp_state()._fsdp_param_groups:
+                        for fsdp_param in param_group.fsdp_params:
+                            fsdp_param.unsharded_accumulated_grad = None
+                            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                            if unsharded is not None:
+                                unsharded.grad = None
+            self._sharded_reset_since = True
+            self.counts.sharded_resets += 1
 
 
 _guarded: list[StepInterrupter] = []  # the process's interrupter (the last installed)

@@ -232,6 +232,7 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float, repl
     store = ctx.require_store()
     comm = group.comm()
     settle_heal(ctx, skip=replaced, in_change=True)  # what the previous change left to read first
+    sharded_reset = ctx.interrupter.reset_sharded()  # FSDP2 blocks a stopped step left unsharded
     shard_key = ctx.tracked.shard_key()
     if ctx.fresh and shard_key and not ctx.built_as_rank:  # built as rank 0 of a standby's sandbox
         shard_key = MISPLACED  # every member refuses the plan at once (a 1-D FSDP job: docs/mesh.md)
@@ -278,6 +279,8 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float, repl
         rest = f"; the optimizer state read before resuming: {because}"
     if plan.reset_models:
         rest += "; DDP reducers reset (their buckets are rebuilt in the second step)"
+    if sharded_reset:
+        rest += "; FSDP's iteration state reset (the stopped step left it mid-step)"
     log(
         f"rank {ctx.rank}: recovered into generation {ctx.gen} in {elapsed:.3f}s; "
         f"resume at step {resume} (donors {plan.donors}, healed {plan.needy}, {healed.describe()}{rest})"

@@ -144,6 +144,7 @@ class Runtime:
             elif self._ctx.in_place and drills.is_sharded(obj) and id(obj) not in self._hooked:
                 self._hooked.add(id(obj))
                 drills.install_sharded_hooks(obj, self._ctx.fire)  # the "forward" and "backward" drills
+                self._ctx.interrupter.install_sharded(obj)  # a doomed step stops at the next layer
             if isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, guarded.GuardedOptimizer):
                 guarded.guard_in_place(obj, self._loop)
 
