@@ -79,7 +79,7 @@ class InterruptCounts:
     backwards_stopped: int = 0  # a backward stopped between two gradients
     backwards_skipped: int = 0  # a backward entered in a doomed step: not run
     reducer_resets: int = 0  # changes of the group that reset this member's DDP reducers
-    sharded_resets: int = 0  # changes of the group that reset FSDP2's per-iteration state
+    sharded_resets: int = 0  # resets of FSDP2's per-iteration state after a doomed step cut it short
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
