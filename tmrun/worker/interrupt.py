@@ -235,9 +235,9 @@ class StepInterrupter:
           such gradients themselves (data parallel over tensor-parallel modules: an allreduce of
           every ``p.grad``), which a missing one would break."""
         with torch.no_grad():
-            for module in [model.module for model in self._models]:
+            for model in self._models:
                 by_device: dict[torch.device, list[torch.nn.Parameter]] = {}
-                for param in module.parameters():
+                for param in model.module.parameters():
                     if param.requires_grad:
                         by_device.setdefault(param.device, []).append(param)
                 for params in by_device.values():
@@ -292,23 +292,21 @@ class StepInterrupter:
         and clears that. It leaves the gradients the stopped backward had accumulated on the
         unsharded parameters (not yet reduced): dropped here too, or the redone step's
         backward would add its own to them."""
+        from torch.distributed.fsdp import FSDPModule
+
         self._sharded_dirty = False
-        try:
-            from torch.distributed.fsdp import FSDPModule
-        except ImportError:
-            return
         for module in self._sharded:
             if not isinstance(module, FSDPModule):
                 continue
             module.reset_iter_state()
-            for sub in module.modules():
-                if isinstance(sub, FSDPModule):
-                    for param_group in sub._get_fsdp_state()._fsdp_param_groups:
-                        for fsdp_param in param_group.fsdp_params:
-                            fsdp_param.unsharded_accumulated_grad = None
-                            unsharded = getattr(fsdp_param, "_unsharded_param", None)
-                            if unsharded is not None:
-                                unsharded.grad = None
+            fsdp_params = (fsdp_param for sub in module.modules() if isinstance(sub, FSDPModule)
+                           for param_group in sub._get_fsdp_state()._fsdp_param_groups
+                           for fsdp_param in param_group.fsdp_params)
+            for fsdp_param in fsdp_params:
+                fsdp_param.unsharded_accumulated_grad = None
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)  # made at the first all-gather
+                if unsharded is not None:
+                    unsharded.grad = None
             self._sharded_reset_since = True
             self.counts.sharded_resets += 1
 
