@@ -328,3 +328,79 @@ def test_an_fsdp2_step_doomed_midway_stops_and_its_redo_is_bitwise_a_clean_step(
     assert not job.mid_step()
     for mine, theirs in zip(job.parameters(), reference.parameters()):
         assert torch.equal(mine, theirs)
+
+
+# -- real training code (issue 29): evaluation forwards and losses with their own backward ---------
+
+
+def test_an_evaluation_forward_in_a_doomed_step_gives_its_true_result(job: Job) -> None:
+    """A forward under no_grad or inference_mode (an evaluation inside the loop) is never
+    replaced by the placeholder: it used to return zeros, and a script printed "val loss 0.0000"
+    and saved a checkpoint as the best one."""
+    x = torch.full((2, 4), 0.5)
+    with torch.no_grad():
+        expected = job.model.module(x)
+    job.doomed = True
+    for guard in (torch.no_grad, torch.inference_mode):
+        with guard():
+            got = job.model(x)
+        assert torch.equal(got, expected) and got.abs().sum() > 0
+    assert job.interrupter.counts.forwards_skipped == 0 and job.interrupter.counts.forwards_stopped == 0
+
+
+def _chunked_loss(model: torch.nn.Module, head: torch.nn.Linear, x: torch.Tensor, chunks: int) -> torch.Tensor:
+    """torchtitan's chunked cross-entropy's shape: the loss of each chunk runs its own backward
+    on a detached hidden state, asserts that state got its gradient, then the body's backward
+    runs with it."""
+    hidden = model(x)
+    detached = hidden.detach().requires_grad_(True)
+    total = torch.zeros(())
+    for part in detached.chunk(chunks):
+        loss = head(part).square().mean()
+        loss.backward()
+        total += loss.detach()
+    assert detached.grad is not None, "the hidden state got no gradient"
+    hidden.backward(detached.grad)
+    return total
+
+
+@pytest.mark.parametrize("doom_at", ["before", "first chunk", "body"])
+def test_a_chunked_loss_with_its_own_backward_survives_a_doomed_step(job: Job, doom_at: str) -> None:
+    """Stopping (or skipping) a doomed backward must not break a loss that reads the gradient of
+    a detached tensor: where a stopped backward produced none, every non-parameter leaf it
+    would have reached gets zeros (a survivor died of this assertion, and with two ranks the job
+    restarted from step 0)."""
+    head = torch.nn.Linear(4, 3)
+    x = torch.ones(4, 4)
+    if doom_at == "before":
+        job.doomed = True
+    elif doom_at == "first chunk":
+        head.weight.register_post_accumulate_grad_hook(lambda _: setattr(job, "doomed", True))
+    else:
+        job.forwards = job.grads = 0
+        job.doom_at_grad = 1
+    _chunked_loss(job.model, head, x, chunks=2)  # raises AssertionError without the fix
+    counts = job.interrupter.counts
+    assert counts.backwards_skipped + counts.backwards_stopped >= 1
+
+
+def test_a_doomed_backward_with_inputs_gives_those_inputs_a_gradient(job: Job) -> None:
+    leaf = torch.ones(2, 4, requires_grad=True)
+    out = job.model(leaf)
+    job.doomed = True
+    torch.autograd.backward(out.sum(), inputs=[leaf])
+    assert leaf.grad is not None and not leaf.grad.any()
+
+
+def test_reentrant_activation_checkpointing_and_retain_graph_survive_a_doomed_step(job: Job) -> None:
+    """Reentrant checkpointing runs a nested backward inside backward; retain_graph keeps the
+    graph for a second backward: both go on as after any stopped step."""
+    from torch.utils.checkpoint import checkpoint
+
+    x = torch.ones(2, 4, requires_grad=True)
+    job.doom_at_forward = LAYERS + 3  # during the recomputation inside backward
+    out = checkpoint(job.model, x, use_reentrant=True)
+    loss = out.sum()
+    loss.backward(retain_graph=True)
+    loss.backward()  # the second one is skipped in the doomed step
+    assert job.interrupter.counts.backwards_skipped >= 1

@@ -1,10 +1,14 @@
-"""TrackedState's step-start snapshot: what an aborted step advanced besides tensors goes back."""
+"""TrackedState: the step-start snapshot (what an aborted step advanced besides tensors goes back),
+what healing moves (the live tensors, by identity), the replica check's tensors, per-rank state."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import torch
 
-from tmrun.worker.tracked import TrackedState
+from tmrun.worker.tracked import TrackError, TrackedState
 
 
 class Position:
@@ -46,3 +50,96 @@ def test_an_aborted_step_is_undone_for_schedulers_scalers_loaders_and_hyperparam
     _step(opt, sched, scaler, model, loader)
     state.restore_stateful(snapshot)
     assert (opt.param_groups[0]["lr"], loader.at) == (1.0, 0)
+
+
+# -- healing moves what a module holds, by identity (issue 29) --------------------------------------
+
+
+class FusedQKV(torch.nn.Module):
+    """torchtitan's shape: one fused projection whose state_dict shows unfused q/k/v copies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wqkv = torch.nn.Linear(4, 12, bias=False)
+        self.register_buffer("steps_seen", torch.zeros(1))
+        self._register_state_dict_hook(FusedQKV._unfuse)
+
+    @staticmethod
+    def _unfuse(module: "FusedQKV", state: dict[str, Any], prefix: str, _local: Any) -> dict[str, Any]:
+        fused = state.pop(f"{prefix}wqkv.weight")
+        for name, part in zip("qkv", fused.chunk(3)):
+            state[f"{prefix}w{name}.weight"] = part.clone()  # copies, as a real unfusing hook gives
+        return state
+
+
+def test_tracked_tensors_are_the_live_parameters_and_buffers_never_state_dict_copies() -> None:
+    """A joiner's healing writes into these tensors: through state_dict() it wrote into the
+    hook's copies and left the live weights at their fresh initialisation (replicas diverged
+    silently)."""
+    model = torch.nn.Sequential(FusedQKV(), torch.nn.Linear(12, 4))
+    model[1].weight = torch.nn.Parameter(torch.randn(4, 12))
+    torch.nn.utils.parametrize.register_parametrization(model[1], "weight", Doubled())
+    state = TrackedState()
+    state.track(model=model)
+    live = {t.data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+    moved = [t for _, t in state.tensors()]
+    assert {t.data_ptr() for t in moved} == live and len(moved) == len(live)
+    # a write through what healing receives into changes the module itself
+    for t in moved:
+        t.data.fill_(0.25) if t.is_floating_point() else None
+    assert bool((model[0].wqkv.weight == 0.25).all()) and bool((model[1].parametrizations.weight.original == 0.25).all())
+
+
+class Doubled(torch.nn.Module):
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight * 2
+
+
+def test_tied_weights_are_moved_once() -> None:
+    embed = torch.nn.Embedding(5, 4)
+    head = torch.nn.Linear(4, 5, bias=False)
+    head.weight = embed.weight
+    state = TrackedState()
+    state.track(model=torch.nn.ModuleDict({"embed": embed, "head": head}))
+    assert [name for name, _ in state.tensors()] == ["model.embed.weight"]
+
+
+def test_the_replica_check_covers_parameters_and_optimizer_state_not_buffers() -> None:
+    model = torch.nn.BatchNorm1d(3)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    state = TrackedState()
+    state.track(model=model, optimizer=opt)
+    names = [name for name, _ in state.replica_tensors()]
+    assert "model.weight" in names and "model.running_mean" not in names
+    assert any(name.startswith("optimizer.state.") for name in names)
+
+
+# -- per-rank state (issue 29) ------------------------------------------------------------------------
+
+
+def test_per_rank_state_round_trips_and_stays_out_of_what_donors_send() -> None:
+    mine, joiner = Position(), Position()
+    mine.at = 1007  # e.g. rank 1's data position
+    donor, receiver = TrackedState(), TrackedState()
+    donor.track_per_rank(loader=mine)
+    receiver.track_per_rank(loader=joiner)
+    assert b"1007" not in donor.rest() and donor.per_rank
+    receiver.apply_per_rank(donor.per_rank_blob())
+    assert joiner.at == 1007
+    snapshot = receiver.snapshot_per_rank()
+    joiner.at = 5
+    receiver.restore_per_rank(snapshot)
+    assert joiner.at == 1007
+
+
+def test_per_rank_refuses_modules_duplicates_and_objects_without_state() -> None:
+    state = TrackedState()
+    with pytest.raises(TrackError, match="replicas"):
+        state.track_per_rank(model=torch.nn.Linear(1, 1))
+    with pytest.raises(TrackError, match="state_dict"):
+        state.track_per_rank(offset=3)
+    state.track_per_rank(loader=Position())
+    with pytest.raises(TrackError, match="already"):
+        state.track(loader=Position())

@@ -237,7 +237,8 @@ def test_handover_delivers_the_model_first_and_the_optimizer_state_later(leaver_
                 return hand_over(comm, leaver_state, {"committed_step": 3}, same_host_reads=leaver_reads)
             meta, pending, received = take_over(comm, joiner_state, same_host_reads=joiner_reads)
             seen["path"] = pending.path
-            model_now = [bytes(p.detach().reshape(-1).view(torch.uint8).tolist()) for p in joiner_model.state_dict().values()]
+            model_now = [bytes(t.detach().reshape(-1).view(torch.uint8).tolist())
+                         for name, t in joiner_state.tensors() if name.startswith("model.")]
             seen.update(meta=meta, received=received, model=model_now, deferred=pending.nbytes)
             pending.finish()
             return received

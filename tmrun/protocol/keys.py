@@ -144,6 +144,12 @@ def rng(rank: int) -> str:
     return f"rng/{rank}"
 
 
+def rank_state(rank: int) -> str:
+    """Pickled (step, per-rank state) of ``rank`` at the start of ``step`` (``tm.track_per_rank``),
+    for the joiner that takes it over."""
+    return f"rank_state/{rank}"
+
+
 def done(rank: int) -> str:
     """Set by a rank whose ``steps()`` finished (value: its last committed step)."""
     return f"done/{rank}"

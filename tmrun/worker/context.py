@@ -17,7 +17,7 @@ from __future__ import annotations
 import signal
 import time
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import torch.distributed as dist
 
@@ -28,6 +28,7 @@ from tmrun.protocol.stores import open_job_store
 from tmrun.worker import group
 from tmrun.worker.drills import DrillRunner
 from tmrun.worker.interrupt import StepInterrupter
+from tmrun.worker.leave import exit_now
 from tmrun.worker.progress import ProgressWriter
 from tmrun.worker.roles import Lifecycle, Role
 from tmrun.worker.tracked import TrackedState
@@ -165,7 +166,7 @@ class Context:
             return self.await_key(key, float("inf"), poll=POLL / 2)
         except RecoveryError as gave_up:
             log(f"standby {self.env.standby_id} leaves: {gave_up}")
-            raise SystemExit(0) from None
+            exit_now(0)
 
     def publish_subgroups(self, has_subgroups: bool) -> None:
         """An active rank at its first step: whether the job has subgroups (for its standbys)."""
@@ -200,9 +201,9 @@ class Context:
         try:
             return self._await_key(key, deadline, poll)
         except dist.DistError as exc:  # the store's host (the leader's node) is gone
-            if self.env.mode is Mode.STANDBY:
+            if self.env.mode is Mode.STANDBY and self.life.is_(Role.STANDBY):
                 log(f"the job's store is gone ({type(exc).__name__}); this standby exits")
-                raise SystemExit(1) from None
+                exit_now(1)
             raise RecoveryError(f"lost the job's store while waiting for {key} ({type(exc).__name__})") from None
 
     def newest_gen(self, wake: "GenerationFile | None" = None, ask_store: bool = True) -> int:
@@ -291,7 +292,7 @@ class Context:
                 return assignment
             if time.monotonic() > deadline or (assignment is not None and assignment.stop):
                 log(f"joiner: {why}; no new assignment: this joiner leaves (its rank is replaced)")
-                raise SystemExit(1)
+                exit_now(1)
             self._check_waiting(float("inf"), why)
             time.sleep(POLL)
 
@@ -304,11 +305,19 @@ class Context:
             notice = proto.AbortNotice.decode(keys.ABORT, store.get(keys.ABORT))
             raise RecoveryError(f"in-place recovery abandoned by the controller: {notice.reason}")
         if self.stop_requested:
-            raise SystemExit(0)
+            self._leave(0)
         if orphan_guard.orphaned(self.env.agent_pid):
-            raise SystemExit(0)  # orphaned: the agent is gone
+            self._leave(0)  # orphaned: the agent is gone
         if time.monotonic() > deadline:
             raise RecoveryError(f"{missing} within {self.env.recovery_timeout:.0f}s ({what})")
+
+    def _leave(self, status: int) -> NoReturn:
+        """Leave while waiting: a standby (or a joiner not yet healed) at once, with nothing to
+        swallow its exit (:func:`tmrun.worker.leave.exit_now`); an active rank unwinds its
+        script (``SystemExit``)."""
+        if self.life.role in (Role.STANDBY, Role.JOINING):
+            exit_now(status)
+        raise SystemExit(status)
 
     def _await_key(self, key: str, deadline: float, poll: float) -> bytes:
         store = self.require_store()

@@ -172,6 +172,10 @@ class StepInterrupter:
         key = id(model)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                # an evaluation or metrics forward (no_grad, inference_mode): never a placeholder,
+                # it runs whole and gives its true result (its value is the script's, not a step's)
+                return inner(*args, **kwargs)
             shape = self._output_shape.get(key)
             if shape is None:  # no placeholder yet (the first forward): run it whole
                 output = inner(*args, **kwargs)
@@ -199,7 +203,7 @@ class StepInterrupter:
     def run_backward(self, inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self._doomed():
             self.counts.backwards_skipped += 1
-            self._after_stopped_backward()
+            self._after_stopped_backward(_backward_leaves(args, kwargs))
             return None
         self._armed += 1
         try:
@@ -207,19 +211,30 @@ class StepInterrupter:
         except StepInterrupted:
             self.counts.backwards_stopped += 1
             self._backward_stopped = True
-            self._after_stopped_backward()
+            self._after_stopped_backward(_backward_leaves(args, kwargs))
             return None
         finally:
             self._armed -= 1
 
-    def _after_stopped_backward(self) -> None:
+    def _after_stopped_backward(self, leaves: list[torch.Tensor]) -> None:
         """FSDP2 modules are reset at once (their parameters are the sharded ones again, the
         ones the optimizer holds: the zero gradient below must land there, where the script's
         ``zero_grad()`` clears it, not on an unsharded parameter left from the forward), then a
-        zero gradient where the backward produced none."""
+        zero gradient where the backward produced none: on the tracked models' parameters
+        (:meth:`_fill_missing_grads`) and on every leaf that is not a parameter that the stopped
+        backward would have reached (``leaves``): a loss that runs its own backward per chunk on a detached hidden
+        state and then reads that state's ``.grad`` (a chunked cross-entropy) finds one, as
+        after any backward, and so does a ``backward(inputs=...)``."""
         if self._sharded:
             self._reset_fsdp()
         self._fill_missing_grads()
+        with torch.no_grad():
+            for leaf in leaves:
+                # parameters are left to _fill_missing_grads: a DDP model's get one small zero
+                # gradient, and FSDP2 computes with unsharded parameters (leaves of the graph)
+                # whose gradients its reset just dropped and zero_grad() would never clear
+                if leaf.grad is None and not isinstance(leaf, torch.nn.Parameter):
+                    leaf.grad = torch.zeros_like(leaf)
 
     def _fill_missing_grads(self) -> None:
         """Gradients of zeros where the stopped backward produced none, so that what the script
@@ -309,6 +324,39 @@ class StepInterrupter:
                     unsharded.grad = None
             self._sharded_reset_since = True
             self.counts.sharded_resets += 1
+
+
+def _backward_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The leaf tensors (``requires_grad``, no ``grad_fn``) that a call of
+    ``torch.autograd.backward(*args, **kwargs)`` accumulates into: its ``inputs`` when given,
+    else every leaf its roots' graph reaches (a walk of the autograd graph's nodes; only in a
+    doomed step)."""
+    inputs = kwargs.get("inputs", args[5] if len(args) > 5 else None)
+    if inputs is not None:
+        chosen = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+        return [t for t in chosen if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is None]
+    roots = kwargs.get("tensors", args[0] if args else None)
+    roots = [roots] if isinstance(roots, torch.Tensor) else list(roots or ())
+    leaves: dict[int, torch.Tensor] = {}
+    stack = []
+    for root in roots:
+        if not isinstance(root, torch.Tensor) or not root.requires_grad:
+            continue
+        if root.grad_fn is None:
+            leaves[id(root)] = root
+        else:
+            stack.append(root.grad_fn)
+    seen: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)  # AccumulateGrad: the leaf it accumulates into
+        if isinstance(variable, torch.Tensor):
+            leaves[id(variable)] = variable
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return list(leaves.values())
 
 
 _guarded: list[StepInterrupter] = []  # the process's interrupter (the last installed)

@@ -43,3 +43,24 @@ def leave() -> NoReturn:
     sys.excepthook = _on_uncaught
     atexit.register(_finish)  # registered last, so it runs first, then runs the others
     raise SystemExit(0)
+
+
+def exit_now(status: int) -> NoReturn:
+    """End a process that tmrun no longer needs (a standby told to stop, or left without a job)
+    so that nothing can swallow it: a ``SystemExit`` raised here would unwind through the
+    script, where a framework's ``except SystemExit`` / ``except BaseException`` or torch's
+    ``@record`` (which returns on ``SystemExit(0)``) could catch it and run on with a half-built
+    trainer. The standard streams are flushed and logging shut down first (its last lines
+    reach the log); the script has no state worth unwinding for: a standby holds none yet."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass  # closed or broken: nothing left to save
+    try:
+        import logging
+
+        logging.shutdown()
+    except Exception:  # noqa: BLE001 (a broken handler must not keep the process alive)
+        pass
+    os._exit(status)

@@ -33,10 +33,15 @@ class StepLoop:
         self._rng_published: dict[str, Any] | None = None
         self._rng_recorded_for = -1
         self._stateful_at_start: dict[str, Any] = {}  # tracked schedulers, scalers, loaders
+        self._per_rank_at_start: dict[str, Any] = {}  # tm.track_per_rank's objects
+        self._per_rank_published: bytes | None = None
+        self._per_rank_recorded_for = -1
 
-    def steps(self, total: int) -> Iterator[int]:
+    def steps(self, total: int, start: int = 0) -> Iterator[int]:
         ctx = self._ctx
-        step = 0
+        step = start
+        if not ctx.life.is_(Role.STANDBY) and ctx.committed_step < start - 1:
+            ctx.committed_step = start - 1  # resumed from the script's checkpoint of step start - 1
         if ctx.pending_join is not None:  # a standby promoted in tmrun.init(): its model is built now
             step = self._standby.heal_after_init()
         while True:
@@ -53,11 +58,19 @@ class StepLoop:
             self._standby.end_of_step()
             self._migration.finish_handover()
             if ctx.aborted_by is not None:
+                aborted, after_body = step, None
                 if ctx.committed_step < step:  # undo what the aborted step advanced
                     ctx.tracked.restore_stateful(self._stateful_at_start)
+                    if ctx.tracked.per_rank:  # this rank's own, kept in case the others committed the step
+                        after_body = ctx.tracked.snapshot_per_rank()
+                        ctx.tracked.restore_per_rank(self._per_rank_at_start)
                 else:  # this rank's step went through: the boundary into the next one is here
                     self._fire_at_boundary(step + 1)
                 step = self._recover()
+                if after_body is not None and step == aborted + 1:
+                    # the others committed the step (this rank received it from them): the state
+                    # its own body left is its next step's
+                    ctx.tracked.restore_per_rank(after_body)
                 continue
             ctx.committed_step = step
             self._progress(step)
@@ -120,6 +133,8 @@ class StepLoop:
         ctx.step_rng = rng.capture()
         if ctx.in_place and not ctx.life.is_(Role.STANDBY):
             self._stateful_at_start = ctx.tracked.snapshot_stateful()
+            if ctx.tracked.per_rank:
+                self._per_rank_at_start = ctx.tracked.snapshot_per_rank()
         if self._rng_recorded_for != step:
             self._record_rng(step)
 
@@ -141,6 +156,16 @@ class StepLoop:
                 ctx.require_store().set(keys.rng(ctx.rank), pickle.dumps((step, states)))
                 self._rng_published = states
             self._rng_recorded_for = step
+            if ctx.tracked.per_rank:
+                self._record_per_rank(step)
+
+    def _record_per_rank(self, step: int) -> None:
+        """Publish this rank's per-rank state (``tm.track_per_rank``) as it starts ``step``, tagged
+        with the step (a joiner takes it only for the step it resumes at: tmrun.worker.recovery)."""
+        blob = self._ctx.tracked.per_rank_blob()
+        if blob != self._per_rank_published or self._per_rank_recorded_for != step:
+            self._ctx.require_store().set(keys.rank_state(self._ctx.rank), pickle.dumps((step, blob)))
+            self._per_rank_published, self._per_rank_recorded_for = blob, step
 
     # -- the optimizer guard's gate (tmrun.worker.optimizer.StepGate) -------------------------------
 

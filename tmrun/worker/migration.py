@@ -171,6 +171,8 @@ class Migration:
         try:
             ctx.fire("handover")
             meta = {"committed_step": switch_at, "rng": rng_state}
+            if ctx.tracked.per_rank:
+                meta["per_rank"] = ctx.tracked.per_rank_blob()  # this rank's own (tm.track_per_rank)
             moved = hand_over(handoff, ctx.tracked, meta, same_host_reads=ctx.env.same_host_reads)
         finally:
             handoff.close()
@@ -209,6 +211,8 @@ class Migration:
             handoff.close()
         ctx.committed_step = int(meta["committed_step"])  # type: ignore[call-overload]
         rng.restore(meta["rng"])  # type: ignore[arg-type]
+        if ctx.tracked.per_rank and "per_rank" in meta:
+            ctx.tracked.apply_per_rank(meta["per_rank"])  # type: ignore[arg-type]
         ctx.fresh = False
         log(f"rank {ctx.rank}: received the model ({received} bytes) in {model_took:.3f}s ({pending.path}); "
             f"{pending.nbytes} bytes of optimizer state "

@@ -243,6 +243,8 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float, repl
         plan = agree(comm, ctx.committed_step, ctx.tracked.layout_digest(), ctx.fresh, ctx.env.heal_reads,
                      state_tensors=None if link is not None else ctx.tracked.tensors(), shard_key=shard_key,
                      overlap=overlap, reset_models=ctx.interrupter.reducers_need_reset())
+        if ctx.tracked.per_rank:
+            _check_per_rank_records(ctx, plan.fresh, plan.target_step + 1)
     except NoReplicaError as exc:  # every member at once: the controller falls back without waiting
         # An expected end, not a bug: one line per worker, then exit for the group restart (a
         # RecoveryError would print a traceback through the script on every rank)
@@ -263,6 +265,8 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float, repl
     resume = plan.target_step + 1
     if ctx.fresh:
         _adopt_rng_of(ctx, ctx.rank, resume)
+        if ctx.tracked.per_rank:
+            _adopt_per_rank_of(ctx, ctx.rank)
     elif resume == aborted_step and ctx.step_rng is not None:
         rng.restore(ctx.step_rng)  # redo the aborted step from the same random state
     comm.barrier()
@@ -341,6 +345,38 @@ def settle_heal(ctx: Context, skip: Collection[int] = (), in_change: bool = Fals
             if time.monotonic() > deadline:
                 raise RecoveryError(f"rank {rank} did not finish reading the optimizer state within {READ_TIMEOUT:.0f}s")
             time.sleep(0.001)
+
+
+def _per_rank_record(ctx: Context, rank: int) -> tuple[int, bytes] | None:
+    store = ctx.require_store()
+    key = keys.rank_state(rank)
+    if not store.check([key]):
+        return None
+    step, blob = pickle.loads(store.get(key))
+    return int(step), blob
+
+
+def _check_per_rank_records(ctx: Context, joiners: list[int], resume: int) -> None:
+    """Every member alike (they read the same records): each joiner's rank must have published
+    its per-rank state (``tm.track_per_rank``) for the step the group resumes at. A rank lost
+    between its optimizer step and the end of that step left the record of the step before: its
+    state for ``resume`` is gone with it, so in-place healing would hand the joiner a wrong data
+    position (a silent wrong gradient); the job falls back to its group restart instead."""
+    for rank in joiners:
+        record = _per_rank_record(ctx, rank)
+        recorded = None if record is None else record[0]
+        if recorded != resume:
+            raise NoReplicaError(
+                f"rank {rank}'s per-rank state (tm.track_per_rank) is recorded for step {recorded}, and its joiner "
+                f"resumes at step {resume}: the state it needs was lost with the rank; falling back to the group "
+                "restart")
+
+
+def _adopt_per_rank_of(ctx: Context, rank: int) -> None:
+    """A joiner loads the per-rank state its rank published for the step it resumes at."""
+    record = _per_rank_record(ctx, rank)
+    assert record is not None, "checked by _check_per_rank_records"
+    ctx.tracked.apply_per_rank(record[1])
 
 
 def _adopt_rng_of(ctx: Context, rank: int, step: int) -> None:

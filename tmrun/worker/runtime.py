@@ -148,6 +148,14 @@ class Runtime:
             if isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, guarded.GuardedOptimizer):
                 guarded.guard_in_place(obj, self._loop)
 
+    def track_per_rank(self, **objects: Any) -> None:
+        """State that differs by rank (objects with ``state_dict`` / ``load_state_dict``: a data
+        loader keyed by data-parallel rank, a per-rank sampler): a joiner receives the record
+        its rank published as it started the step the group resumes at; survivors keep their
+        own (rewound to the step's start when they redo it). A step that is not redone
+        everywhere leaves every rank's record as its own body left it."""
+        self._ctx.tracked.track_per_rank(**objects)
+
     def optimizer(self, optimizer: torch.optim.Optimizer) -> guarded.GuardedOptimizer:
         """``optimizer`` guarded: its ``step()`` is skipped in an aborted step and counts as the
         step's commit otherwise. Step the returned object (``tm.track`` it too, for joiners)."""
@@ -160,9 +168,14 @@ class Runtime:
             raise RecoveryError("migration needs tmrun with a standby worker (--standby 1)")
         proto.request_migration(self._ctx.job_store, self._ctx.rank if rank is None else rank, reason)
 
-    def steps(self, total: int) -> Iterator[int]:
-        """The step numbers to run, ``0 .. total - 1``; a step a failure aborted comes again."""
-        return self._loop.steps(total)
+    def steps(self, total: int, start: int = 0) -> Iterator[int]:
+        """The step numbers to run, ``start .. total - 1``; a step a failure aborted comes again.
+        ``start``: where a script that resumed from its own checkpoint goes on (the checkpoint's
+        step + 1); steps before it count as committed. A standby needs none: it is healed from
+        the ranks (skip loading the checkpoint where ``tm.is_standby``)."""
+        if start < 0 or start > total:
+            raise ValueError(f"tm.steps: start must be within 0..{total} (got {start})")
+        return self._loop.steps(total, start)
 
 
 _runtime: Runtime | None = None

@@ -23,6 +23,7 @@ from tmrun.comm import backend as tmrun_backend, native
 from tmrun.protocol import keys, messages as proto
 from tmrun.worker import drills, group, subgroups
 from tmrun.worker.context import Context, Rejoin, Superseded, log
+from tmrun.worker.leave import exit_now
 from tmrun.worker.migration import Migration
 from tmrun.worker.recovery import Recovery, heal
 from tmrun.worker.roles import Role
@@ -97,7 +98,7 @@ class Standby:
         self._assigned_at = time.monotonic()
         assignment = proto.Assignment.decode(key, raw)
         if assignment.stop:
-            raise SystemExit(0)
+            exit_now(0)  # the job ends (or needs no standby): nothing may swallow this exit
         if not self._warm():
             log(f"standby {ctx.env.standby_id} assigned rank {assignment.rank} cold: warming up first")
         return assignment
@@ -133,7 +134,7 @@ class Standby:
         assignment = proto.Assignment.decode(key, ctx.await_standby_key(key))
         started = time.monotonic()
         if assignment.stop:
-            raise SystemExit(0)
+            exit_now(0)  # the job ends (or needs no standby): nothing may swallow this exit
         if assignment.planned:
             self._build_before_switch(assignment, started)
             return

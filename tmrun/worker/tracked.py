@@ -54,10 +54,27 @@ def _shard_coordinates(t: Any) -> tuple[tuple[int, int], ...]:
                  if not placement.is_replicate())
 
 
+def _module_members(module: torch.nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
+    """Every parameter and buffer ``module`` holds, by identity: ``(name, tensor, is_parameter)``.
+
+    Never through ``state_dict()``: its hooks may return copies (a fused projection exposed as
+    unfused q/k/v tensors, a parametrization's computed weight), into which a joiner's healing
+    would write while its live parameters kept their fresh initialisation; a DTensor's
+    ``state_dict`` hook may even run a collective (``redistribute``) inside healing. A tensor
+    shared by several modules (tied weights) is walked once; a parametrized weight is moved as
+    its ``original`` parameter(s); non-persistent buffers are moved too."""
+    members: list[tuple[str, torch.Tensor, bool]] = []
+    for name, param in module.named_parameters(remove_duplicate=True):
+        members.append((name, param, True))
+    for name, buffer in module.named_buffers(remove_duplicate=True):
+        if isinstance(buffer, torch.Tensor):
+            members.append((name, buffer, False))
+    return members
+
+
 def _module_tensors(prefix: str, module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    # state_dict() tensors share storage with the live parameters and buffers.
-    return [(f"{prefix}.{key}", local_shard(value)) for key, value in module.state_dict().items()
-            if isinstance(value, torch.Tensor)]
+    # the live parameters and buffers themselves (a DTensor's local shard shares their storage)
+    return [(f"{prefix}.{name}", local_shard(tensor)) for name, tensor, _ in _module_members(module)]
 
 
 def _optimizer_tensors(prefix: str, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
@@ -107,9 +124,14 @@ class TrackedState:
     def __init__(self) -> None:
         self._objects: dict[str, Any] = {}
         self.values: dict[str, Any] = {}
+        # state that differs by rank (a data loader keyed by data-parallel rank): never sent by a
+        # donor; a joiner takes the record its rank published (tmrun.worker.rank_state)
+        self._per_rank: dict[str, Any] = {}
 
     def track(self, **objects: Any) -> None:
         for name, obj in objects.items():
+            if name in self._per_rank:
+                raise TrackError(f"tm.track({name}=...): {name!r} is tracked per rank already")
             obj = _unwrap(obj)
             if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)) or (
                 hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")
@@ -123,9 +145,62 @@ class TrackedState:
                                      f"state_dict/load_state_dict, or picklable value ({exc})") from None
                 self.values[name] = obj
 
+    def track_per_rank(self, **objects: Any) -> None:
+        """Objects whose state differs by rank (``state_dict`` / ``load_state_dict``): a joiner
+        receives the lost rank's own record, survivors keep theirs."""
+        for name, obj in objects.items():
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise TrackError(f"tm.track_per_rank({name}=...): needs state_dict() and load_state_dict()")
+            if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
+                raise TrackError(f"tm.track_per_rank({name}=...): modules and optimizers are healed from "
+                                 "their replicas; give them to tm.track")
+            if name in self._objects or name in self.values:
+                raise TrackError(f"tm.track_per_rank({name}=...): {name!r} is tracked already")
+            self._per_rank[name] = obj
+
+    @property
+    def per_rank(self) -> bool:
+        return bool(self._per_rank)
+
+    def per_rank_blob(self) -> bytes:
+        """This rank's per-rank state, serialised (what its joiner would load)."""
+        buffer = io.BytesIO()
+        torch.save({name: obj.state_dict() for name, obj in self._per_rank.items()}, buffer)
+        return buffer.getvalue()
+
+    def apply_per_rank(self, blob: bytes) -> None:
+        """Load a rank's record (:meth:`per_rank_blob`) into this process's per-rank objects."""
+        states = torch.load(io.BytesIO(blob), weights_only=False)
+        missing = sorted(set(self._per_rank) - set(states))
+        if missing:
+            raise TrackError(f"the rank's per-rank record lacks {', '.join(map(repr, missing))}")
+        for name, obj in self._per_rank.items():
+            obj.load_state_dict(states[name])
+
+    def snapshot_per_rank(self) -> dict[str, Any]:
+        return {name: copy.deepcopy(obj.state_dict()) for name, obj in self._per_rank.items()}
+
+    def restore_per_rank(self, snapshot: dict[str, Any]) -> None:
+        for name, obj in self._per_rank.items():
+            if name in snapshot:
+                obj.load_state_dict(copy.deepcopy(snapshot[name]))
+
     @property
     def names(self) -> list[str]:
-        return list(self._objects) + list(self.values)
+        return list(self._objects) + list(self.values) + list(self._per_rank)
+
+    def replica_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """What replicas must hold alike, for the replica check (tmrun.worker.replica_check):
+        every tracked module's parameters (local shards) and every optimizer's state tensors.
+        Buffers are left out: some legitimately differ by rank (batch-norm statistics under
+        DDP with ``broadcast_buffers=False``)."""
+        found: list[tuple[str, torch.Tensor]] = []
+        for name, obj in self._objects.items():
+            if isinstance(obj, torch.nn.Module):
+                found += [(f"{name}.{key}", local_shard(t)) for key, t, is_param in _module_members(obj) if is_param]
+            elif isinstance(obj, torch.optim.Optimizer):
+                found += _optimizer_tensors(name, obj)
+        return found
 
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         found: list[tuple[str, torch.Tensor]] = []
@@ -201,7 +276,7 @@ class TrackedState:
         for name, obj in self._objects.items():
             if not isinstance(obj, torch.nn.Module):
                 continue
-            for key, value in obj.state_dict().items():
+            for key, value, _ in _module_members(obj):
                 coords = _shard_coordinates(value)
                 if coords:
                     sharded.append((f"{name}.{key}", coords))

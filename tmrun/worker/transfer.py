@@ -71,6 +71,7 @@ class HealPlan:
     # a member's DDP reducers must be reset (tmrun.worker.interrupt): every member resets its own,
     # so that all rebuild their buckets, with a broadcast, in the same step
     reset_models: bool = False
+    fresh: list[int] = field(default_factory=list)  # members that hold nothing yet (joiners)
 
     def donors_of(self, member: int) -> list[int]:
         """The donors that hold ``member``'s shard (every donor when nothing is sharded)."""
@@ -149,7 +150,8 @@ def agree(comm: tmrun_native.Communicator, committed_step: int, digest: int, fre
         if len({rows[r][1] for r in donors if keys[r] == key}) != 1:
             raise TransferError("the members that hold the state track different objects or shapes")
     plan = HealPlan(target, donors, needy, hosts=[row[3] for row in rows], pids=[row[4] for row in rows],
-                    keys=keys if any(keys) else [], reset_models=any(row[7] for row in rows))
+                    keys=keys if any(keys) else [], reset_models=any(row[7] for row in rows),
+                    fresh=[r for r, row in enumerate(rows) if row[2]])
     # Deferred healing: every pair on one host, every member's state in host memory (given
     # ``state_tensors``): the healed member returns once the model arrived and reads the
     # optimizer state meanwhile, unless a member has no core to spare for that read.
