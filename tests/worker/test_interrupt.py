@@ -404,3 +404,31 @@ def test_reentrant_activation_checkpointing_and_retain_graph_survive_a_doomed_st
     loss.backward(retain_graph=True)
     loss.backward()  # the second one is skipped in the doomed step
     assert job.interrupter.counts.backwards_skipped >= 1
+
+
+def test_a_backward_skipped_after_a_whole_ddp_forward_resets_the_reducers(job: Job) -> None:
+    """Doomed between a DDP forward that completed (its reducer prepared for the backward) and
+    that backward (during the loss: a chunked loss's head): the reducer is left mid-iteration,
+    and the redone step's backward crashed inside it (SIGSEGV) unless it is reset. A loss's
+    own backward on a detached chunk before it does not count as DDP's backward."""
+    model = job.model
+    model._has_rebuilt_buckets = True  # type: ignore[attr-defined]  (buckets built: no reset for that)
+    model.require_backward_grad_sync = True  # type: ignore[attr-defined]  (not under no_sync)
+    head = torch.nn.Linear(4, 2)
+    out = model(torch.ones(2, 4))
+    hidden = out.detach().requires_grad_(True)
+    head(hidden).sum().backward()  # the loss's own backward, not DDP's: the reducer still waits
+    assert not job.interrupter.reducers_need_reset()
+    job.doomed = True
+    out.backward(hidden.grad)  # skipped
+    assert job.interrupter.reducers_need_reset()
+    job.interrupter.reset_models()
+    model._has_rebuilt_buckets = True  # type: ignore[attr-defined]  (as DDP sets it once rebuilt)
+    assert not job.interrupter.reducers_need_reset()
+    # under no_sync DDP expects no reduction: a skipped backward needs no reset
+    job.doomed = False
+    model.require_backward_grad_sync = False  # type: ignore[attr-defined]
+    out = model(torch.ones(2, 4))
+    job.doomed = True
+    out.sum().backward()
+    assert not job.interrupter.reducers_need_reset()

@@ -104,6 +104,7 @@ GEN = "gen"  # current generation (decimal), written by the controller
 REPORT_SEQ = "report_seq"  # counter of worker reports
 ABORT = "abort"  # JSON AbortNotice: in-place replacement is over for this prefix
 SUBGROUPS = "subgroups"  # "1": the job's ranks made subgroups (a standby then waits in tmrun.init()), else "0"
+DIVERGED = "diverged"  # replicas disagree after a change (tmrun.worker.replica_check): the job ends failed, no restart
 UNHEALABLE = "unhealable"  # why a change cannot heal in place (no live replica of a shard): the controller falls back at once
 JOB_ID = "job_id"  # the communicator's job id (rank 0 writes it; joiners read it)
 

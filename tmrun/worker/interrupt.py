@@ -116,6 +116,10 @@ class StepInterrupter:
         self._models: list[torch.nn.parallel.DistributedDataParallel] = []
         self._sharded: list[torch.nn.Module] = []  # tracked modules with sharded parameters (FSDP2, TP)
         self._backward_stopped = False  # since the last reset: a reducer waits for a backward that ended early
+        # a DDP model's forward completed in sync mode and its backward has not run yet: DDP's
+        # reducer prepared for that backward (a backward skipped now leaves it mid-iteration)
+        self._ddp_backward_due = False
+        self._ddp_grads_seen = False  # the backward under way reached a DDP model's parameters
         self._sharded_dirty = False  # since the last reset: a doomed step cut a sharded module's forward or backward short
         self._sharded_reset_since = False  # an FSDP2 reset since the last change (for its line)
         self.counts = InterruptCounts()
@@ -133,10 +137,14 @@ class StepInterrupter:
             module.register_forward_pre_hook(lambda *_: self.checkpoint())
         for param in model.module.parameters():
             if param.requires_grad:
-                param.register_post_accumulate_grad_hook(lambda _: self.checkpoint())
+                param.register_post_accumulate_grad_hook(self._ddp_grad_checkpoint)
         self.wrap_forward(model)
         self._models.append(model)
         install_backward_guard(self)
+
+    def _ddp_grad_checkpoint(self, _param: torch.Tensor) -> None:
+        self._ddp_grads_seen = True  # this backward reaches a DDP model (its reducer's)
+        self.checkpoint()
 
     def install_sharded(self, module: torch.nn.Module) -> None:
         """The same checks for a tracked module with sharded parameters (FSDP2's ``fully_shard``,
@@ -194,6 +202,8 @@ class StepInterrupter:
                 finally:
                     self._armed -= 1
             self._output_shape[key] = pytree.tree_map(_shape_of, output)
+            if getattr(model, "require_backward_grad_sync", False) and model in self._models:
+                self._ddp_backward_due = True  # not under no_sync: DDP waits for this backward
             return output
 
         model.forward = forward  # type: ignore[method-assign]
@@ -203,12 +213,21 @@ class StepInterrupter:
     def run_backward(self, inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self._doomed():
             self.counts.backwards_skipped += 1
+            # a DDP forward that completed expects this backward: its reducer must be reset
+            # (left as is, the next backward crashed inside DDP's reducer)
+            self._backward_stopped = self._backward_stopped or self._ddp_backward_due
+            self._ddp_backward_due = False
             self._after_stopped_backward(_backward_leaves(args, kwargs))
             return None
         self._armed += 1
+        self._ddp_grads_seen = False
         try:
-            return inner(*args, **kwargs)
+            result = inner(*args, **kwargs)
+            if self._ddp_grads_seen:  # (a loss's own backward on a detached chunk is not DDP's)
+                self._ddp_backward_due = False
+            return result
         except StepInterrupted:
+            self._ddp_backward_due = False
             self.counts.backwards_stopped += 1
             self._backward_stopped = True
             self._after_stopped_backward(_backward_leaves(args, kwargs))

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from tmrun.comm import native
 from tmrun.comm.backend import TmrunProcessGroup
 from tmrun.protocol import keys, messages as proto
-from tmrun.worker import cpu_budget, group, rng, subgroups
+from tmrun.worker import cpu_budget, group, replica_check, rng, subgroups
 from tmrun.worker.context import FAST_POLL, Context, GenerationFile, RecoveryError, Superseded, log
 from tmrun.worker.device_transfer import device_link
 from tmrun.worker.roles import Role
@@ -260,6 +260,7 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float, repl
         ctx.heal_read = healed.deferred
     if healed.served:
         ctx.heal_served = (ctx.gen, list(healed.served))
+    checked = _check_replicas(ctx, comm, shard_key, plan.defer)
     if plan.reset_models:  # every member alike: DDP rebuilds its buckets on all of them in one step
         ctx.interrupter.reset_models()
     resume = plan.target_step + 1
@@ -285,11 +286,31 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float, repl
         rest += "; DDP reducers reset (their buckets are rebuilt in the second step)"
     if sharded_reset:
         rest += "; FSDP's iteration state reset (the stopped step left it mid-step)"
+    rest += (f"; replicas agree ({checked.tensors} tensors, {checked.nbytes / 1e6:.0f} MB checked in "
+             f"{checked.seconds:.3f}s)")
     log(
         f"rank {ctx.rank}: recovered into generation {ctx.gen} in {elapsed:.3f}s; "
         f"resume at step {resume} (donors {plan.donors}, healed {plan.needy}, {healed.describe()}{rest})"
     )
     return resume
+
+
+def _check_replicas(ctx: Context, comm: native.Communicator, shard_key: int, deferred: bool) -> replica_check.Checked:
+    """Every group of replicas compares what it holds once healed (tmrun.worker.replica_check);
+    a disagreement stops the job: one line, the controller's ``diverged`` event, no restart (a
+    restart would train from a checkpoint as if nothing happened; the cause needs a person).
+    ``deferred``: the optimizer state is still arriving on the healed members (its own CRC
+    checks it when read): the model only."""
+    named = ctx.tracked.replica_tensors()
+    if deferred:
+        later = ctx.tracked.deferrable()
+        named = [(name, t) for name, t in named if name.partition(".")[0] not in later]
+    try:
+        return replica_check.check(comm, shard_key, named, f"generation {ctx.gen}")
+    except replica_check.ReplicasDiverged as exc:
+        ctx.require_store().set(keys.DIVERGED, str(exc))
+        log(f"rank {ctx.rank}: {exc}")
+        raise SystemExit(1) from None
 
 
 class StoreCrcBoard:

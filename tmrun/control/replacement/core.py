@@ -110,6 +110,16 @@ def unhealable(store: Store) -> str:
     return raw.decode() if isinstance(raw, bytes) else str(raw)
 
 
+def diverged(store: Store) -> str:
+    """Why the members of a change stopped the job: replicas that disagree once healed ('' when
+    they agree). The job ends failed: a restart would train on from a checkpoint as if the
+    cause were gone, and it needs a person (docs/events.md, ``diverged``)."""
+    if not store.check([keys.DIVERGED]):
+        return ""
+    raw = store.get(keys.DIVERGED)
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
 def any_done(store: Store, ranks: Iterable[int]) -> bool:
     """True when a rank in ``ranks`` already finished its steps (a planned switch can no longer
     happen: that rank will never reach the switch step)."""

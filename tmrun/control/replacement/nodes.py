@@ -101,6 +101,9 @@ class NodeReplacement:
             return Decision.PLAIN, None, "the script does not use the tmrun worker API"
         if generations.abandoned():
             return Decision.FALLBACK, None, "in-place recovery was already abandoned in this epoch"
+        diverged = core.diverged(store)
+        if diverged:  # replicas disagree once healed: the job ends failed (no restart)
+            return Decision.FINAL, None, diverged
         unhealable = core.unhealable(store)
         if unhealable:  # the members found a shard with no live replica: no standby node can help
             generations.abandon(unhealable)

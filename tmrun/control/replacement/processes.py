@@ -214,6 +214,11 @@ class ProcessReplacement:
         published while another rank of the same failure is still waiting for its standby."""
         failed = dict(failed)
         first = min(failed)
+        why = core.diverged(self._store)
+        if why:
+            say(f"{why}; the job ends failed without a restart")
+            record_event(self._events, "diverged", self.gen, why)
+            return Outcome(failed=failed, reason=why, final=True)
         if core.others_done(self._store, [r for r in self.slots.ranks() if r not in failed]):
             say(f"{_ranks(failed)} failed with {_codes(failed)} after every other rank finished its steps; "
                 "the job ends failed (a restart would redo the whole training)")

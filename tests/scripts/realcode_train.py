@@ -1,0 +1,212 @@
+"""A raw-loop GPT trainer with the habits of real training code (issue 29), on the tmrun API.
+
+What tmrun's own example scripts do not do, and third-party trainers do:
+
+* a fused QKV projection whose ``state_dict`` hook exposes unfused q/k/v *copies* (torchtitan);
+* an output head outside the DDP model whose gradient the script averages itself;
+* a chunked cross-entropy that runs its own backward per chunk on a detached hidden state and
+  asserts that state got its gradient, then back-propagates the body with it;
+* gradient accumulation over micro-batches with ``no_sync``;
+* an evaluation inside the loop under ``torch.no_grad()`` on rank 0, a "best" value kept from it,
+  and a checkpoint written when it improves (skipped in an aborted step, as the porting guide
+  says);
+* a data loader whose position differs by rank (``tm.track_per_rank``), an LR schedule;
+* ``@record`` on ``main`` (torch's elastic error handler, which swallows ``SystemExit(0)``);
+* resuming: ``--start`` runs steps ``start .. steps - 1`` as a script restarted from its
+  checkpoint would.
+
+Outputs: ``--final`` (per rank, ``{rank}``): a digest of the model and optimizer state;
+``--eval-log``: rank 0's ``step value`` lines, one per evaluation run (an evaluation of a step that
+is redone appears twice; every value must be the true one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import signal
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
+
+import tmrun
+
+VOCAB, WIDTH, HEADS, LAYERS, SEQ = 64, 32, 4, 2, 16
+
+
+class Attention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wqkv = torch.nn.Linear(WIDTH, 3 * WIDTH, bias=False)
+        self.wo = torch.nn.Linear(WIDTH, WIDTH, bias=False)
+        self._register_state_dict_hook(Attention._unfuse)
+        self._register_load_state_dict_pre_hook(Attention._fuse)
+
+    @staticmethod
+    def _unfuse(module: "Attention", state: dict[str, Any], prefix: str, _local: Any) -> dict[str, Any]:
+        fused = state.pop(f"{prefix}wqkv.weight")
+        for name, part in zip("qkv", fused.chunk(3)):
+            state[f"{prefix}w{name}.weight"] = part.clone()
+        return state
+
+    @staticmethod
+    def _fuse(state: dict[str, Any], prefix: str, *_: Any) -> None:
+        state[f"{prefix}wqkv.weight"] = torch.cat([state.pop(f"{prefix}w{n}.weight") for n in "qkv"])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.wqkv(x).view(b, t, 3, HEADS, WIDTH // HEADS).unbind(2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, t, WIDTH))
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = torch.nn.LayerNorm(WIDTH), torch.nn.LayerNorm(WIDTH)
+        self.attn = Attention()
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(WIDTH, 4 * WIDTH), torch.nn.GELU(), torch.nn.Linear(4 * WIDTH, WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class Body(torch.nn.Module):
+    """Everything but the output head (the head is applied chunk by chunk in the loss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, WIDTH)
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(LAYERS))
+        self.norm = torch.nn.LayerNorm(WIDTH)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+
+class RankLoader:
+    """Token batches from a position that differs by rank (a sharded data set's reader)."""
+
+    def __init__(self, rank: int, batch: int) -> None:
+        self.position = 1000 * rank
+        self.batch = batch
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.position)
+        self.position += 1
+        data = torch.randint(0, VOCAB, (self.batch, SEQ + 1), generator=g)
+        return data[:, :-1], data[:, 1:]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = state["position"]
+
+
+def chunked_loss(body_out: torch.Tensor, head: torch.nn.Linear, targets: torch.Tensor, chunks: int,
+                 pause: float) -> torch.Tensor:
+    """torchtitan's chunked cross-entropy's shape (see the module docstring)."""
+    hidden = body_out.detach().requires_grad_(True)
+    time.sleep(pause)  # the head's compute, where a peer's loss is often noticed
+    total = torch.zeros(())
+    for part, part_targets in zip(hidden.chunk(chunks), targets.chunk(chunks)):
+        loss = F.cross_entropy(head(part).flatten(0, 1), part_targets.flatten()) / chunks
+        loss.backward()
+        total += loss.detach()
+    assert hidden.grad is not None, "the hidden state got no gradient"
+    body_out.backward(hidden.grad)
+    return total
+
+
+def digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    for state in opt.state_dict()["state"].values():
+        for key in sorted(state):
+            if isinstance(state[key], torch.Tensor):
+                h.update(state[key].detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+@record
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--start", type=int, default=0)
+    parser.add_argument("--micro", type=int, default=2, help="micro-batches per step (no_sync)")
+    parser.add_argument("--chunks", type=int, default=4)
+    parser.add_argument("--pause", type=float, default=0.0, help="seconds before the chunked loss")
+    parser.add_argument("--final", required=True)
+    parser.add_argument("--eval-log", required=True)
+    parser.add_argument("--kill-in-loss", type=int, default=-1, help="rank 1 SIGKILLs itself in this step's loss")
+    args = parser.parse_args()
+
+    tm = tmrun.init()
+    torch.manual_seed(0)
+    body = Body()
+    head = torch.nn.Linear(WIDTH, VOCAB, bias=False)
+    # the script's own "checkpoint": a resumed run starts from the state of `start` earlier steps
+    # (here simply a deterministic state: every run with the same --start starts alike)
+    model = tm.ddp(body)
+    opt = torch.optim.AdamW([*model.parameters(), *head.parameters()], lr=3e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+    loader = RankLoader(tm.rank, batch=4)
+    best = {"val": float("inf")}
+    tm.track(model=model, head=head, optimizer=opt, scheduler=sched, best=best)
+    tm.track_per_rank(loader=loader)
+    if args.start and not tm.is_standby:
+        loader.position += args.start * args.micro  # where the checkpoint's loader stood
+        for _ in range(args.start):
+            sched.step()
+    val_tokens, val_targets = RankLoader(99, batch=4).next()
+    for step in tm.steps(args.steps, start=args.start):
+        if tm.rank == 0 and not tm.is_shadow:
+            with torch.no_grad():  # an evaluation inside the loop, at the step's start
+                val = F.cross_entropy(head(model(val_tokens)).flatten(0, 1), val_targets.flatten()).item()
+            with open(args.eval_log, "a") as log:
+                log.write(f"{step} {val:.6f}\n")
+            if val < best["val"] and not tm.aborted:
+                best["val"] = val  # a checkpoint with the best value would be written here
+        for micro in range(args.micro):
+            tokens, targets = loader.next()
+            last = micro == args.micro - 1
+            context = model.no_sync() if not last else _nothing()
+            with context:
+                if step == args.kill_in_loss and tm.rank == 1 and last and not tm.is_shadow \
+                        and not os.path.exists(args.final + ".killed"):
+                    open(args.final + ".killed", "w").close()  # once: the joiner plays rank 1 on
+                    os.kill(os.getpid(), signal.SIGKILL)
+                chunked_loss(model(tokens), head, targets, args.chunks, args.pause)
+        for param in head.parameters():  # the head is not in the DDP model: the script averages it
+            dist.all_reduce(param.grad)
+            param.grad /= tm.world_size
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    if not tm.is_standby:
+        with open(args.final.format(rank=tm.rank), "w") as out:
+            out.write(digest(torch.nn.ModuleList([body, head]), opt) + "\n")
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *_: Any) -> None:
+        return None
+
+
+if __name__ == "__main__":
+    main()
