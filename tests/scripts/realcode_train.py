@@ -26,6 +26,7 @@ import argparse
 import hashlib
 import os
 import signal
+import threading
 import time
 from typing import Any
 
@@ -37,6 +38,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 import tmrun
 
 VOCAB, WIDTH, HEADS, LAYERS, SEQ = 64, 32, 4, 2, 16
+_RUNTIME: list[Any] = []  # this process's tmrun runtime, once made
 
 
 class Attention(torch.nn.Module):
@@ -144,16 +146,32 @@ def digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--start", type=int, default=0)
+    parser.add_argument("--resume-step", type=int, default=0,
+                        help="resume as from a checkpoint of step N - 1 (tm.steps(total, start=N))")
     parser.add_argument("--micro", type=int, default=2, help="micro-batches per step (no_sync)")
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--pause", type=float, default=0.0, help="seconds before the chunked loss")
     parser.add_argument("--final", required=True)
     parser.add_argument("--eval-log", required=True)
     parser.add_argument("--kill-in-loss", type=int, default=-1, help="rank 1 SIGKILLs itself in this step's loss")
+    parser.add_argument("--kill-at", default="", help="STEP:SECONDS: rank 1 is SIGKILLed that long into STEP")
+    parser.add_argument("--step-log", default="", help="per rank ({rank}): 'step pid' per completed step")
+    parser.add_argument("--corrupt-on-heal", action="store_true",
+                        help="a tracked object's load_state_dict changes a weight (a buggy state hook)")
     args = parser.parse_args()
+    try:  # a framework's catch-all around its training: a standby's exit must not stop here
+        train(args)
+    except BaseException:  # noqa: BLE001
+        if _RUNTIME and _RUNTIME[0].is_standby:
+            with open(args.final + f".ran-on-{os.getpid()}", "w") as out:
+                out.write("a standby's exit was swallowed and the script ran on\n")
+        raise
+
+
+def train(args: argparse.Namespace) -> None:
 
     tm = tmrun.init()
+    _RUNTIME.append(tm)
     torch.manual_seed(0)
     body = Body()
     head = torch.nn.Linear(WIDTH, VOCAB, bias=False)
@@ -166,12 +184,19 @@ def main() -> None:
     best = {"val": float("inf")}
     tm.track(model=model, head=head, optimizer=opt, scheduler=sched, best=best)
     tm.track_per_rank(loader=loader)
-    if args.start and not tm.is_standby:
-        loader.position += args.start * args.micro  # where the checkpoint's loader stood
-        for _ in range(args.start):
+    if args.corrupt_on_heal:
+        tm.track(hook=CorruptingHook(head))
+    if args.resume_step and not tm.is_standby:
+        loader.position += args.resume_step * args.micro  # where the checkpoint's loader stood
+        for _ in range(args.resume_step):
             sched.step()
     val_tokens, val_targets = RankLoader(99, batch=4).next()
-    for step in tm.steps(args.steps, start=args.start):
+    kill_step, _, kill_after = args.kill_at.partition(":")
+    for step in tm.steps(args.steps, start=args.resume_step):
+        if args.kill_at and step == int(kill_step) and tm.rank == 1 and not tm.is_shadow \
+                and not os.path.exists(args.final + ".killed"):
+            open(args.final + ".killed", "w").close()
+            threading.Timer(float(kill_after), os.kill, (os.getpid(), signal.SIGKILL)).start()
         if tm.rank == 0 and not tm.is_shadow:
             with torch.no_grad():  # an evaluation inside the loop, at the step's start
                 val = F.cross_entropy(head(model(val_tokens)).flatten(0, 1), val_targets.flatten()).item()
@@ -195,9 +220,27 @@ def main() -> None:
         opt.step()
         sched.step()
         opt.zero_grad()
+        if args.step_log and not tm.is_shadow and not tm.aborted:
+            with open(args.step_log.format(rank=tm.rank), "a") as log:
+                log.write(f"{step} {os.getpid()}\n")
     if not tm.is_standby:
         with open(args.final.format(rank=tm.rank), "w") as out:
             out.write(digest(torch.nn.ModuleList([body, head]), opt) + "\n")
+
+
+class CorruptingHook:
+    """A tracked object whose load_state_dict changes a weight: what a buggy state hook does on
+    the joiner (the replica check must stop the job)."""
+
+    def __init__(self, head: torch.nn.Module) -> None:
+        self.head = head
+
+    def state_dict(self) -> dict[str, int]:
+        return {}
+
+    def load_state_dict(self, _state: dict[str, int]) -> None:
+        with torch.no_grad():
+            self.head.weight[0, 0] += 1.0
 
 
 class _nothing:

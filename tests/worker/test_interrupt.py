@@ -432,3 +432,22 @@ def test_a_backward_skipped_after_a_whole_ddp_forward_resets_the_reducers(job: J
     job.doomed = True
     out.sum().backward()
     assert not job.interrupter.reducers_need_reset()
+
+
+def test_a_head_outside_the_models_that_an_optimizer_steps_gets_a_zero_gradient() -> None:
+    """A loss head outside the DDP model, stepped by the tracked optimizer, whose gradient the
+    script all-reduces itself: a skipped backward must leave it a gradient (``None`` broke the
+    script's ``all_reduce(p.grad)``); a parameter no optimizer steps (FSDP2's unsharded ones)
+    gets none."""
+    head, stray = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+    interrupter = StepInterrupter(doomed=lambda: True, optimized=lambda: {id(p) for p in head.parameters()})
+    from tmrun.worker.interrupt import install_backward_guard
+
+    install_backward_guard(interrupter)
+    try:
+        x = torch.ones(3, 4)
+        (head(x).sum() + stray(x).sum()).backward()  # doomed: skipped
+        assert all(p.grad is not None and not p.grad.any() for p in head.parameters())
+        assert all(p.grad is None for p in stray.parameters())
+    finally:
+        remove_backward_guard()

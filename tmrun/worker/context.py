@@ -82,7 +82,8 @@ class Context:
         self.fresh = False  # a joiner that has not received the state yet
         self.stop_requested = False  # SIGTERM to a standby
         self.loop_finished = False  # steps() ran its last step (a peer's exit is no loss then)
-        self.interrupter = StepInterrupter(doomed=lambda: self.aborted_by is not None)
+        self.interrupter = StepInterrupter(doomed=lambda: self.aborted_by is not None,
+                                           optimized=self.tracked.optimized_ids)
         self.heal_read: Any = None  # transfer.DeferredRead: the optimizer state still arriving here
         self.heal_served: tuple[int, list[int]] | None = None  # (generation, members still reading this one)
         self.ddp_used = False

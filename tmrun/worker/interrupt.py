@@ -109,8 +109,9 @@ class StepInterrupter:
     """The interruption points of one worker (one per process). ``doomed()``: the current step
     lost a peer."""
 
-    def __init__(self, doomed: Callable[[], bool]) -> None:
+    def __init__(self, doomed: Callable[[], bool], optimized: Callable[[], set[int]] = set) -> None:
         self._doomed = doomed
+        self._optimized = optimized  # ids of the parameters the tracked optimizers step
         self._armed = 0  # > 0 while tmrun's forward or backward wrapper runs (any thread of it)
         self._output_shape: dict[int, Any] = {}  # per model: the last output's structure and shapes
         self._models: list[torch.nn.parallel.DistributedDataParallel] = []
@@ -240,20 +241,28 @@ class StepInterrupter:
         ones the optimizer holds: the zero gradient below must land there, where the script's
         ``zero_grad()`` clears it, not on an unsharded parameter left from the forward), then a
         zero gradient where the backward produced none: on the tracked models' parameters
-        (:meth:`_fill_missing_grads`) and on every leaf that is not a parameter that the stopped
-        backward would have reached (``leaves``): a loss that runs its own backward per chunk on a detached hidden
+        (:meth:`_fill_missing_grads`) and on every other leaf the stopped backward would have
+        reached (``leaves``: tensors, and parameters a tracked optimizer steps): a loss that runs its own backward per chunk on a detached hidden
         state and then reads that state's ``.grad`` (a chunked cross-entropy) finds one, as
         after any backward, and so does a ``backward(inputs=...)``."""
         if self._sharded:
             self._reset_fsdp()
         self._fill_missing_grads()
+        optimized: set[int] | None = None
+        in_ddp = {id(param) for model in self._models for param in model.module.parameters()}
         with torch.no_grad():
             for leaf in leaves:
-                # parameters are left to _fill_missing_grads: a DDP model's get one small zero
-                # gradient, and FSDP2 computes with unsharded parameters (leaves of the graph)
-                # whose gradients its reset just dropped and zero_grad() would never clear
-                if leaf.grad is None and not isinstance(leaf, torch.nn.Parameter):
-                    leaf.grad = torch.zeros_like(leaf)
+                if leaf.grad is not None or id(leaf) in in_ddp:
+                    continue  # a DDP model's parameters: _fill_missing_grads (one small one)
+                if isinstance(leaf, torch.nn.Parameter):
+                    # a parameter outside the tracked models (a loss head whose gradient the
+                    # script reduces itself) gets zeros when an optimizer steps it; FSDP2's
+                    # unsharded parameters (leaves of the graph, stepped by no optimizer: it
+                    # holds the sharded ones) must not, or zero_grad() would never clear them
+                    optimized = self._optimized() if optimized is None else optimized
+                    if id(leaf) not in optimized:
+                        continue
+                leaf.grad = torch.zeros_like(leaf)
 
     def _fill_missing_grads(self) -> None:
         """Gradients of zeros where the stopped backward produced none, so that what the script

@@ -211,6 +211,11 @@ class TrackedState:
                 found += _optimizer_tensors(name, obj)
         return found
 
+    def optimized_ids(self) -> set[int]:
+        """The ids of the parameters the tracked optimizers step."""
+        return {id(param) for optimizer in self._optimizers().values()
+                for group in optimizer.param_groups for param in group["params"]}
+
     def _stateful(self) -> dict[str, Any]:
         return {name: obj for name, obj in self._objects.items()
                 if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer))}
