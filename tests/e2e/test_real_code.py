@@ -34,12 +34,14 @@ def _run(work: Path, launcher: str, *script_args: str, env: dict[str, str] | Non
         cmd = tmrun_cmd("--standalone", "--nproc-per-node", "2", "--standby", "1", "--console", "plain", *args)
     code, log = run_job(cmd, work / "log", {"TMRUN_STATE_DIR": str(work / "state"), **(env or {})}, JOB_TIMEOUT)
     finals = {r: (work / f"final-{r}").read_text().strip() for r in range(2) if (work / f"final-{r}").exists()}
-    evals = [(int(s), v) for s, v in (line.split() for line in (work / "eval").read_text().splitlines())] \
+    lines = [(int(s), v) for s, v in (line.split() for line in (work / "eval").read_text().splitlines())] \
         if (work / "eval").exists() else []
+    evals = [(s, v) for s, v in lines if s >= 0]
+    best = [v for s, v in lines if s < 0]  # rank 0's best value as its process ended
     steps = {r: [tuple(map(int, line.split())) for line in (work / f"steps-{r}").read_text().splitlines()]
              for r in range(2) if (work / f"steps-{r}").exists()}
     swallowed = sorted(p.name for p in work.glob("*.ran-on-*"))
-    return code, log, {"finals": finals, "evals": evals, "steps": steps, "swallowed": swallowed}
+    return code, log, {"finals": finals, "evals": evals, "best": best, "steps": steps, "swallowed": swallowed}
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +54,7 @@ def torchrun_reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return got
 
 
-def _check_in_place(code: int, log: str, got: dict, reference: dict) -> None:
+def _check_in_place(code: int, log: str, got: dict, reference: dict, killed: int = 1) -> None:
     assert code == 0, log
     assert got["finals"] == reference["finals"], "a rank's final state differs from torchrun's\n" + log
     truth = dict(reference["evals"])
@@ -61,11 +63,12 @@ def _check_in_place(code: int, log: str, got: dict, reference: dict) -> None:
         assert value == truth[step], (step, value, truth[step])
     assert "in-place replacement" in log and "replicas agree" in log, log
     assert "group restart" not in log.split("recovery totals")[0], log
-    survivor = got["steps"][0]
+    assert got["best"] == reference["best"], "rank 0's per-rank best value differs from torchrun's"
+    survivor = got["steps"][1 - killed]
     assert sorted({s for s, _ in survivor}) == list(range(STEPS)), survivor
-    assert len({pid for _, pid in survivor}) == 1, "rank 0 changed process"
+    assert len({pid for _, pid in survivor}) == 1, f"rank {1 - killed} changed process"
     assert len(survivor) - len({s for s, _ in survivor}) <= 1, survivor
-    assert len({pid for _, pid in got["steps"][1]}) == 2, "rank 1 should have been played by two processes"
+    assert len({pid for _, pid in got["steps"][killed]}) == 2, f"rank {killed} should have been played by two processes"
     assert got["swallowed"] == [], "a standby's exit was swallowed by the script's catch-all"
     assert "Traceback" not in log, log
 
@@ -88,6 +91,14 @@ def test_a_rank_killed_at_a_random_moment_is_replaced_in_place(tmp_path: Path, t
     step, after = pick.randint(2, 5), round(pick.uniform(0.0, 0.6), 3)
     code, log, got = _run(tmp_path / f"seed{seed}", "tmrun", "--kill-at", f"{step}:{after}")
     _check_in_place(code, log, got, torchrun_reference)
+
+
+def test_rank_0_killed_at_a_random_moment_is_replaced_with_its_own_per_rank_state(
+        tmp_path: Path, torchrun_reference: dict) -> None:
+    """Rank 0 (which alone evaluates and keeps the best value, tracked per rank) is lost: its
+    joiner takes rank 0's own record (data position, best value), not a donor's."""
+    code, log, got = _run(tmp_path / "rank0", "tmrun", "--kill-at", "4:0.25", "--kill-rank", "0")
+    _check_in_place(code, log, got, torchrun_reference, killed=0)
 
 
 def test_a_script_resumed_from_its_checkpoint_says_where_it_resumes(tmp_path: Path) -> None:

@@ -154,7 +154,8 @@ def main() -> None:
     parser.add_argument("--final", required=True)
     parser.add_argument("--eval-log", required=True)
     parser.add_argument("--kill-in-loss", type=int, default=-1, help="rank 1 SIGKILLs itself in this step's loss")
-    parser.add_argument("--kill-at", default="", help="STEP:SECONDS: rank 1 is SIGKILLed that long into STEP")
+    parser.add_argument("--kill-at", default="", help="STEP:SECONDS: --kill-rank is SIGKILLed that long into STEP")
+    parser.add_argument("--kill-rank", type=int, default=1)
     parser.add_argument("--step-log", default="", help="per rank ({rank}): 'step pid' per completed step")
     parser.add_argument("--corrupt-on-heal", action="store_true",
                         help="a tracked object's load_state_dict changes a weight (a buggy state hook)")
@@ -181,9 +182,9 @@ def train(args: argparse.Namespace) -> None:
     opt = torch.optim.AdamW([*model.parameters(), *head.parameters()], lr=3e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
     loader = RankLoader(tm.rank, batch=4)
-    best = {"val": float("inf")}
-    tm.track(model=model, head=head, optimizer=opt, scheduler=sched, best=best)
-    tm.track_per_rank(loader=loader)
+    best = Best()  # rank 0's alone: per rank (a tm.track value would come from a donor)
+    tm.track(model=model, head=head, optimizer=opt, scheduler=sched)
+    tm.track_per_rank(loader=loader, best=best)
     if args.corrupt_on_heal:
         tm.track(hook=CorruptingHook(head))
     if args.resume_step and not tm.is_standby:
@@ -193,7 +194,7 @@ def train(args: argparse.Namespace) -> None:
     val_tokens, val_targets = RankLoader(99, batch=4).next()
     kill_step, _, kill_after = args.kill_at.partition(":")
     for step in tm.steps(args.steps, start=args.resume_step):
-        if args.kill_at and step == int(kill_step) and tm.rank == 1 and not tm.is_shadow \
+        if args.kill_at and step == int(kill_step) and tm.rank == args.kill_rank and not tm.is_shadow \
                 and not os.path.exists(args.final + ".killed"):
             open(args.final + ".killed", "w").close()
             threading.Timer(float(kill_after), os.kill, (os.getpid(), signal.SIGKILL)).start()
@@ -202,8 +203,8 @@ def train(args: argparse.Namespace) -> None:
                 val = F.cross_entropy(head(model(val_tokens)).flatten(0, 1), val_targets.flatten()).item()
             with open(args.eval_log, "a") as log:
                 log.write(f"{step} {val:.6f}\n")
-            if val < best["val"] and not tm.aborted:
-                best["val"] = val  # a checkpoint with the best value would be written here
+            if val < best.val and not tm.aborted:
+                best.val = val  # a checkpoint with the best value would be written here
         for micro in range(args.micro):
             tokens, targets = loader.next()
             last = micro == args.micro - 1
@@ -223,9 +224,23 @@ def train(args: argparse.Namespace) -> None:
         if args.step_log and not tm.is_shadow and not tm.aborted:
             with open(args.step_log.format(rank=tm.rank), "a") as log:
                 log.write(f"{step} {os.getpid()}\n")
+    if tm.rank == 0 and not tm.is_standby:
+        with open(args.eval_log, "a") as log:
+            log.write(f"-1 {best.val:.6f}\n")  # rank 0's best value, as its process ends
     if not tm.is_standby:
         with open(args.final.format(rank=tm.rank), "w") as out:
             out.write(digest(torch.nn.ModuleList([body, head]), opt) + "\n")
+
+
+class Best:
+    def __init__(self) -> None:
+        self.val = float("inf")
+
+    def state_dict(self) -> dict[str, float]:
+        return {"val": self.val}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.val = state["val"]
 
 
 class CorruptingHook:
