@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import pytest
@@ -298,6 +299,144 @@ def test_reduce_scatter_list_and_tensor_forms(groups) -> None:
             block = ref[r * size:(r + 1) * size]
             check_close(res[r][k][0], block, dtype, op)
             assert torch.equal(res[r][k][0], res[r][k][1])
+
+
+PREMUL_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.complex64]
+# 1/3 has no exact float: NCCL casts it to the data's type before multiplying; a tensor factor too
+PREMUL_FACTORS = {"float": 1 / 3, "tensor": torch.tensor(1 / 3, dtype=torch.float64), "int": 3}
+
+
+def premul(factor: Any) -> Any:
+    return dist._make_nccl_premul_sum(factor)
+
+
+def premultiplied(t: torch.Tensor, factor: Any) -> torch.Tensor:
+    """What every rank contributes to a PREMUL_SUM: its input times the factor cast to the element
+    type (NCCL's scalar has the data's type), complex numbers as pairs of reals."""
+    view = torch.view_as_real(t) if t.is_complex() else t
+    out = view * torch.as_tensor(factor, dtype=view.dtype)
+    return torch.view_as_complex(out) if t.is_complex() else out
+
+
+def premul_data(dtype: torch.dtype, size: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(104729 * rank + size)
+    if dtype.is_complex:
+        return torch.randn(size, generator=g, dtype=dtype)
+    if dtype.is_floating_point:
+        return torch.randn(size, generator=g, dtype=torch.float64).to(dtype)
+    return torch.randint(-50, 80, (size,), generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("factor", list(PREMUL_FACTORS), ids=str)
+def test_premul_sum_in_every_reducing_collective_is_the_sum_of_premultiplied_inputs(groups, factor: str) -> None:
+    """PREMUL_SUM (FSDP2's gradient division with a custom divide factor): every input is
+    multiplied by the factor, then summed. Bit for bit what SUM gives over inputs premultiplied
+    by hand, in allreduce (one tensor and several), reduce (non-root inputs left intact),
+    reduce_scatter (list and single forms, coalesced; inputs left intact)."""
+    n, f = 3, PREMUL_FACTORS[factor]
+    pgs = groups(n)
+    cases = [(dtype, size) for dtype in PREMUL_DTYPES for size in (0, 1, 7, 3001)]
+
+    def reduce_opts(op: Any, root: int) -> ReduceOptions:
+        o = ReduceOptions()
+        o.reduceOp = op
+        o.rootRank = root
+        return o
+
+    def body(r: int) -> list:
+        pg, out = pgs[r], []
+        for dtype, size in cases:
+            x, y = premul_data(dtype, n * size, r), premul_data(dtype, size, r + n)
+            got = {"allreduce": x.clone(), "coalesced": [x.clone(), y.clone()], "reduce": x.clone()}
+            pg.allreduce([got["allreduce"]], ar_opts(premul(f))).wait()
+            pg.allreduce_coalesced(got["coalesced"], ar_opts(premul(f), async_op=False)).wait()
+            pg.reduce([got["reduce"]], reduce_opts(premul(f), 1)).wait()
+            got["rs"], got["rs_single"] = torch.empty(size, dtype=dtype), torch.empty(size, dtype=dtype)
+            blocks = list(x.chunk(n)) if size else [x[:0]] * n
+            pg.reduce_scatter([got["rs"]], [blocks], rs_opts(premul(f))).wait()
+            pg.reduce_scatter_single(got["rs_single"], x, rs_opts(premul(f))).wait()
+            got["rs_coalesced"] = [torch.empty(size, dtype=dtype)]
+            pg.reduce_scatter_single_coalesced(got["rs_coalesced"], [x], rs_opts(premul(f))).wait()
+            assert torch.equal(x, premul_data(dtype, n * size, r))  # the reduce-scatters' input is intact
+            if r != 1:
+                assert torch.equal(got["reduce"], x)  # a non-root's tensor is left as it was
+            # the reference: SUM of inputs premultiplied by hand, through the same backend
+            want_x, want_y = premultiplied(x, f), premultiplied(y, f)
+            want_rs = torch.empty(size, dtype=dtype)
+            pg.allreduce([want_x, want_y], ar_opts(R.SUM)).wait()
+            pg.reduce_scatter_single(want_rs, premultiplied(x, f), rs_opts(R.SUM)).wait()
+            out.append((got, want_x, want_y, want_rs))
+        return out
+
+    results = run_threads(n, body)
+    for k, (dtype, size) in enumerate(cases):
+        for r in range(n):
+            got, want_x, want_y, want_rs = results[r][k]
+            assert torch.equal(got["allreduce"], want_x), (dtype, size)
+            assert torch.equal(got["coalesced"][0], want_x) and torch.equal(got["coalesced"][1], want_y)
+            if r == 1:
+                assert torch.equal(got["reduce"], want_x)
+            for name in ("rs", "rs_single"):
+                assert torch.equal(got[name], want_rs), (name, dtype, size)
+            assert torch.equal(got["rs_coalesced"][0], want_rs)
+        if dtype.is_floating_point:  # and near the exact sum of the premultiplied inputs
+            exact = sum(premultiplied(premul_data(dtype, n * size, r), f).double() for r in range(n))
+            rtol, atol = TOL[dtype]
+            assert torch.allclose(results[0][k][0]["allreduce"].double(), exact, rtol=rtol, atol=atol * max(1, float(f)))
+
+
+def test_premul_sum_two_ranks_bitwise_against_torch_reference(groups) -> None:
+    """Two ranks: one addition, so the result must equal torch's reference computation exactly
+    (each input times the factor, then their sum), float32 and float64."""
+    pgs = groups(2)
+    f = 0.1
+
+    def body(r: int) -> list:
+        ts = [premul_data(dtype, 1031, r) for dtype in (torch.float32, torch.float64)]
+        pgs[r].allreduce(ts, ar_opts(premul(f))).wait()
+        return ts
+
+    res = run_threads(2, body)
+    for i, dtype in enumerate((torch.float32, torch.float64)):
+        a, b = premul_data(dtype, 1031, 0), premul_data(dtype, 1031, 1)
+        want = torch.sum(torch.stack([a * f, b * f]), dim=0)
+        assert torch.equal(res[0][i], want) and torch.equal(res[1][i], want)
+
+
+def test_premul_sum_served_locally_is_a_group_of_one(groups) -> None:
+    """Local mode (and the aborted state): what a group of one gives, its input times the
+    factor; reduce leaves a non-root's tensor as it is."""
+    n, rank = 4, 2
+    pg = tb.create_process_group(None, rank, n, TIMEOUT, "0", tb.Options(local=True))
+    try:
+        for f in (0.25, torch.tensor(0.25)):
+            t = torch.arange(6.0)
+            pg.allreduce([t], ar_opts(premul(f))).wait()
+            assert torch.equal(t, torch.arange(6.0) * 0.25)
+            o = torch.empty(2)
+            pg.reduce_scatter([o], [[torch.full((2,), float(i)) for i in range(n)]], rs_opts(premul(f))).wait()
+            assert torch.equal(o, torch.full((2,), rank * 0.25))
+            o2 = torch.empty(2)
+            pg.reduce_scatter_single(o2, torch.arange(2.0 * n), rs_opts(premul(f))).wait()
+            assert torch.equal(o2, torch.arange(2.0 * n)[2 * rank:2 * rank + 2] * 0.25)
+            mine, theirs = torch.ones(3), torch.ones(3)
+            ro = ReduceOptions()
+            ro.reduceOp, ro.rootRank = premul(f), rank
+            pg.reduce([mine], ro).wait()
+            ro.rootRank = 0
+            pg.reduce([theirs], ro).wait()
+            assert torch.equal(mine, torch.full((3,), 0.25)) and torch.equal(theirs, torch.ones(3))
+    finally:
+        pg.shutdown()
+
+
+def test_premul_sum_errors_are_clear(groups) -> None:
+    pg = groups(1)[0]
+    with pytest.raises(tb.UnsupportedError, match="PREMUL_SUM is not defined for torch.bool"):
+        pg.allreduce([torch.ones(2, dtype=torch.bool)], ar_opts(premul(0.5)))
+    not_a_factor = SimpleNamespace(reduceOp=SimpleNamespace(op=R.PREMUL_SUM, factor="half"), asyncOp=True)
+    with pytest.raises(ValueError, match="a number or a one-element tensor"):
+        pg.allreduce([torch.ones(2)], not_a_factor)
 
 
 def test_barrier_reduce_gather_scatter_p2p(groups) -> None:
@@ -797,3 +936,12 @@ def test_a_failed_device_collective_without_a_lost_peer_is_the_callers_error(gro
     with pytest.raises(RuntimeError, match="inner collective failed"):
         work.wait(timeout=10)
     assert not pg.aborted and pg.stats()["raised_errors"] == 1
+
+
+def test_premul_sum_on_the_gloo_plane_goes_over_tcp(groups) -> None:
+    """gloo refuses PREMUL_SUM: on the gloo plane (its test mode on CPU) the TCP path serves it."""
+    inner = _RefusingInner()
+    pg = _plane_group(groups, inner)
+    t = torch.ones(3)
+    pg.allreduce([t], ar_opts(premul(0.5))).wait()
+    assert torch.equal(t, torch.full((3,), 0.5)) and inner.calls == 0 and pg.stats()["device_ops"] == 0

@@ -451,3 +451,25 @@ def test_a_head_outside_the_models_that_an_optimizer_steps_gets_a_zero_gradient(
         assert all(p.grad is None for p in stray.parameters())
     finally:
         remove_backward_guard()
+
+
+def test_an_fsdp2_layout_tmrun_does_not_know_fails_loudly_when_tracked(fsdp_mesh: Any, monkeypatch: Any) -> None:
+    """Without the gradient buffer of any torch tmrun knows (an attribute up to 2.14, a read-only
+    property in 2.15), tracking an FSDP2 module raises one clear error before the first step,
+    rather than a stopped step leaving gradients behind later. This torch's own layout is known."""
+    import inspect
+
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+    from tmrun.worker.interrupt import FsdpLayoutError, _fsdp_params
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    fully_shard(model, mesh=fsdp_mesh)
+    StepInterrupter(doomed=lambda: False).install_sharded(model)  # this torch: a known layout
+    if isinstance(inspect.getattr_static(FSDPParam, "unsharded_accumulated_grad", None), property):
+        monkeypatch.delattr(FSDPParam, "unsharded_accumulated_grad")
+    for fsdp_param in _fsdp_params(model):
+        vars(fsdp_param).pop("unsharded_accumulated_grad", None)
+    with pytest.raises(FsdpLayoutError, match=r"torch 2\.13 to 2\.15"):
+        StepInterrupter(doomed=lambda: False).install_sharded(model)

@@ -508,7 +508,8 @@ class TmrunProcessGroup(dist.ProcessGroup):
         """Local (sandbox) mode: every later collective is served locally, at once, with no
         network traffic (allreduce leaves the tensor as is, broadcast no-op, allgather copies the
         input into every slot, reduce_scatter takes this rank's block, barrier no-op, recv fills
-        zeros). Leaving local mode needs an attached communicator."""
+        zeros; PREMUL_SUM multiplies by its factor: a group of one). Leaving local mode needs an
+        attached communicator."""
         with self._lock:
             if not local and self._comm is None:
                 raise RuntimeError("tmrun set_local(False): no communicator attached (attach(comm) first)")
@@ -637,7 +638,7 @@ class TmrunProcessGroup(dist.ProcessGroup):
             op.complete()
             return TmrunWork(op)
         comm = self._comm_or_raise()
-        if device is not None and self._on_plane(device[1]):
+        if device is not None and self._on_plane(device[1]) and not self._gloo_refuses(opts):
             return self._run_on_plane(op, comm, *device)
         self._stats["network_ops"] += 1
         op.abort_seq = self._abort_seq
@@ -695,6 +696,11 @@ class TmrunProcessGroup(dist.ProcessGroup):
         wanted = device_plane.takes(self._plane_kind, device_plane.device_types(args))
         self._plane_wanted = self._plane_wanted or wanted
         return wanted
+
+    def _gloo_refuses(self, opts: Any) -> bool:
+        """A PREMUL_SUM on the gloo plane (its test mode on CPU), which gloo refuses: the TCP
+        path serves it instead (NCCL's plane takes it as it is)."""
+        return self._plane_kind == "gloo" and _premul_factor(getattr(opts, "reduceOp", None)) is not None
 
     def _device_plane(self) -> DevicePlane:
         with self._lock:
@@ -832,13 +838,20 @@ class TmrunProcessGroup(dist.ProcessGroup):
             return absorb
 
     # ------------------------------------------------------------------ argument helpers
-    def _reduce_args(self, what: str, tensors: Sequence[torch.Tensor], red: Any) -> tuple:
+    def _reduce_args(self, what: str, tensors: Sequence[torch.Tensor], red: Any) -> Any:
+        """The native reduction for ``red`` on ``tensors`` (PREMUL_SUM: SUM, of inputs the
+        caller premultiplies, :func:`_premultiply`); a clear error for what cannot be reduced."""
         rtype = getattr(red, "op", red)
-        if rtype not in _NATIVE_OPS:
-            raise UnsupportedError(f"tmrun {what}: reduce op {rtype} is not supported (SUM, AVG, MIN, MAX, PRODUCT)")
-        nop = _NATIVE_OPS[rtype]
+        if rtype == _RED.PREMUL_SUM:
+            _check_factor(what, red)
+        elif rtype not in _NATIVE_OPS:
+            raise UnsupportedError(
+                f"tmrun {what}: reduce op {rtype} is not supported (SUM, AVG, MIN, MAX, PRODUCT, PREMUL_SUM)")
+        nop = _NATIVE_OPS.get(rtype, tn.ReduceOp.SUM)
         dtypes = {t.dtype for t in tensors}
         for dt in dtypes:
+            if dt == torch.bool and rtype == _RED.PREMUL_SUM:
+                raise UnsupportedError(f"tmrun {what}: {rtype} is not defined for torch.bool")
             if dt == torch.bool:
                 if nop in (tn.ReduceOp.SUM, tn.ReduceOp.MAX):
                     nop = tn.ReduceOp.MAX  # logical or
@@ -869,11 +882,15 @@ class TmrunProcessGroup(dist.ProcessGroup):
             opts.reduceOp = red
         tensors = _tensor_list(tensors, "allreduce")
         nop = self._reduce_args("allreduce", tensors, opts.reduceOp)
+        factor = _premul_factor(opts.reduceOp)
         op = _Op("allreduce", tensors)
+        if factor is not None:
+            op.local = lambda: _premultiply_all(tensors, factor)
 
         def launch(comm: Any) -> None:
             for t in tensors:
                 host = staging.to_host(t)
+                _premultiply(host, factor)  # the tensor (or its staged copy) is the output anyway
                 view = _typed_view(host)
                 buf, dt = as_buffer(view)
                 op.native.append(comm.allreduce_async(buf, nop, dt))
@@ -993,14 +1010,16 @@ class TmrunProcessGroup(dist.ProcessGroup):
         for i in ins:
             _same_layout("reduce_scatter", i, out)
         nop = self._reduce_args("reduce_scatter", [out], opts.reduceOp)
+        factor = _premul_factor(opts.reduceOp)
         op = _Op("reduce_scatter", [out])
-        op.local = lambda: out.copy_(ins[self._rank])
+        op.local = lambda: _premultiply(out.copy_(ins[self._rank]), factor)
 
         def launch(comm: Any) -> None:
             n = out.numel()
             flat = torch.empty(n * self._size, dtype=out.dtype)
             for r, t in enumerate(ins):
                 flat[r * n:(r + 1) * n].copy_(staging.to_host(t).reshape(-1))
+            _premultiply(flat, factor)  # a copy: the inputs are left intact
             host_out = staging.to_host(out, copy=False)
             vout, vin = _typed_view(host_out), _typed_view(flat)
             bout, dt = as_buffer(vout)
@@ -1020,12 +1039,16 @@ class TmrunProcessGroup(dist.ProcessGroup):
                 f"tmrun reduce_scatter_single: input must be {self._size} x output ({output.numel()} x "
                 f"{output.dtype}); got {input.numel()} x {input.dtype}")
         nop = self._reduce_args("reduce_scatter_single", [output], opts.reduceOp)
+        factor = _premul_factor(opts.reduceOp)
         op = _Op("reduce_scatter_single", [output])
         n = output.numel()
-        op.local = lambda: output.copy_(input.reshape(-1)[self._rank * n:(self._rank + 1) * n].view(output.shape))
+        op.local = lambda: _premultiply(
+            output.copy_(input.reshape(-1)[self._rank * n:(self._rank + 1) * n].view(output.shape)), factor)
 
         def launch(comm: Any) -> None:
             host_in = staging.to_host(input)
+            if factor is not None:
+                host_in = _premultiply(host_in.clone() if host_in is input else host_in, factor)  # input intact
             host_out = staging.to_host(output, copy=False)
             vout, vin = _typed_view(host_out), _typed_view(host_in)
             bout, dt = as_buffer(vout)
@@ -1064,13 +1087,17 @@ class TmrunProcessGroup(dist.ProcessGroup):
         tensors = _tensor_list(tensors, "reduce")
         root = self._check_rank("reduce", opts.rootRank)
         nop = self._reduce_args("reduce", tensors, opts.reduceOp)
+        factor = _premul_factor(opts.reduceOp)
         op = _Op("reduce", tensors)
+        if factor is not None and self._rank == root:
+            op.local = lambda: _premultiply_all(tensors, factor)
 
         def launch(comm: Any) -> None:
             for t in tensors:
                 host = staging.to_host(t)
                 if self._rank != root and host is t:
                     host = t.clone()
+                _premultiply(host, factor)  # the root's output, or a copy
                 view = _typed_view(host)
                 buf, dt = as_buffer(view)
                 op.native.append(comm.allreduce_async(buf, nop, dt))
@@ -1370,6 +1397,38 @@ def _typed_view(host: torch.Tensor) -> torch.Tensor:
     if host.is_complex():
         return torch.view_as_real(host)
     return host
+
+
+def _premul_factor(red: Any) -> Any:
+    """The factor of a PREMUL_SUM reduce op (``dist._make_nccl_premul_sum(factor)``: a number
+    or a one-element tensor); None for any other op."""
+    return red.factor if getattr(red, "op", red) == _RED.PREMUL_SUM else None
+
+
+def _check_factor(what: str, red: Any) -> None:
+    factor = getattr(red, "factor", None)
+    if (isinstance(factor, torch.Tensor) and factor.numel() == 1) or isinstance(factor, (int, float)):
+        return
+    raise ValueError(f"tmrun {what}: PREMUL_SUM needs a number or a one-element tensor as its factor, got "
+                     f"{type(factor).__name__} (make it with torch.distributed._make_nccl_premul_sum(factor))")
+
+
+def _premultiply(t: torch.Tensor, factor: Any) -> torch.Tensor:
+    """``t`` multiplied in place by ``factor`` (nothing when None), as NCCL's PREMUL_SUM does
+    with each input before the sum: the factor cast to the element type first (NCCL's scalar has
+    the data's type; for float16 and bfloat16 the product is then rounded once), complex
+    tensors as their real parts. Returns ``t``."""
+    if factor is not None:
+        view = _typed_view(t)
+        view.mul_(torch.as_tensor(factor, dtype=view.dtype, device=view.device).reshape(()))
+    return t
+
+
+def _premultiply_all(tensors: Sequence[torch.Tensor], factor: Any) -> None:
+    """A PREMUL_SUM served locally (local mode, the aborted state): what a group of one gives,
+    its own input premultiplied."""
+    for t in tensors:
+        _premultiply(t, factor)
 
 
 def _annotate(error: BaseException, what: str) -> BaseException:

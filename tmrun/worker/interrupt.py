@@ -49,7 +49,8 @@ migration keep the buckets as they are.
 FSDP2 keeps per-iteration state (blocks gathered, training states, the prefetch order, a
 post-backward callback queued in the autograd engine) that a stopped forward or backward leaves
 mid-step; torch's ``FSDPModule.reset_iter_state`` clears it (tmrun also drops the gradients a
-stopped backward left on unsharded parameters, which it keeps). It is local (no collective):
+stopped backward left on unsharded parameters, which it keeps up to torch 2.14: a private layout,
+checked when the module is tracked, :func:`check_fsdp_layout`). It is local (no collective):
 each member resets its own where its backward stops or is skipped (the parameters are the
 sharded ones again before the zero gradients are filled in, and the script's ``zero_grad()``
 clears them), and at the start of a change if a later forward left it mid-step again
@@ -58,13 +59,14 @@ clears them), and at the start of a change if a later forward left it mid-step a
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["StepInterrupted", "StepInterrupter", "InterruptCounts", "install_backward_guard", "remove_backward_guard"]
+__all__ = ["FsdpLayoutError", "StepInterrupted", "StepInterrupter", "InterruptCounts", "install_backward_guard", "remove_backward_guard"]
 
 
 class StepInterrupted(BaseException):
@@ -154,7 +156,10 @@ class StepInterrupter:
         parameters), and at the gradient of every layer's output in backward (the layer's own
         backward kernels, and its gradient reduction, come after it). The sharded parameters
         themselves take no part in autograd (FSDP2 computes with unsharded copies and assigns
-        the reduced gradients), so their gradient hooks would never fire."""
+        the reduced gradients), so their gradient hooks would never fire. Raises
+        :class:`FsdpLayoutError` for an FSDP2 module whose torch keeps its state in a layout
+        tmrun does not know (:func:`check_fsdp_layout`)."""
+        check_fsdp_layout(module)  # before any hook: one clear error, not gradients left behind later
         for sub in module.modules():
             sub.register_forward_pre_hook(lambda *_: self.checkpoint(), prepend=True)
             if next(sub.parameters(recurse=False), None) is not None:
@@ -332,9 +337,9 @@ class StepInterrupter:
         stays so after its forward), training states, the prefetch order, a post-backward
         callback queued in the autograd engine that never ran. torch's
         ``FSDPModule.reset_iter_state`` (on the root: the tracked module) reshards every block
-        and clears that. It leaves the gradients the stopped backward had accumulated on the
-        unsharded parameters (not yet reduced): dropped here too, or the redone step's
-        backward would add its own to them."""
+        and clears that. Up to torch 2.14 it leaves the gradients the stopped backward had
+        accumulated on the unsharded parameters (not yet reduced): dropped here too
+        (:func:`_drop_unsharded_grads`), or the redone step's backward would add its own to them."""
         from torch.distributed.fsdp import FSDPModule
 
         self._sharded_dirty = False
@@ -342,14 +347,8 @@ class StepInterrupter:
             if not isinstance(module, FSDPModule):
                 continue
             module.reset_iter_state()
-            fsdp_params = (fsdp_param for sub in module.modules() if isinstance(sub, FSDPModule)
-                           for param_group in sub._get_fsdp_state()._fsdp_param_groups
-                           for fsdp_param in param_group.fsdp_params)
-            for fsdp_param in fsdp_params:
-                fsdp_param.unsharded_accumulated_grad = None
-                unsharded = getattr(fsdp_param, "_unsharded_param", None)  # made at the first all-gather
-                if unsharded is not None:
-                    unsharded.grad = None
+            for fsdp_param in _fsdp_params(module):
+                _drop_unsharded_grads(fsdp_param)
             self._sharded_reset_since = True
             self.counts.sharded_resets += 1
 
@@ -385,6 +384,71 @@ def _backward_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torc
             leaves[id(variable)] = variable
         stack.extend(next_node for next_node, _ in node.next_functions)
     return list(leaves.values())
+
+
+class FsdpLayoutError(RuntimeError):
+    """This torch's FSDP2 keeps its per-parameter state in a layout tmrun does not know: tmrun
+    could not drop the gradients a stopped backward leaves (raised by ``tm.track``, before the
+    first step, rather than leaving them silently)."""
+
+
+def _layout_error(what: str) -> FsdpLayoutError:
+    return FsdpLayoutError(
+        f"tmrun cannot stop a doomed step of an FSDP2 module with torch {torch.__version__}: its FSDP2 "
+        f"{what} (tmrun knows the layouts of torch 2.13 to 2.15). Use one of those torch versions, "
+        "or leave the FSDP2 module out of tm.track")
+
+
+def _fsdp_params(module: torch.nn.Module) -> list[Any]:
+    """FSDP2's record of every parameter under the FSDP2 module ``module`` (``FSDPParam``). No
+    public API lists them: torch 2.13 to 2.15 keep them in each block's state
+    (``_get_fsdp_state()._fsdp_param_groups[i].fsdp_params``); another layout raises
+    :class:`FsdpLayoutError`."""
+    from torch.distributed.fsdp import FSDPModule
+
+    found: list[Any] = []
+    for sub in module.modules():
+        if not isinstance(sub, FSDPModule):
+            continue
+        groups = getattr(sub._get_fsdp_state(), "_fsdp_param_groups", None)
+        if not isinstance(groups, list) or not all(isinstance(getattr(g, "fsdp_params", None), list) for g in groups):
+            raise _layout_error("state has no _fsdp_param_groups[i].fsdp_params")
+        found += [fsdp_param for group in groups for fsdp_param in group.fsdp_params]
+    return found
+
+
+def _own_grad_buffer(fsdp_param: Any) -> bool:
+    """Whether FSDP2 keeps a stopped backward's gradient in a buffer of its own besides the
+    unsharded parameter's ``grad``: torch 2.13 and 2.14 do (``unsharded_accumulated_grad``, an
+    attribute: the gradient upcast to the reduce dtype), torch 2.15 does not (a read-only
+    property that reads the parameter's ``grad``). Another layout raises :class:`FsdpLayoutError`."""
+    if "unsharded_accumulated_grad" in getattr(fsdp_param, "__dict__", {}):
+        return True
+    if isinstance(inspect.getattr_static(type(fsdp_param), "unsharded_accumulated_grad", None), property):
+        return False
+    raise _layout_error("parameters have no unsharded_accumulated_grad (attribute or property)")
+
+
+def check_fsdp_layout(module: torch.nn.Module) -> None:
+    """Raise :class:`FsdpLayoutError` unless this torch's FSDP2 keeps the state of ``module``'s
+    parameters in a layout :func:`_drop_unsharded_grads` knows (nothing to check for a module
+    that is not FSDP2's)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(module, FSDPModule):
+        for fsdp_param in _fsdp_params(module):
+            _own_grad_buffer(fsdp_param)
+
+
+def _drop_unsharded_grads(fsdp_param: Any) -> None:
+    """Drop what a stopped backward accumulated for one FSDP2 parameter and never reduced: the
+    unsharded parameter's ``grad`` (the parameter is made at the first all-gather) and, where
+    torch keeps one (:func:`_own_grad_buffer`), the upcast copy."""
+    if _own_grad_buffer(fsdp_param):
+        fsdp_param.unsharded_accumulated_grad = None
+    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+    if unsharded is not None:
+        unsharded.grad = None
 
 
 _guarded: list[StepInterrupter] = []  # the process's interrupter (the last installed)
