@@ -213,3 +213,30 @@ def test_features_are_detected_by_symbol(tmp_path: Path, version: int, symbols: 
 def test_a_library_that_is_not_nccl_is_refused(tmp_path: Path) -> None:
     with pytest.raises(OSError, match="not an NCCL library"):
         nccl_runtime.probe(_stub(tmp_path, "notnccl", 0, ["somethingElse"]))
+
+
+def test_the_nccl_plane_builds_the_class_torch_chooses_for_nccl() -> None:
+    """torch's NCCL backend is moving (an in-tree ProcessGroupNCCL2 with reconfigure/shrink,
+    chosen by TORCH_DIST_USE_NCCL2=1 on 2.14 and the default on torch's main branch): the plane
+    builds whichever class torch would, and refuses a class without what it calls in one line."""
+    import types
+
+    import torch.distributed as dist
+
+    from tmrun.comm import device_plane as plane
+
+    nccl2 = getattr(dist.distributed_c10d, "ProcessGroupNCCL2", None)
+    assert plane.nccl_backend_class({}) is dist.ProcessGroupNCCL
+    if nccl2 is not None:
+        assert plane.nccl_backend_class({"TORCH_DIST_USE_NCCL2": "1"}) is nccl2
+    bare = types.new_class("ProcessGroupNCCL2")
+    original = getattr(dist.distributed_c10d, "ProcessGroupNCCL2", None)
+    dist.distributed_c10d.ProcessGroupNCCL2 = bare  # type: ignore[attr-defined]
+    try:
+        with pytest.raises(plane.DevicePlaneError, match="ProcessGroupNCCL2 lacks abort, shutdown"):
+            plane.nccl_backend_class({"TORCH_DIST_USE_NCCL2": "1"})
+    finally:
+        if original is None:
+            del dist.distributed_c10d.ProcessGroupNCCL2
+        else:
+            dist.distributed_c10d.ProcessGroupNCCL2 = original  # type: ignore[attr-defined]

@@ -126,9 +126,33 @@ def _nccl_group(store: Any, rank: int, size: int, timeout: datetime.timedelta) -
         # several ranks on one GPU (tests, benches): NCCL refuses two ranks on one GPU of one host;
         # before 2.30 each process poses as a host of its own (docs/nccl.md)
         os.environ.setdefault("NCCL_HOSTID", f"{socket.gethostname()}-{os.getpid()}")
-    options = dist.ProcessGroupNCCL.Options()
+    group_class = nccl_backend_class()
+    options = dist.ProcessGroupNCCL.Options()  # both classes take these options (torch's _nccl2_options)
     options._timeout = timeout
-    return dist.ProcessGroupNCCL(store, rank, size, options)
+    return group_class(store, rank, size, options)
+
+
+NCCL_BACKEND_METHODS = ("abort", "shutdown", "eager_connect_single_device")  # what the plane calls
+
+
+def nccl_backend_class(environ: Any = None) -> type:
+    """The NCCL process-group class torch itself builds for ``backend="nccl"``: its in-tree
+    ``ProcessGroupNCCL2`` (``reconfigure``/``shrink``; chosen by torch 2.14 with
+    ``TORCH_DIST_USE_NCCL2=1``, and torch's default on its main branch, where only that class may
+    remain) or the classic ``ProcessGroupNCCL``. The plane only builds, connects, aborts and
+    shuts down one group per generation, which both classes offer; a class without those methods
+    is one line (docs/nccl.md, "torch's NCCL backends")."""
+    env = os.environ if environ is None else environ
+    classic = getattr(dist, "ProcessGroupNCCL", None)
+    nccl2 = getattr(dist.distributed_c10d, "ProcessGroupNCCL2", None)
+    chosen = nccl2 if nccl2 is not None and (env.get("TORCH_DIST_USE_NCCL2") == "1" or classic is None) else classic
+    if chosen is None:
+        raise no_nccl_error()
+    missing = [name for name in NCCL_BACKEND_METHODS if not hasattr(chosen, name)]
+    if missing:
+        raise DevicePlaneError(f"tmrun: torch's NCCL process group {chosen.__name__} lacks {', '.join(missing)}, "
+                               "which the device plane needs (docs/nccl.md); TMRUN_DEVICE_PLANE=staging avoids it")
+    return chosen
 
 
 def _gloo_group(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
