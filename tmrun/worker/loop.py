@@ -15,8 +15,11 @@ from __future__ import annotations
 import pickle
 from typing import Any, Iterator
 
+import torch
+import torch.distributed as dist
+
 from tmrun.protocol import keys, orphan_guard
-from tmrun.worker import rng, subgroups
+from tmrun.worker import group, rng, subgroups
 from tmrun.worker.context import Context, Rejoin, log
 from tmrun.worker.migration import Migration
 from tmrun.worker.recovery import Recovery, settle_heal
@@ -36,6 +39,7 @@ class StepLoop:
         self._per_rank_at_start: dict[str, Any] = {}  # tm.track_per_rank's objects
         self._per_rank_published: bytes | None = None
         self._per_rank_recorded_for = -1
+        self._voted_for = -1  # the step whose commit vote this rank took part in
 
     def steps(self, total: int, start: int = 0) -> Iterator[int]:
         ctx = self._ctx
@@ -121,6 +125,7 @@ class StepLoop:
             log(f"the tmrun agent (pid {ctx.env.agent_pid}) is gone; this worker exits (the job ends)")
             raise SystemExit(1)
         ctx.current_step = step
+        self._voted_for = -1  # a redone step votes again
         if ctx.in_place and not ctx.life.is_(Role.STANDBY):
             # the script made its groups by now: each gets the failure handler and a loss watcher,
             # and the standbys learn whether to wait in tmrun.init() (docs/mesh.md, section 1)
@@ -170,7 +175,34 @@ class StepLoop:
     # -- the optimizer guard's gate (tmrun.worker.optimizer.StepGate) -------------------------------
 
     def step_aborted(self) -> bool:
-        return self._ctx.aborted_by is not None
+        """Whether the current step's update must be skipped: this rank lost a peer in it, or
+        (the commit vote) any rank did. Every in-place rank votes once per step, at its first
+        optimizer step: one tiny all-reduce (MAX of "aborted") over the job's group. A rank
+        whose step lost a peer cannot complete that all-reduce (the lost rank takes no part)
+        nor can any other: the step is skipped, and redone, on every rank alike. Without the
+        vote a rank whose collectives all went through committed a step that another rank of
+        the same failure could not: under HSDP the shard of the rank that could not then had
+        no holder at the step the others reached, and the job lost its in-place path (1 kill in
+        9 at random moments); under DDP that rank was healed past a step it had seen aborted
+        (``tm.aborted`` true, and the step not redone). A rank lost *during* the vote can still
+        leave ranks on both sides (a tree all-reduce whose result reached some): healing then
+        brings the others forward from a replica, or, where a shard has no holder at the step,
+        the job falls back to its group restart in one line."""
+        ctx = self._ctx
+        if ctx.aborted_by is None and ctx.in_place and ctx.life.is_(Role.ACTIVE) \
+                and self._voted_for != ctx.current_step:
+            self._voted_for = ctx.current_step
+            self._vote()
+        return ctx.aborted_by is not None
+
+    def _vote(self) -> None:
+        """The commit vote (see :meth:`step_aborted`): a peer lost in it marks this step aborted
+        through the backend's failure handler; a peer that voted "aborted" marks it here."""
+        flag = torch.zeros(1, dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group.process_group())
+        ctx = self._ctx
+        if int(flag.item()) and ctx.aborted_by is None:
+            ctx.aborted_by = -1  # another rank's step lost a peer (it reported the loss)
 
     def before_optimizer_step(self) -> None:
         settle_heal(self._ctx)  # deferred healing: the optimizer state read (or no longer read) here
