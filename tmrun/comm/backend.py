@@ -465,6 +465,22 @@ class TmrunProcessGroup(dist.ProcessGroup):
     def size(self) -> int:
         return self._size
 
+    # ------------------------------------------------------------------ what torch asks a backend
+    # torch 2.14's Python layer asks a group for its backend of a device and reads capabilities
+    # off it (``batch_isend_irecv``: ``supports_coalescing``; ``new_group``: ``supports_splitting``;
+    # FSDP2's allocator: ``supports_tensor_alloc``). This group is its own backend for every
+    # device it serves; torch's C++ lookup knows no backend for it (it raised "No backend type
+    # associated with device type cpu" there).
+    supports_coalescing = False
+    supports_splitting = False
+    supports_time_estimate = False
+
+    def _get_backend(self, device: Any = None) -> "TmrunProcessGroup":
+        return self
+
+    def supports_tensor_alloc(self, device: Any = None) -> bool:
+        return False
+
     def __repr__(self) -> str:
         mode = "local" if self._local else ("aborted" if self._aborted else "network")
         return f"TmrunProcessGroup(rank={self._rank}, size={self._size}, {mode})"
