@@ -11,6 +11,10 @@ joiner's state is zeroed first; the time is the joiner's, from the agreement to 
 return (the header, the state, its CRC-32C checked); the paths alternate (socket, memory,
 socket, ...) after one unmeasured warm-up of each (the joiner's optimizer state is allocated in
 the first). After every run the joiner's whole state must have the donor's CRC-32C.
+
+Each run then times the replica check every change ends with (``tmrun.worker.replica_check``:
+CRC-32C of every parameter and optimizer tensor on both members, one allgather of a digest),
+beside the heal it follows: its cost, against the transfer's, in the same run.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ def member(rank: int, port: int, width: int, depth: int, order: list[str]) -> No
     from torch.distributed import TCPStore
 
     from tmrun.comm.native import connect_via_store
+    from tmrun.worker.replica_check import check
     from tmrun.worker.tracked import TrackedState
     from tmrun.worker.transfer import agree, heal
 
@@ -70,8 +75,10 @@ def member(rank: int, port: int, width: int, depth: int, order: list[str]) -> No
             healed = heal(comm, state, plan, {"committed_step": 1})
             seconds = time.perf_counter() - started
             comm.barrier()
+            checked = check(comm, 0, state.replica_tensors(), f"run {run}")  # raises if the replicas differ
             print(json.dumps({"rank": rank, "run": run, "path": path, "seconds": seconds, "bytes": healed.nbytes,
-                              "paths": sorted(healed.paths), "crc": _state_crc(state)}), flush=True)
+                              "paths": sorted(healed.paths), "crc": _state_crc(state),
+                              "check_seconds": checked.seconds, "check_bytes": checked.nbytes}), flush=True)
     finally:
         comm.close()
 
@@ -105,10 +112,13 @@ def report(label: str, rows: list[dict[str, Any]]) -> list[str]:
     lines = []
     for path in PATHS:
         seconds = [r["seconds"] for r in rows if r["path"] == path]
+        checks = [r["check_seconds"] for r in rows if r["path"] == path]
         nbytes = rows[0]["bytes"]
         best, median = min(seconds), statistics.median(seconds)
+        check = statistics.median(checks)
         lines.append(f"| {label} | {nbytes / 1e6:.0f} MB | {path} | {len(seconds)} | {best:.3f} / {median:.3f} | "
-                     f"{nbytes / best / 1e9:.2f} / {nbytes / median / 1e9:.2f} |")
+                     f"{nbytes / best / 1e9:.2f} / {nbytes / median / 1e9:.2f} | {check:.3f} "
+                     f"({check / median:.0%} of the heal) |")
     return lines
 
 
@@ -127,8 +137,8 @@ def main() -> None:
         member(args.member, args.port, args.width, args.depth, args.order.split(","))
         return
     order = [f"warmup-{p}" for p in PATHS] + [p for _ in range(args.runs) for p in PATHS]
-    lines = ["| state | bytes | path | runs | seconds (min / median) | GB/s (at min / median) |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| state | bytes | path | runs | seconds (min / median) | GB/s (at min / median) | replica check, "
+             "seconds (median) |", "|---|---|---|---|---|---|---|"]
     for size in args.sizes.split(","):
         width, depth = (int(x) for x in size.split("x"))
         params = depth * (width * width + width)
