@@ -23,15 +23,18 @@ JOB_TIMEOUT = 240
 PAUSE = "0.2"  # seconds before each chunked loss (the head's compute): failures land there often
 
 
-def _run(work: Path, launcher: str, *script_args: str, env: dict[str, str] | None = None) -> tuple[int, str, dict]:
+def _run(work: Path, launcher: str, *script_args: str, tmrun_args: tuple[str, ...] = (),
+         env: dict[str, str] | None = None) -> tuple[int, str, dict]:
     """Run the script; returns (exit code, log, results: finals per rank, eval lines, step logs)."""
     work.mkdir()
     args = [str(SCRIPT), "--steps", str(STEPS), "--pause", PAUSE, "--final", str(work / "final-{rank}"),
-            "--eval-log", str(work / "eval"), "--step-log", str(work / "steps-{rank}"), *script_args]
+            "--eval-log", str(work / "eval"), "--step-log", str(work / "steps-{rank}"),
+            "--aborted-log", str(work / "aborted-{rank}"), *script_args]
     if launcher == "torchrun":
         cmd = torchrun_cmd("--standalone", "--nproc-per-node", "2", *args)
     else:
-        cmd = tmrun_cmd("--standalone", "--nproc-per-node", "2", "--standby", "1", "--console", "plain", *args)
+        cmd = tmrun_cmd("--standalone", "--nproc-per-node", "2", "--standby", "1", "--console", "plain", *tmrun_args,
+                        *args)
     code, log = run_job(cmd, work / "log", {"TMRUN_STATE_DIR": str(work / "state"), **(env or {})}, JOB_TIMEOUT)
     finals = {r: (work / f"final-{r}").read_text().strip() for r in range(2) if (work / f"final-{r}").exists()}
     lines = [(int(s), v) for s, v in (line.split() for line in (work / "eval").read_text().splitlines())] \
@@ -41,7 +44,23 @@ def _run(work: Path, launcher: str, *script_args: str, env: dict[str, str] | Non
     steps = {r: [tuple(map(int, line.split())) for line in (work / f"steps-{r}").read_text().splitlines()]
              for r in range(2) if (work / f"steps-{r}").exists()}
     swallowed = sorted(p.name for p in work.glob("*.ran-on-*"))
-    return code, log, {"finals": finals, "evals": evals, "best": best, "steps": steps, "swallowed": swallowed}
+    aborted = {r: [tuple(map(int, line.split())) for line in (work / f"aborted-{r}").read_text().splitlines()]
+               for r in range(2) if (work / f"aborted-{r}").exists()}
+    return code, log, {"finals": finals, "evals": evals, "best": best, "steps": steps, "swallowed": swallowed,
+                       "aborted": aborted}
+
+
+def _check_aborted_contract(runs: list[tuple[int, int, int]]) -> None:
+    """``tm.aborted`` and ``steps()`` agree (one rank's process, in order: step, aborted at the
+    body's end, committed): a step flagged before it committed is yielded again; one flagged
+    after it committed (a collective after ``opt.step()`` lost the peer: its values void) is not,
+    and neither is any step that was not flagged."""
+    for index, (step, aborted, committed) in enumerate(runs):
+        later = [s for s, _, _ in runs[index + 1:]]
+        if aborted and not committed:
+            assert later and later[0] == step, (step, runs)
+        else:
+            assert step not in later, (step, runs)
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +89,8 @@ def _check_in_place(code: int, log: str, got: dict, reference: dict, killed: int
     assert len(survivor) - len({s for s, _ in survivor}) <= 1, survivor
     assert len({pid for _, pid in got["steps"][killed]}) == 2, f"rank {killed} should have been played by two processes"
     assert got["swallowed"] == [], "a standby's exit was swallowed by the script's catch-all"
+    _check_aborted_contract(got["aborted"][1 - killed])
+    assert any(aborted for _, aborted, _ in got["aborted"][1 - killed]), "the survivor saw no aborted step"
     assert "Traceback" not in log, log
 
 
@@ -99,6 +120,23 @@ def test_rank_0_killed_at_a_random_moment_is_replaced_with_its_own_per_rank_stat
     joiner takes rank 0's own record (data position, best value), not a donor's."""
     code, log, got = _run(tmp_path / "rank0", "tmrun", "--kill-at", "4:0.25", "--kill-rank", "0")
     _check_in_place(code, log, got, torchrun_reference, killed=0)
+
+
+def test_a_rank_killed_after_the_commit_vote_leaves_the_step_committed_and_flagged(
+        tmp_path: Path, torchrun_reference: dict) -> None:
+    """Rank 1 dies inside its optimizer step (the "optimizer" drill: after every rank voted to
+    commit): rank 0 applies the step, then its metrics all-reduce after ``opt.step()`` loses the
+    peer. ``tm.aborted`` is true for the rest of that step (the metric is void) and the step is
+    not redone (it committed everywhere it could: the joiner is healed to it)."""
+    code, log, got = _run(tmp_path / "optimizer", "tmrun",
+                          tmrun_args=("--inject-failure", "rank=1,step=4,at=optimizer"))
+    assert code == 0, log
+    assert got["finals"] == torchrun_reference["finals"], log
+    survivor = got["aborted"][0]
+    assert (4, 1, 1) in survivor, survivor  # flagged after its commit
+    assert [s for s, _, _ in survivor] == list(range(STEPS)), survivor  # nothing redone
+    _check_aborted_contract(survivor)
+    assert re.search(r"resume at step 5 ", log), log
 
 
 def test_a_script_resumed_from_its_checkpoint_says_where_it_resumes(tmp_path: Path) -> None:

@@ -157,6 +157,7 @@ def main() -> None:
     parser.add_argument("--kill-at", default="", help="STEP:SECONDS: --kill-rank is SIGKILLed that long into STEP")
     parser.add_argument("--kill-rank", type=int, default=1)
     parser.add_argument("--step-log", default="", help="per rank ({rank}): 'step pid' per completed step")
+    parser.add_argument("--aborted-log", default="", help="per rank ({rank}): 'step aborted committed' per step run")
     parser.add_argument("--corrupt-on-heal", action="store_true",
                         help="a tracked object's load_state_dict changes a weight (a buggy state hook)")
     args = parser.parse_args()
@@ -205,6 +206,7 @@ def train(args: argparse.Namespace) -> None:
                 log.write(f"{step} {val:.6f}\n")
             if val < best.val and not tm.aborted:
                 best.val = val  # a checkpoint with the best value would be written here
+        step_loss = torch.zeros(())
         for micro in range(args.micro):
             tokens, targets = loader.next()
             last = micro == args.micro - 1
@@ -214,13 +216,17 @@ def train(args: argparse.Namespace) -> None:
                         and not os.path.exists(args.final + ".killed"):
                     open(args.final + ".killed", "w").close()  # once: the joiner plays rank 1 on
                     os.kill(os.getpid(), signal.SIGKILL)
-                chunked_loss(model(tokens), head, targets, args.chunks, args.pause)
+                step_loss += chunked_loss(model(tokens), head, targets, args.chunks, args.pause)
         for param in head.parameters():  # the head is not in the DDP model: the script averages it
             dist.all_reduce(param.grad)
             param.grad /= tm.world_size
         opt.step()
         sched.step()
         opt.zero_grad()
+        dist.all_reduce(step_loss)  # a metrics all-reduce after the optimizer step
+        if args.aborted_log and not tm.is_shadow:
+            with open(args.aborted_log.format(rank=tm.rank), "a") as log:
+                log.write(f"{step} {int(tm.aborted)} {int(tm.committed_step >= step)}\n")
         if args.step_log and not tm.is_shadow and not tm.aborted:
             with open(args.step_log.format(rank=tm.rank), "a") as log:
                 log.write(f"{step} {os.getpid()}\n")

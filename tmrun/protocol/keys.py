@@ -146,8 +146,8 @@ def rng(rank: int) -> str:
 
 
 def rank_state(rank: int) -> str:
-    """Pickled (step, per-rank state) of ``rank`` at the start of ``step`` (``tm.track_per_rank``),
-    for the joiner that takes it over."""
+    """Pickled {step: per-rank state at its start} of ``rank`` (``tm.track_per_rank``): the current
+    step's, and from its commit the next one's; for the joiner that takes the rank over."""
     return f"rank_state/{rank}"
 
 

@@ -37,8 +37,10 @@ class StepLoop:
         self._rng_recorded_for = -1
         self._stateful_at_start: dict[str, Any] = {}  # tracked schedulers, scalers, loaders
         self._per_rank_at_start: dict[str, Any] = {}  # tm.track_per_rank's objects
-        self._per_rank_published: bytes | None = None
-        self._per_rank_recorded_for = -1
+        # this rank's published per-rank records (tm.track_per_rank), by the step they start:
+        # the current step's, and once it commits, the next one's (provisional, see below)
+        self._per_rank_records: dict[int, bytes] = {}
+        self._provisional_ok = True  # the script leaves its per-rank state alone after opt.step()
         self._voted_for = -1  # the step whose commit vote this rank took part in
 
     def steps(self, total: int, start: int = 0) -> Iterator[int]:
@@ -166,11 +168,35 @@ class StepLoop:
 
     def _record_per_rank(self, step: int) -> None:
         """Publish this rank's per-rank state (``tm.track_per_rank``) as it starts ``step``, tagged
-        with the step (a joiner takes it only for the step it resumes at: tmrun.worker.recovery)."""
+        with the step (a joiner takes only the record of the step it resumes at:
+        tmrun.worker.recovery). A provisional record of ``step`` made at the previous step's
+        commit that differs from this one means the script changes its per-rank state after
+        ``opt.step()``: no provisional record is made any more (a rank lost between its commit
+        and the end of its step then leaves no record of the next step: the job falls back to
+        its group restart instead of handing the joiner a wrong data position)."""
         blob = self._ctx.tracked.per_rank_blob()
-        if blob != self._per_rank_published or self._per_rank_recorded_for != step:
-            self._ctx.require_store().set(keys.rank_state(self._ctx.rank), pickle.dumps((step, blob)))
-            self._per_rank_published, self._per_rank_recorded_for = blob, step
+        provisional = self._per_rank_records.get(step)
+        if provisional is not None and provisional != blob and self._provisional_ok:
+            self._provisional_ok = False
+            log(f"rank {self._ctx.rank}: the script changes its per-rank state after opt.step(); its records are "
+                "now made at step boundaries only")
+        if self._per_rank_records != {step: blob}:
+            self._per_rank_records = {step: blob}
+            self._ctx.require_store().set(keys.rank_state(self._ctx.rank), pickle.dumps(self._per_rank_records))
+
+    def _record_next_per_rank(self) -> None:
+        """At the step's commit (the vote passed, the update is about to be applied): the state
+        the next step starts with, as it stands now, published beside the current step's. A
+        rank lost in its optimizer step (or later in the step) leaves its joiner the record of
+        the step the group resumes at."""
+        ctx = self._ctx
+        following = ctx.current_step + 1
+        if not (ctx.in_place and ctx.tracked.per_rank and self._provisional_ok and ctx.life.is_(Role.ACTIVE)) \
+                or following in self._per_rank_records:
+            return
+        self._per_rank_records = {**{s: b for s, b in self._per_rank_records.items() if s == ctx.current_step},
+                                  following: ctx.tracked.per_rank_blob()}
+        ctx.require_store().set(keys.rank_state(ctx.rank), pickle.dumps(self._per_rank_records))
 
     # -- the optimizer guard's gate (tmrun.worker.optimizer.StepGate) -------------------------------
 
@@ -205,6 +231,7 @@ class StepLoop:
             ctx.aborted_by = -1  # another rank's step lost a peer (it reported the loss)
 
     def before_optimizer_step(self) -> None:
+        self._record_next_per_rank()
         settle_heal(self._ctx)  # deferred healing: the optimizer state read (or no longer read) here
         self._migration.finish_handover()  # a joiner of a migration: its optimizer state is complete
         self._ctx.fire("optimizer")

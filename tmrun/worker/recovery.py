@@ -267,7 +267,7 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float, repl
     if ctx.fresh:
         _adopt_rng_of(ctx, ctx.rank, resume)
         if ctx.tracked.per_rank:
-            _adopt_per_rank_of(ctx, ctx.rank)
+            _adopt_per_rank_of(ctx, ctx.rank, resume)
     elif resume == aborted_step and ctx.step_rng is not None:
         rng.restore(ctx.step_rng)  # redo the aborted step from the same random state
     comm.barrier()
@@ -368,13 +368,13 @@ def settle_heal(ctx: Context, skip: Collection[int] = (), in_change: bool = Fals
             time.sleep(0.001)
 
 
-def _per_rank_record(ctx: Context, rank: int) -> tuple[int, bytes] | None:
+def _per_rank_records(ctx: Context, rank: int) -> dict[int, bytes]:
+    """The per-rank records ``rank`` published, by the step they start (tmrun.worker.loop)."""
     store = ctx.require_store()
     key = keys.rank_state(rank)
     if not store.check([key]):
-        return None
-    step, blob = pickle.loads(store.get(key))
-    return int(step), blob
+        return {}
+    return dict(pickle.loads(store.get(key)))
 
 
 def _check_per_rank_records(ctx: Context, joiners: list[int], resume: int) -> None:
@@ -384,20 +384,17 @@ def _check_per_rank_records(ctx: Context, joiners: list[int], resume: int) -> No
     state for ``resume`` is gone with it, so in-place healing would hand the joiner a wrong data
     position (a silent wrong gradient); the job falls back to its group restart instead."""
     for rank in joiners:
-        record = _per_rank_record(ctx, rank)
-        recorded = None if record is None else record[0]
-        if recorded != resume:
+        recorded = sorted(_per_rank_records(ctx, rank))
+        if resume not in recorded:
             raise NoReplicaError(
-                f"rank {rank}'s per-rank state (tm.track_per_rank) is recorded for step {recorded}, and its joiner "
-                f"resumes at step {resume}: the state it needs was lost with the rank; falling back to the group "
-                "restart")
+                f"rank {rank}'s per-rank state (tm.track_per_rank) is recorded for step(s) {recorded or 'none'}, and "
+                f"its joiner resumes at step {resume}: the state it needs was lost with the rank; falling back to the "
+                "group restart")
 
 
-def _adopt_per_rank_of(ctx: Context, rank: int) -> None:
+def _adopt_per_rank_of(ctx: Context, rank: int, step: int) -> None:
     """A joiner loads the per-rank state its rank published for the step it resumes at."""
-    record = _per_rank_record(ctx, rank)
-    assert record is not None, "checked by _check_per_rank_records"
-    ctx.tracked.apply_per_rank(record[1])
+    ctx.tracked.apply_per_rank(_per_rank_records(ctx, rank)[step])
 
 
 def _adopt_rng_of(ctx: Context, rank: int, step: int) -> None:
