@@ -39,6 +39,7 @@ ENV_CASES = {
     "bad orphan grace": ({"TMRUN_ORPHAN_GRACE": "-3"}, "TMRUN_ORPHAN_GRACE='-3' is not a number of seconds >= 0"),
     "unknown heal overlap": ({"TMRUN_HEAL_OVERLAP": "sometimes"},
                              "TMRUN_HEAL_OVERLAP='sometimes' is not one of auto, on, off"),
+    "unknown commit vote": ({"TMRUN_COMMIT_VOTE": "maybe"}, "TMRUN_COMMIT_VOTE='maybe' is not one of on, off"),
 }
 
 

@@ -314,13 +314,14 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 def _validate_device_environment() -> None:
-    """``TMRUN_DEVICE_PLANE``, ``TMRUN_NCCL_LIBRARY`` (docs/nccl.md), ``TMRUN_ORPHAN_GRACE`` and
-    ``TMRUN_HEAL_OVERLAP``, checked before any worker starts."""
+    """``TMRUN_DEVICE_PLANE``, ``TMRUN_NCCL_LIBRARY`` (docs/nccl.md), ``TMRUN_ORPHAN_GRACE``,
+    ``TMRUN_HEAL_OVERLAP`` and ``TMRUN_COMMIT_VOTE``, checked before any worker starts."""
     from tmrun.protocol import environment, orphan_guard
 
     try:
         environment.device_plane(os.environ)
         environment.heal_overlap(os.environ)
+        environment.commit_vote(os.environ)
         orphan_guard.grace_from_environ(os.environ)
     except ValueError as exc:
         raise UsageError(str(exc)) from None

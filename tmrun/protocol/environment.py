@@ -51,6 +51,8 @@ ENV_DEVICE_PLANE = "TMRUN_DEVICE_PLANE"  # one of DEVICE_PLANES (tmrun.comm.devi
 DEVICE_PLANES = ("auto", "nccl", "staging", "gloo")
 ENV_HEAL_OVERLAP = "TMRUN_HEAL_OVERLAP"  # one of HEAL_OVERLAPS (tmrun.worker.cpu_budget)
 HEAL_OVERLAPS = ("auto", "on", "off")
+ENV_COMMIT_VOTE = "TMRUN_COMMIT_VOTE"  # one of COMMIT_VOTES (tmrun.worker.loop: the commit vote)
+COMMIT_VOTES = ("on", "off")
 
 
 def _one_of(environ: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str:
@@ -73,6 +75,13 @@ def heal_overlap(environ: Mapping[str, str]) -> str:
     (``TMRUN_HEAL_OVERLAP``: ``auto`` when unset, see :mod:`tmrun.worker.cpu_budget`);
     ``ValueError`` (one line) for any other value than :data:`HEAL_OVERLAPS`."""
     return _one_of(environ, ENV_HEAL_OVERLAP, HEAL_OVERLAPS)
+
+
+def commit_vote(environ: Mapping[str, str]) -> bool:
+    """Whether in-place ranks vote before each step's commit (``TMRUN_COMMIT_VOTE``: ``on`` when
+    unset; ``off`` saves one tiny all-reduce per step and gives up what the vote guarantees,
+    docs/user-guide.md); ``ValueError`` (one line) for any other value."""
+    return _one_of(environ, ENV_COMMIT_VOTE, COMMIT_VOTES) == "on"
 
 
 # torchrun's own

@@ -12,13 +12,14 @@ Per step: a STANDBY runs it as a shadow step until it is assigned and warm, then
 
 from __future__ import annotations
 
+import os
 import pickle
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
-from tmrun.protocol import keys, orphan_guard
+from tmrun.protocol import environment, keys, orphan_guard
 from tmrun.worker import group, rng, subgroups
 from tmrun.worker.context import Context, Rejoin, log
 from tmrun.worker.migration import Migration
@@ -42,6 +43,7 @@ class StepLoop:
         self._per_rank_records: dict[int, bytes] = {}
         self._provisional_ok = True  # the script leaves its per-rank state alone after opt.step()
         self._voted_for = -1  # the step whose commit vote this rank took part in
+        self._vote = environment.commit_vote(os.environ)  # checked by the CLI at start
 
     def steps(self, total: int, start: int = 0) -> Iterator[int]:
         ctx = self._ctx
@@ -215,13 +217,13 @@ class StepLoop:
         brings the others forward from a replica, or, where a shard has no holder at the step,
         the job falls back to its group restart in one line."""
         ctx = self._ctx
-        if ctx.aborted_by is None and ctx.in_place and ctx.life.is_(Role.ACTIVE) \
+        if self._vote and ctx.aborted_by is None and ctx.in_place and ctx.life.is_(Role.ACTIVE) \
                 and self._voted_for != ctx.current_step:
             self._voted_for = ctx.current_step
-            self._vote()
+            self._commit_vote()
         return ctx.aborted_by is not None
 
-    def _vote(self) -> None:
+    def _commit_vote(self) -> None:
         """The commit vote (see :meth:`step_aborted`): a peer lost in it marks this step aborted
         through the backend's failure handler; a peer that voted "aborted" marks it here."""
         flag = torch.zeros(1, dtype=torch.int64)
