@@ -130,15 +130,22 @@ def chunked_loss(body_out: torch.Tensor, head: torch.nn.Linear, targets: torch.T
     return total
 
 
+def _bytes(t: torch.Tensor) -> bytes:
+    from tmrun.comm.native import as_buffer  # no numpy needed
+
+    host = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return bytes(as_buffer(host)[0]) if host.numel() else b""
+
+
 def digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
     h = hashlib.sha256()
     for name, t in sorted(model.state_dict().items()):
         h.update(name.encode())
-        h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(_bytes(t))
     for state in opt.state_dict()["state"].values():
         for key in sorted(state):
             if isinstance(state[key], torch.Tensor):
-                h.update(state[key].detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+                h.update(_bytes(state[key]))
     return h.hexdigest()
 
 
