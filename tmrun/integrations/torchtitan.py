@@ -27,6 +27,11 @@ What :class:`TmrunTrainer` changes in torchtitan's ``Trainer``:
   checkpoint (it is healed from the ranks).
 * Checkpoint saving, validation and metrics logging are skipped in an aborted step
   (``tm.aborted``) and in a standby's shadow steps (``tm.is_shadow``).
+* A joiner does not initialise its parameters (zeros; it is healed from the replicas): torchtitan's
+  initialisation of sharded parameters runs collectives the survivors never join.
+* ``lm_head``'s FSDP2 unit reshards after forward from the first step on (torchtitan's chunked
+  loss switches it so after its first call): a joiner's first step issues the collectives of
+  the survivors' later steps.
 * ``--debug.seed`` is required in an in-place job: without it torchtitan broadcasts a seed from
   rank 0 while the model is built, a collective a joiner cannot take part in.
 * torchtitan's barrier that shortens the groups' timeouts after a process's first step is not
@@ -93,6 +98,26 @@ class TmrunTrainer(Trainer):
 
     tm: Any  # tmrun's runtime (tmrun.init())
 
+    @record
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self._settle_lm_head_resharding()
+
+    def _settle_lm_head_resharding(self) -> None:
+        """torchtitan shards ``[norm, lm_head]`` as one FSDP2 unit that does not reshard after
+        forward, and its ``ChunkedLossWrapper`` sets ``lm_head`` to reshard after forward at the
+        end of its first call, for good: from the second step on each forward all-gathers that
+        unit once more. A joiner's first step would then issue one all-gather less than the
+        survivors' (the job stops on "ranks called different collectives"). Every rank sets it
+        now, as the loss leaves it: all steps then run the same collectives (one all-gather more
+        in the first step; the numbers do not change)."""
+        from torch.distributed.fsdp import FSDPModule
+        from torchtitan.components.loss import ChunkedLossWrapper
+
+        lm_head = getattr(self.loss_fn, "lm_head", None)
+        if isinstance(self.loss_fn, ChunkedLossWrapper) and isinstance(lm_head, FSDPModule):
+            lm_head.set_reshard_after_forward(True)
+
     def init_distributed(self) -> ParallelDims:
         self.tm = tmrun.init()  # a standby of a job with a device mesh waits here for its rank
         if self.tm.in_place and self.config.debug.seed is None:
@@ -100,7 +125,27 @@ class TmrunTrainer(Trainer):
                              "from rank 0 while it builds the model, a collective a joiner cannot take part in")
         # torchtitan's init_distributed skips its setup when a group exists; keep what it does besides
         torch.autograd.set_multithreading_enabled(False)
-        return super().init_distributed()
+        parallel_dims = super().init_distributed()
+        if self._is_healed():
+            self._skip_parameter_init()
+        return parallel_dims
+
+    def _skip_parameter_init(self) -> None:
+        """A joiner's parameters come from the replicas, and initialising them can run collectives
+        (``trunc_normal_`` on a sharded DTensor gathers it), which the survivors, busy recovering,
+        never join: the joiner's model parts get zeros instead (buffers are initialised as usual,
+        locally; both are then healed)."""
+        spec = self.config.model_spec
+        assert spec is not None
+        parallelize = spec.parallelize_fn
+
+        def parallelize_without_init(model: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
+            model = parallelize(model, *args, **kwargs)
+            _zero_parameters_at_init(model)
+            return model
+
+        spec.parallelize_fn = parallelize_without_init
+        logger.info(f"tmrun: joining as rank {self.tm.rank}: parameters are not initialised, the replicas heal them")
 
     # -- what steps and logging skip ----------------------------------------------------------
 
@@ -175,6 +220,23 @@ class TmrunTrainer(Trainer):
                         self.validator.validate(self.model_parts, self.step)
                     profiler.step()
         logger.info("Training completed")
+
+
+def _zero_parameters_at_init(model: torch.nn.Module) -> None:
+    """Make ``model``'s torchtitan modules initialise their buffers only; parameters become zeros
+    (local shards, no collective)."""
+    from torchtitan.protocols.module import Module
+
+    def zeros(module: torch.nn.Module) -> Callable[[], None]:
+        def init() -> None:
+            with torch.no_grad():
+                for param in module.parameters(recurse=False):
+                    (param.to_local() if hasattr(param, "to_local") else param).zero_()
+        return init
+
+    for module in model.modules():
+        if isinstance(module, Module):
+            module._init_self_parameters = zeros(module)  # type: ignore[method-assign]
 
 
 def tmrun_config(config: Trainer.Config, trainer: type[TmrunTrainer] = TmrunTrainer) -> TmrunTrainer.Config:
