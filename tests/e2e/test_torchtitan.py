@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ JOB_TIMEOUT = 300
 # layout name -> (processes, torchtitan's parallelism flags)
 LAYOUTS = {
     "ddp": (2, ["--parallelism.data_parallel_replicate_degree", "2"]),
+    "hsdp": (4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]),
 }
 
 
@@ -60,12 +62,28 @@ def _run(work: Path, assets: Path, launcher: str, layout: str, config: str = "ti
 
 
 @pytest.fixture(scope="module")
-def ddp_reference(tmp_path_factory: pytest.TempPathFactory, assets: Path) -> dict:
-    """The DDP-like layout under plain torchrun, no failure: both replicas end equal."""
-    code, log, got = _run(tmp_path_factory.mktemp("titan-ddp") / "torchrun", assets, "torchrun", "ddp")
-    assert code == 0, log
-    assert len(got["finals"]) == 2 and len(set(got["finals"].values())) == 1, got
-    assert all([s for s, _ in got["steps"][r]] == list(range(1, STEPS + 1)) for r in range(2)), got["steps"]
+def references(tmp_path_factory: pytest.TempPathFactory, assets: Path) -> Callable[[str], dict]:
+    """The layout under plain torchrun, no failure (run once per layout): every step ran once,
+    the replicas of each shard end equal."""
+    done: dict[str, dict] = {}
+
+    def reference(layout: str) -> dict:
+        if layout not in done:
+            code, log, got = _run(tmp_path_factory.mktemp(f"titan-{layout}") / "torchrun", assets, "torchrun", layout)
+            assert code == 0, log
+            nproc = LAYOUTS[layout][0]
+            assert len(got["finals"]) == nproc, got
+            assert all([s for s, _ in got["steps"][r]] == list(range(1, STEPS + 1)) for r in range(nproc)), got["steps"]
+            done[layout] = got
+        return done[layout]
+
+    return reference
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(references: Callable[[str], dict]) -> dict:
+    got = references("ddp")
+    assert len(set(got["finals"].values())) == 1, got  # every parameter is replicated
     return got
 
 
@@ -97,3 +115,17 @@ def test_ddp_layout_rank_killed_mid_step_is_replaced_in_place(tmp_path: Path, as
     rank 0's memory; the result is torchrun's, bit for bit."""
     code, log, got = _run(tmp_path / "tmrun", assets, "tmrun", "ddp", kill=f"1:{KILL_STEP}")
     _check_in_place(code, log, got, ddp_reference, killed=1)
+
+
+def test_hsdp_layout_rank_killed_mid_step_is_replaced_in_place(tmp_path: Path, assets: Path,
+                                                               references: Callable[[str], dict]) -> None:
+    """HSDP 2 x 2 (``dp_replicate`` 2, ``dp_shard`` 2: ranks 0, 1 and 2, 3 shard the model, 0 and 2,
+    1 and 3 replicate the shards): rank 1 SIGKILLed mid-forward in step 4; its standby is healed
+    from rank 3's shards; the result is torchrun's, bit for bit. (torchtitan's chunked loss
+    switches lm_head's FSDP2 unit to reshard after forward after its first step: the integration
+    sets that from the start, or the joiner's first step would all-gather once less than the
+    survivors' redone one.)"""
+    reference = references("hsdp")
+    assert reference["finals"][0] == reference["finals"][2] and reference["finals"][1] == reference["finals"][3]
+    code, log, got = _run(tmp_path / "tmrun", assets, "tmrun", "hsdp", kill=f"1:{KILL_STEP}")
+    _check_in_place(code, log, got, reference, killed=1)
