@@ -1,8 +1,9 @@
 """torchtitan (0.3.0, the ``torchtitan`` extra) through :mod:`tmrun.integrations.torchtitan`: its
 llama3 debug model on CPU (the test-only shim and config in tests/titan/), trained under plain
 torchrun without a failure and under ``tmrun --standby 1`` with a rank SIGKILLed in the middle
-of a step's forward: every rank ends bitwise equal to torchrun's (model shards, buffers,
-optimizer state, learning rates), survivors keep their processes, at most one step is redone.
+of a step's forward, in three layouts (DDP-like on 2 processes, HSDP 2 x 2 and TP x DP on 4):
+every rank ends bitwise equal to torchrun's (model shards, buffers, optimizer state, learning
+rates), survivors keep their processes, at most one step is redone.
 Also: the integration's result is bitwise that of torchtitan's own trainer."""
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ JOB_TIMEOUT = 300
 LAYOUTS = {
     "ddp": (2, ["--parallelism.data_parallel_replicate_degree", "2"]),
     "hsdp": (4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]),
+    "tp_dp": (4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+                  "--parallelism.tensor_parallel_degree", "2"]),
 }
 
 
@@ -128,4 +131,17 @@ def test_hsdp_layout_rank_killed_mid_step_is_replaced_in_place(tmp_path: Path, a
     reference = references("hsdp")
     assert reference["finals"][0] == reference["finals"][2] and reference["finals"][1] == reference["finals"][3]
     code, log, got = _run(tmp_path / "tmrun", assets, "tmrun", "hsdp", kill=f"1:{KILL_STEP}")
+    _check_in_place(code, log, got, reference, killed=1)
+
+
+def test_tp_dp_layout_rank_killed_mid_step_is_replaced_in_place(tmp_path: Path, assets: Path,
+                                                                references: Callable[[str], dict]) -> None:
+    """Tensor parallel 2 x ``dp_replicate`` 2 (ranks 0, 1 and 2, 3 are TP pairs; 0 and 2, 1 and 3
+    replicate): rank 1 SIGKILLed mid-forward in step 4; rank 2, which shares no group with rank 1,
+    may be inside an FSDP all-reduce with rank 0 when rank 0 starts its recovery (it shares four
+    groups with rank 0: the recovery commits them at once, or rank 0 waited in one for rank 2
+    stuck in another); the result is torchrun's, bit for bit."""
+    reference = references("tp_dp")
+    assert reference["finals"][0] == reference["finals"][2] and reference["finals"][1] == reference["finals"][3]
+    code, log, got = _run(tmp_path / "tmrun", assets, "tmrun", "tp_dp", kill=f"1:{KILL_STEP}")
     _check_in_place(code, log, got, reference, killed=1)
