@@ -249,7 +249,8 @@ def _registry_function(name: str) -> Callable[[], TmrunTrainer.Config]:
     """The config function ``name`` of torchtitan's model registries, converted."""
     from torchtitan.models import _supported_models
 
-    for model in sorted(_supported_models):
+    # the model whose name starts the config's first (llama3_debugmodel: llama3), then the others
+    for model in sorted(_supported_models, key=lambda m: (not name.startswith(m), m)):
         try:
             registry = importlib.import_module(f"torchtitan.models.{model}.config_registry")
         except ImportError:
