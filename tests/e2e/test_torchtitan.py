@@ -112,12 +112,15 @@ def _check_in_place(code: int, log: str, got: dict, reference: dict, killed: int
     assert len({pid for _, pid in got["steps"][killed]}) == 2, f"rank {killed} should have been played by two processes"
 
 
-def test_ddp_layout_rank_killed_mid_step_is_replaced_in_place(tmp_path: Path, assets: Path, ddp_reference: dict) -> None:
-    """``dp_replicate`` 2 (FSDP2 over a 2 x 1 mesh, every parameter replicated): rank 1 SIGKILLed
-    in the forward of the middle layer of step 4; the standby takes its place and is healed from
-    rank 0's memory; the result is torchrun's, bit for bit."""
-    code, log, got = _run(tmp_path / "tmrun", assets, "tmrun", "ddp", kill=f"1:{KILL_STEP}")
-    _check_in_place(code, log, got, ddp_reference, killed=1)
+@pytest.mark.parametrize("killed, step", [(1, KILL_STEP), (0, 6)], ids=["rank1-step4", "rank0-step6"])
+def test_ddp_layout_rank_killed_mid_step_is_replaced_in_place(tmp_path: Path, assets: Path, ddp_reference: dict,
+                                                              killed: int, step: int) -> None:
+    """``dp_replicate`` 2 (FSDP2 over a 2 x 1 mesh, every parameter replicated): a rank SIGKILLed
+    in the forward of the middle layer of a step (rank 1 in step 4; rank 0, which logs the
+    metrics, in step 6); the standby takes its place and is healed from the other rank's
+    memory; the result is torchrun's, bit for bit."""
+    code, log, got = _run(tmp_path / "tmrun", assets, "tmrun", "ddp", kill=f"{killed}:{step}")
+    _check_in_place(code, log, got, ddp_reference, killed=killed)
 
 
 def test_hsdp_layout_rank_killed_mid_step_is_replaced_in_place(tmp_path: Path, assets: Path,
