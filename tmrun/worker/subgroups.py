@@ -81,8 +81,16 @@ def move_all(replaced: Collection[int], gen: int, get: Callable | None, move_def
     (``move_default``), then the subgroups of ``replaced`` in creation order (the joiner
     re-creates them in that order, each once its default group's join returned)."""
     touched, untouched = split(replaced)
+    # The subgroups that lose nobody are committed all at once, not one after another: each
+    # commit's switch releases a member still inside one of the aborted step's collectives on
+    # that group. Two survivors may share several such groups (torchtitan's TP x DP: the
+    # dp_replicate, batch, loss and dp groups of one pair of ranks): committed one at a time,
+    # this rank would wait in the first group's switch for a peer still stuck in a collective on
+    # a later one, which only this rank's switch of that later group releases.
     for pg in untouched:
-        repair(pg, [], gen, get)
+        pg.prepare_replacement([], gen, get=get)
+    for work in [pg.comm.commit_async() for pg in untouched]:
+        work.wait()
     move_default()
     for pg in touched:
         repair(pg, replaced_in(pg, replaced), gen, get)

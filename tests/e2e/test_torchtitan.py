@@ -1,0 +1,150 @@
+"""torchtitan (0.3.0, the ``torchtitan`` extra) through :mod:`tmrun.integrations.torchtitan`: its
+llama3 debug model on CPU (the test-only shim and config in tests/titan/), trained under plain
+torchrun without a failure and under ``tmrun --standby 1`` with a rank SIGKILLed in the middle
+of a step's forward, in three layouts (DDP-like on 2 processes, HSDP 2 x 2 and TP x DP on 4):
+every rank ends bitwise equal to torchrun's (model shards, buffers, optimizer state, learning
+rates), survivors keep their processes, at most one step is redone.
+Also: the integration's result is bitwise that of torchtitan's own trainer."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT, run_job, tmrun_cmd, torchrun_cmd
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,
+                                reason="torchtitan is not installed (pip install -e '.[torchtitan]')")
+
+STEPS = 8  # tests/titan/config.py: STEPS
+KILL_STEP = 4  # torchtitan's 1-based step in whose forward the rank kills itself
+JOB_TIMEOUT = 300
+# layout name -> (processes, torchtitan's parallelism flags)
+LAYOUTS = {
+    "ddp": (2, ["--parallelism.data_parallel_replicate_degree", "2"]),
+    "hsdp": (4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]),
+    "tp_dp": (4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+                  "--parallelism.tensor_parallel_degree", "2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.titan.assets import make_assets
+
+    directory = tmp_path_factory.mktemp("titan-assets")
+    make_assets(directory)
+    return directory
+
+
+def _run(work: Path, assets: Path, launcher: str, layout: str, config: str = "titan_debug_cpu",
+         kill: str | None = None) -> tuple[int, str, dict]:
+    """Train the layout; returns (exit code, log, {"finals": {rank: digest}, "steps": {rank: [(step, pid)]}})."""
+    work.mkdir()
+    nproc, flags = LAYOUTS[layout]
+    args = ["--standalone", "--nproc-per-node", str(nproc)]
+    titan = ["-m", "torchtitan.train", "--module", "tests.titan.config", "--config", config, *flags]
+    if launcher == "torchrun":
+        cmd = torchrun_cmd(*args, *titan)
+    else:
+        cmd = tmrun_cmd(*args, "--standby", "1", "--console", "plain", *titan)
+    env = {"TITAN_TEST_ASSETS": str(assets), "TITAN_TEST_OUT": str(work), "TMRUN_STATE_DIR": str(work / "state"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    if kill:
+        env["TITAN_TEST_KILL"] = kill
+    code, log = run_job(cmd, work / "log", env, JOB_TIMEOUT)
+    finals = {r: (work / f"final-{r}").read_text().strip() for r in range(nproc) if (work / f"final-{r}").exists()}
+    steps = {r: [tuple(map(int, line.split())) for line in (work / f"steps-{r}").read_text().splitlines()]
+             for r in range(nproc) if (work / f"steps-{r}").exists()}
+    return code, log, {"finals": finals, "steps": steps}
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory, assets: Path) -> Callable[[str], dict]:
+    """The layout under plain torchrun, no failure (run once per layout): every step ran once,
+    the replicas of each shard end equal."""
+    done: dict[str, dict] = {}
+
+    def reference(layout: str) -> dict:
+        if layout not in done:
+            code, log, got = _run(tmp_path_factory.mktemp(f"titan-{layout}") / "torchrun", assets, "torchrun", layout)
+            assert code == 0, log
+            nproc = LAYOUTS[layout][0]
+            assert len(got["finals"]) == nproc, got
+            assert all([s for s, _ in got["steps"][r]] == list(range(1, STEPS + 1)) for r in range(nproc)), got["steps"]
+            done[layout] = got
+        return done[layout]
+
+    return reference
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(references: Callable[[str], dict]) -> dict:
+    got = references("ddp")
+    assert len(set(got["finals"].values())) == 1, got  # every parameter is replicated
+    return got
+
+
+def test_the_integration_trains_as_torchtitans_own_trainer(tmp_path: Path, assets: Path, ddp_reference: dict) -> None:
+    """torchtitan's own Trainer (no tmrun: gloo, the shim's SUM reductions) under torchrun ends
+    with the integration's bits: tmrun.init(), the tracking and tm.steps change no number."""
+    code, log, got = _run(tmp_path / "plain", assets, "torchrun", "ddp", config="titan_debug_cpu_plain")
+    assert code == 0, log
+    assert got["finals"] == ddp_reference["finals"], log
+
+
+def _check_in_place(code: int, log: str, got: dict, reference: dict, killed: int) -> None:
+    assert code == 0, log
+    assert got["finals"] == reference["finals"], "a rank's final state differs from torchrun's\n" + log
+    assert "in-place replacement" in log and "replicas agree" in log, log
+    assert "group restart" not in log.split("recovery totals")[0], log
+    assert "Traceback" not in log, log
+    for rank, steps in got["steps"].items():
+        assert sorted({s for s, _ in steps}) == list(range(1, STEPS + 1)), (rank, steps)
+        assert len(steps) - len({s for s, _ in steps}) <= 1, f"rank {rank} redid more than one step: {steps}"
+        if rank != killed:
+            assert len({pid for _, pid in steps}) == 1, f"survivor rank {rank} changed process: {steps}"
+    assert len({pid for _, pid in got["steps"][killed]}) == 2, f"rank {killed} should have been played by two processes"
+
+
+@pytest.mark.parametrize("killed, step", [(1, KILL_STEP), (0, 6)], ids=["rank1-step4", "rank0-step6"])
+def test_ddp_layout_rank_killed_mid_step_is_replaced_in_place(tmp_path: Path, assets: Path, ddp_reference: dict,
+                                                              killed: int, step: int) -> None:
+    """``dp_replicate`` 2 (FSDP2 over a 2 x 1 mesh, every parameter replicated): a rank SIGKILLed
+    in the forward of the middle layer of a step (rank 1 in step 4; rank 0, which logs the
+    metrics, in step 6); the standby takes its place and is healed from the other rank's
+    memory; the result is torchrun's, bit for bit."""
+    code, log, got = _run(tmp_path / "tmrun", assets, "tmrun", "ddp", kill=f"{killed}:{step}")
+    _check_in_place(code, log, got, ddp_reference, killed=killed)
+
+
+def test_hsdp_layout_rank_killed_mid_step_is_replaced_in_place(tmp_path: Path, assets: Path,
+                                                               references: Callable[[str], dict]) -> None:
+    """HSDP 2 x 2 (``dp_replicate`` 2, ``dp_shard`` 2: ranks 0, 1 and 2, 3 shard the model, 0 and 2,
+    1 and 3 replicate the shards): rank 1 SIGKILLed mid-forward in step 4; its standby is healed
+    from rank 3's shards; the result is torchrun's, bit for bit. (torchtitan's chunked loss
+    switches lm_head's FSDP2 unit to reshard after forward after its first step: the integration
+    sets that from the start, or the joiner's first step would all-gather once less than the
+    survivors' redone one.)"""
+    reference = references("hsdp")
+    assert reference["finals"][0] == reference["finals"][2] and reference["finals"][1] == reference["finals"][3]
+    code, log, got = _run(tmp_path / "tmrun", assets, "tmrun", "hsdp", kill=f"1:{KILL_STEP}")
+    _check_in_place(code, log, got, reference, killed=1)
+
+
+def test_tp_dp_layout_rank_killed_mid_step_is_replaced_in_place(tmp_path: Path, assets: Path,
+                                                                references: Callable[[str], dict]) -> None:
+    """Tensor parallel 2 x ``dp_replicate`` 2 (ranks 0, 1 and 2, 3 are TP pairs; 0 and 2, 1 and 3
+    replicate): rank 1 SIGKILLed mid-forward in step 4; rank 2, which shares no group with rank 1,
+    may be inside an FSDP all-reduce with rank 0 when rank 0 starts its recovery (it shares four
+    groups with rank 0: the recovery commits them at once, or rank 0 waited in one for rank 2
+    stuck in another); the result is torchrun's, bit for bit."""
+    reference = references("tp_dp")
+    assert reference["finals"][0] == reference["finals"][2] and reference["finals"][1] == reference["finals"][3]
+    code, log, got = _run(tmp_path / "tmrun", assets, "tmrun", "tp_dp", kill=f"1:{KILL_STEP}")
+    _check_in_place(code, log, got, reference, killed=1)

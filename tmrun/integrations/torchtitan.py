@@ -1,0 +1,269 @@
+"""torchtitan on the tmrun worker API, through torchtitan's own ``--module`` extension point.
+
+A torchtitan user enables in-place replacement without editing torchtitan::
+
+    tmrun --standalone --nproc-per-node 2 --standby 1 -m torchtitan.train \\
+        --module tmrun.integrations.torchtitan --config llama3_debugmodel --debug.seed 42 ...
+
+``--config NAME`` is any config function of torchtitan's model registries
+(``torchtitan.models.<model>.config_registry``, e.g. ``llama3_debugmodel``); this module returns
+it as a :class:`TmrunTrainer` config. A config module of one's own converts its config with
+:func:`tmrun_config` (or subclasses :class:`TmrunTrainer`). Needs ``pip install tmrun[torchtitan]``
+(torchtitan 0.3.0). Under plain torchrun the same trainer trains as torchtitan's own does.
+
+What :class:`TmrunTrainer` changes in torchtitan's ``Trainer``:
+
+* ``tmrun.init()`` runs first, in ``init_distributed``, before the trainer builds anything (a
+  standby of such a job, which builds a device mesh, waits there until it is given a rank). The
+  default group is then tmrun's; torchtitan's own initialisation sees it and keeps it.
+* Tracked for a joiner (``tm.track``): every model part, every optimizer of the
+  ``OptimizersContainer`` (``container.optimizers[i]``: the container's own ``.state`` is empty;
+  each is guarded, so an aborted step's optimizer step is skipped), the LR schedulers. Per rank
+  (``tm.track_per_rank``): the data loader (its state is keyed by data-parallel rank) and the
+  trainer's counters (``step``, ``ntokens_seen``). A redone step, or a joiner, restarts the
+  batch iterator from the loader's restored position.
+* The loop is ``tm.steps(training.steps, start=<the step torchtitan resumed at>)``: torchtitan's
+  1-based ``self.step`` is the yielded index + 1. A standby or joiner does not load torchtitan's
+  checkpoint (it is healed from the ranks).
+* Checkpoint saving, validation and metrics logging are skipped in an aborted step
+  (``tm.aborted``) and in a standby's shadow steps (``tm.is_shadow``).
+* A joiner does not initialise its parameters (zeros; it is healed from the replicas): torchtitan's
+  initialisation of sharded parameters runs collectives the survivors never join.
+* ``lm_head``'s FSDP2 unit reshards after forward from the first step on (torchtitan's chunked
+  loss switches it so after its first call): a joiner's first step issues the collectives of
+  the survivors' later steps.
+* ``--debug.seed`` is required in an in-place job: without it torchtitan broadcasts a seed from
+  rank 0 while the model is built, a collective a joiner cannot take part in.
+* torchtitan's barrier that shortens the groups' timeouts after a process's first step is not
+  run: a joiner's first step is not the survivors' first step, so it would be a collective only
+  the joiner calls. tmrun's own link timeout (``TMRUN_COMM_TIMEOUT``) applies.
+
+Not covered yet: pipeline parallelism, ``torch.compile``, CUDA graphs (untested on tmrun).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, Callable
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import record
+from torchtitan.components.dataloader import DataloaderExhaustedError
+from torchtitan.distributed import ParallelDims
+from torchtitan.observability import structured_logger as sl
+from torchtitan.tools.logging import logger
+from torchtitan.trainer import Trainer
+
+import tmrun
+
+__all__ = ["TmrunTrainer", "tmrun_config"]
+
+
+class _LoaderPosition:
+    """A data loader's position as tmrun tracks it per rank: restoring it (a redone step, a
+    joiner's heal) marks the batch iterator stale, so the loop starts a new one from there."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.restored = True  # no iterator yet
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state)
+        self.restored = True
+
+
+class _Counters:
+    """The trainer's own counters (``step``, ``ntokens_seen``), tracked per rank."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.trainer.step, "ntokens_seen": self.trainer.ntokens_seen}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.trainer.step, self.trainer.ntokens_seen = state["step"], state["ntokens_seen"]
+
+
+class TmrunTrainer(Trainer):
+    """torchtitan's ``Trainer`` driven by tmrun's worker API (see the module docstring)."""
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        pass
+
+    tm: Any  # tmrun's runtime (tmrun.init())
+
+    @record
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self._settle_lm_head_resharding()
+
+    def _settle_lm_head_resharding(self) -> None:
+        """torchtitan shards ``[norm, lm_head]`` as one FSDP2 unit that does not reshard after
+        forward, and its ``ChunkedLossWrapper`` sets ``lm_head`` to reshard after forward at the
+        end of its first call, for good: from the second step on each forward all-gathers that
+        unit once more. A joiner's first step would then issue one all-gather less than the
+        survivors' (the job stops on "ranks called different collectives"). Every rank sets it
+        now, as the loss leaves it: all steps then run the same collectives (one all-gather more
+        in the first step; the numbers do not change)."""
+        from torch.distributed.fsdp import FSDPModule
+        from torchtitan.components.loss import ChunkedLossWrapper
+
+        lm_head = getattr(self.loss_fn, "lm_head", None)
+        if isinstance(self.loss_fn, ChunkedLossWrapper) and isinstance(lm_head, FSDPModule):
+            lm_head.set_reshard_after_forward(True)
+
+    def init_distributed(self) -> ParallelDims:
+        self.tm = tmrun.init()  # a standby of a job with a device mesh waits here for its rank
+        if self.tm.in_place and self.config.debug.seed is None:
+            raise ValueError("tmrun with --standby needs --debug.seed: without it torchtitan broadcasts a seed "
+                             "from rank 0 while it builds the model, a collective a joiner cannot take part in")
+        # torchtitan's init_distributed skips its setup when a group exists; keep what it does besides
+        torch.autograd.set_multithreading_enabled(False)
+        parallel_dims = super().init_distributed()
+        if self._is_healed():
+            self._skip_parameter_init()
+        return parallel_dims
+
+    def _skip_parameter_init(self) -> None:
+        """A joiner's parameters come from the replicas, and initialising them can run collectives
+        (``trunc_normal_`` on a sharded DTensor gathers it), which the survivors, busy recovering,
+        never join: the joiner's model parts get zeros instead (buffers are initialised as usual,
+        locally; both are then healed)."""
+        spec = self.config.model_spec
+        assert spec is not None
+        parallelize = spec.parallelize_fn
+
+        def parallelize_without_init(model: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
+            model = parallelize(model, *args, **kwargs)
+            _zero_parameters_at_init(model)
+            return model
+
+        spec.parallelize_fn = parallelize_without_init
+        logger.info(f"tmrun: joining as rank {self.tm.rank}: parameters are not initialised, the replicas heal them")
+
+    # -- what steps and logging skip ----------------------------------------------------------
+
+    @property
+    def _quiet(self) -> bool:
+        """True where a step's side effects must not happen: an aborted step (it will be redone,
+        its values are void) or a standby's shadow step."""
+        return bool(self.tm.aborted or self.tm.is_shadow)
+
+    def _is_healed(self) -> bool:
+        """A standby (sandbox) or a promoted standby that still has to be healed."""
+        return bool(self.tm.is_standby or getattr(self.tm.role, "value", None) == "joining")
+
+    def _guard_metrics(self) -> None:
+        log = self.metrics_processor.log
+
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            if self._quiet:
+                return None
+            return log(*args, **kwargs)
+
+        self.metrics_processor.log = guarded  # type: ignore[method-assign]
+
+    def train_step(self, data_iterator: Any) -> None:
+        try:
+            super().train_step(data_iterator)
+        except RuntimeError as error:  # an aborted step's loss all-reduce is void, its check too
+            if not (self.tm.aborted and "Loss is not finite" in str(error)):
+                raise
+
+    # -- tracking and the loop ------------------------------------------------------------------
+
+    def _track(self) -> _LoaderPosition:
+        tm = self.tm
+        tm.track(**{f"model_part_{i}": part for i, part in enumerate(self.model_parts)})
+        tm.track(**{f"optimizer_{i}": opt for i, opt in enumerate(self.optimizers.optimizers)})
+        tm.track(lr_schedulers=self.lr_schedulers)
+        position = _LoaderPosition(self.dataloader)
+        tm.track_per_rank(dataloader=position, train_state=_Counters(self))
+        return position
+
+    @record
+    def train(self) -> None:
+        tm, config = self.tm, self.config
+        sl.log_trace_instant("training_start")
+        if not self._is_healed():
+            self.checkpointer.load(step=config.checkpoint.load_step)
+        loaded_step = self.step  # 0, or the step torchtitan's checkpoint resumed at
+        position = self._track()
+        self._guard_metrics()
+        logger.info(f"Training starts at step {self.step + 1} (tmrun: in place {tm.in_place})")
+
+        with config.profiler.build(global_step=self.step, base_folder=config.dump_folder) as profiler:
+            data_iterator = None
+            for index in tm.steps(config.training.steps, start=loaded_step):
+                if data_iterator is None or position.restored:
+                    data_iterator = self.batch_generator(self.dataloader)
+                    position.restored = False
+                self.step = index + 1
+                sl.set_step(self.step, relative_step=self.step - loaded_step)
+                with sl.log_trace_span("step"):
+                    self.gc_handler.run(self.step)
+                    try:
+                        self.train_step(data_iterator)
+                    except DataloaderExhaustedError:
+                        logger.warning("Ran out of data; last step was canceled.")
+                        break
+                    if not self._quiet:
+                        self.checkpointer.save(self.step, last_step=(self.step == config.training.steps))
+                    if (not self._quiet and config.validator.enable
+                            and self.validator.should_validate(self.step)):
+                        self.validator.validate(self.model_parts, self.step)
+                    profiler.step()
+        logger.info("Training completed")
+
+
+def _zero_parameters_at_init(model: torch.nn.Module) -> None:
+    """Make ``model``'s torchtitan modules initialise their buffers only; parameters become zeros
+    (local shards, no collective)."""
+    from torchtitan.protocols.module import Module
+
+    def zeros(module: torch.nn.Module) -> Callable[[], None]:
+        def init() -> None:
+            with torch.no_grad():
+                for param in module.parameters(recurse=False):
+                    (param.to_local() if hasattr(param, "to_local") else param).zero_()
+        return init
+
+    for module in model.modules():
+        if isinstance(module, Module):
+            module._init_self_parameters = zeros(module)  # type: ignore[method-assign]
+
+
+def tmrun_config(config: Trainer.Config, trainer: type[TmrunTrainer] = TmrunTrainer) -> TmrunTrainer.Config:
+    """``config`` (a torchtitan ``Trainer.Config``) as the config of ``trainer``, field by field."""
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+    return trainer.Config(**values)
+
+
+def _registry_function(name: str) -> Callable[[], TmrunTrainer.Config]:
+    """The config function ``name`` of torchtitan's model registries, converted."""
+    from torchtitan.models import _supported_models
+
+    # the model whose name starts the config's first (llama3_debugmodel: llama3), then the others
+    for model in sorted(_supported_models, key=lambda m: (not name.startswith(m), m)):
+        try:
+            registry = importlib.import_module(f"torchtitan.models.{model}.config_registry")
+        except ImportError:
+            continue
+        function = getattr(registry, name, None)
+        if callable(function):
+            return lambda: tmrun_config(function())
+    raise AttributeError(name)
+
+
+def __getattr__(name: str) -> Any:
+    """``--config NAME``: torchtitan's ``ConfigManager`` looks the config function up here."""
+    if name.startswith("_") or not name[:1].islower():
+        raise AttributeError(name)
+    return _registry_function(name)
+
