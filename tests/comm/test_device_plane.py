@@ -225,6 +225,10 @@ def test_the_nccl_plane_builds_the_class_torch_chooses_for_nccl() -> None:
 
     from tmrun.comm import device_plane as plane
 
+    if getattr(dist, "ProcessGroupNCCL", None) is None:
+        with pytest.raises(plane.DevicePlaneError, match="this torch has none"):  # a CPU-only build
+            plane.nccl_backend_class({})
+        return
     nccl2 = getattr(dist.distributed_c10d, "ProcessGroupNCCL2", None)
     assert plane.nccl_backend_class({}) is dist.ProcessGroupNCCL
     if nccl2 is not None:
