@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,6 +30,9 @@ LAYOUTS = {
     "hsdp": (4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]),
     "tp_dp": (4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
                   "--parallelism.tensor_parallel_degree", "2"]),
+    # pure FSDP (one holder per shard), torchtitan's DCP checkpoint every 2 steps
+    "fsdp": (2, ["--parallelism.data_parallel_shard_degree", "2", "--checkpoint.enable", "--checkpoint.interval", "2",
+                 "--checkpoint.folder", "ckpt"]),
 }
 
 
@@ -148,3 +152,24 @@ def test_tp_dp_layout_rank_killed_mid_step_is_replaced_in_place(tmp_path: Path, 
     assert reference["finals"][0] == reference["finals"][2] and reference["finals"][1] == reference["finals"][3]
     code, log, got = _run(tmp_path / "tmrun", assets, "tmrun", "tp_dp", kill=f"1:{KILL_STEP}")
     _check_in_place(code, log, got, reference, killed=1)
+
+
+def test_pure_fsdp_falls_back_to_torchtitans_own_checkpoint(tmp_path: Path, assets: Path,
+                                                            references: Callable[[str], dict]) -> None:
+    """Pure FSDP (``dp_shard`` 2: each shard has one holder) with torchtitan's DCP checkpoint every 2
+    steps: rank 1 SIGKILLed mid-forward in step 4 leaves a shard no live replica holds. Every
+    member says so in one line (docs/mesh.md), the job falls back to its group restart at once, the restarted
+    trainer resumes from torchtitan's own checkpoint (the standby never loads it) and ends with
+    torchrun's bits."""
+    reference = references("fsdp")
+    code, log, got = _run(tmp_path / "tmrun", assets, "tmrun", "fsdp", kill=f"1:{KILL_STEP}")
+    assert code == 0, log
+    # a 1-D mesh makes no subgroups: the standby built its shard in its sandbox as rank 0's, and
+    # every member refuses it in one line (had it waited for its rank, no replica would hold it)
+    assert re.search(r"rank 0: rank 1 (joined with sharded state built in a standby's sandbox|"
+                     r"no live replica holds the shard of rank 1).*falling back to the group restart", log), log
+    assert "falling back to restarting the worker group" in log, log
+    assert got["finals"] == reference["finals"], "the resumed job's final state differs from torchrun's\n" + log
+    resumed = [s for s, _ in got["steps"][0]]
+    assert resumed.count(KILL_STEP - 1) <= 2 and max(resumed) == STEPS, resumed  # resumed after step 2, not from 0
+    assert resumed.count(1) == 1, f"the restart began again from step 1: {resumed}"
