@@ -473,3 +473,59 @@ def test_an_fsdp2_layout_tmrun_does_not_know_fails_loudly_when_tracked(fsdp_mesh
         vars(fsdp_param).pop("unsharded_accumulated_grad", None)
     with pytest.raises(FsdpLayoutError, match=r"torch 2\.13 to 2\.15"):
         StepInterrupter(doomed=lambda: False).install_sharded(model)
+
+
+class _Scale(torch.autograd.Function):
+    """A custom autograd function with its own backward (as losses and kernels define them)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 3
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 3
+
+
+@pytest.mark.parametrize("doomed_before", [True, False])
+def test_a_custom_autograd_function_survives_a_doomed_step(job: Job, doomed_before: bool) -> None:
+    """A custom Function between the model and the loss: the stopped (or skipped) backward
+    returns, the input leaf of the Function gets its zero gradient, the next clean step is whole."""
+    x = torch.ones(2, 4, requires_grad=True)
+    job.forwards = job.grads = 0
+    if doomed_before:
+        job.doomed = True
+    else:
+        job.doom_at_grad = 2
+    _Scale.apply(job.model(x)).sum().backward()  # returns
+    # doomed in backward: the leaf the graph reaches gets zeros (doomed before the forward, the
+    # model's forward was skipped: its placeholder is not connected to x)
+    assert doomed_before or x.grad is not None
+    job.doomed, job.doom_at_grad = False, -1
+    for param in job.model.module.parameters():
+        param.grad = None
+    _Scale.apply(job.model(x)).sum().backward()
+    assert all(p.grad is not None for p in job.model.module.parameters())
+
+
+@pytest.mark.e2e  # compiles with inductor: tens of seconds on 2 cores
+def test_a_compiled_module_survives_a_doomed_step(job: Job) -> None:
+    """The script compiled its module (``torch.compile``, inductor on the CPU): a doomed step's
+    forward and backward are skipped at their entry, an evaluation forward in it gives its true
+    value, and the next clean step computes every gradient."""
+    job.model.module = torch.compile(job.model.module)
+    x = torch.full((2, 4), 0.5)
+    job.model(x).sum().backward()  # compiles
+    with torch.no_grad():
+        expected = job.model.module(x)
+    job.doomed = True
+    out = job.model(x)
+    out.sum().backward()
+    assert job.interrupter.counts.forwards_skipped >= 1 and job.interrupter.counts.backwards_skipped >= 1
+    with torch.no_grad():
+        assert torch.equal(job.model(x), expected)
+    job.doomed = False
+    for param in job.model.module.parameters():
+        param.grad = None
+    job.model(x).sum().backward()
+    assert all(p.grad is not None for p in job.model.module.parameters())
