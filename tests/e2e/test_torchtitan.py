@@ -127,6 +127,42 @@ def test_ddp_layout_rank_killed_mid_step_is_replaced_in_place(tmp_path: Path, as
     _check_in_place(code, log, got, ddp_reference, killed=killed)
 
 
+@pytest.mark.parametrize("seed", [21])
+def test_ddp_layout_rank_killed_at_a_random_moment_is_replaced_in_place(tmp_path: Path, assets: Path,
+                                                                       ddp_reference: dict, seed: int) -> None:
+    """Rank 1 SIGKILLed from outside at a random moment of a step (after its third step): not at a
+    fixed point of torchtitan's step (forward, the chunked loss's backward, the optimizer step,
+    its metrics all-reduce after the optimizer step can all be hit)."""
+    import random
+    import signal
+    import threading
+    import time
+
+    from tests.helpers import wait_until
+
+    delay = random.Random(seed).uniform(0.0, 1.0)
+    work = tmp_path / "tmrun"
+    killed: list[int] = []
+
+    def kill_rank_1() -> None:
+        path = work / "steps-1"
+        if wait_until(lambda: path.exists() and len(path.read_text().splitlines()) >= 3, 200):
+            time.sleep(delay)
+            pid = int(path.read_text().split()[1])
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except ProcessLookupError:
+                pass
+
+    killer = threading.Thread(target=kill_rank_1, daemon=True)
+    killer.start()
+    code, log, got = _run(work, assets, "tmrun", "ddp")
+    killer.join(timeout=10)
+    assert killed, log
+    _check_in_place(code, log, got, ddp_reference, killed=1)
+
+
 def test_hsdp_layout_rank_killed_mid_step_is_replaced_in_place(tmp_path: Path, assets: Path,
                                                                references: Callable[[str], dict]) -> None:
     """HSDP 2 x 2 (``dp_replicate`` 2, ``dp_shard`` 2: ranks 0, 1 and 2, 3 shard the model, 0 and 2,
