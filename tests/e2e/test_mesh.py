@@ -135,7 +135,9 @@ def test_hsdp_rank_killed_at_a_random_moment_is_always_healed_in_place(tmp_path:
 
     pick = random.Random(seed)
     work = tmp_path / f"seed{seed}"
-    delay = pick.uniform(0.0, 0.4)
+    # steps of about 0.2 s here (0.1 s of it a sleep after the optimizer step): the kill lands
+    # within steps 2 to 6 of 12, in compute or a collective about half the time
+    delay = pick.uniform(0.0, 0.8)
 
     def kill_rank_3() -> None:
         path = work / "steps-3"
@@ -149,7 +151,7 @@ def test_hsdp_rank_killed_at_a_random_moment_is_always_healed_in_place(tmp_path:
 
     killer = threading.Thread(target=kill_rank_3, daemon=True)
     killer.start()
-    log = _tmrun(work, "--standby", "1", script=[*SCRIPT[:2], "8", *SCRIPT[3:]])
+    log = _tmrun(work, "--standby", "1", script=[*SCRIPT[:2], str(RANDOM_STEPS), *SCRIPT[3:], "--step-time", "0.1"])
     killer.join(timeout=10)
     assert "falling back" not in log and "no live replica" not in log, log[-6000:]
     assert "in-place replacement, generation 1: rank 3" in log, log[-6000:]
@@ -157,18 +159,19 @@ def test_hsdp_rank_killed_at_a_random_moment_is_always_healed_in_place(tmp_path:
 
 
 def _long_reference(tmp_path: Path) -> list[str]:
-    """The 8-step run under torchrun (shared by the random-moment tests of one session)."""
+    """The RANDOM_STEPS-step run under torchrun (shared by the random-moment tests of one session)."""
     if not _LONG_REFERENCE:
-        work = tmp_path.parent / "torchrun-8-steps"
+        work = tmp_path.parent / f"torchrun-{RANDOM_STEPS}-steps"
         if not work.exists():
             work.mkdir()
-            _run(torchrun_cmd("--standalone", "--nproc-per-node", "4", *SCRIPT[:2], "8", *SCRIPT[3:],
+            _run(torchrun_cmd("--standalone", "--nproc-per-node", "4", *SCRIPT[:2], str(RANDOM_STEPS), *SCRIPT[3:],
                               "--final", str(work / "final-{rank}")), work / "torchrun.log")
         _LONG_REFERENCE.extend(_finals(work))
     return _LONG_REFERENCE
 
 
 _LONG_REFERENCE: list[str] = []
+RANDOM_STEPS = 12
 
 
 def test_hsdp_two_failures_one_after_the_other(tmp_path: Path, reference: list[str]) -> None:
