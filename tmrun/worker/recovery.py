@@ -115,9 +115,15 @@ class Recovery:
     def _report(self, lost: int, detail: str) -> None:
         ctx = self._ctx
         store = ctx.require_store()
-        seq = store.add(keys.REPORT_SEQ, 1) - 1
         message = proto.WorkerReport(reporter=ctx.rank, lost=max(lost, -1), gen=ctx.gen, detail=detail[:300])
-        store.set(keys.report(seq), message.encode())
+        try:
+            seq = store.add(keys.REPORT_SEQ, 1) - 1
+            store.set(keys.report(seq), message.encode())
+        except dist.DistError:
+            # the store's host is gone (the lost peer was on it): nobody is left to read the report;
+            # the agent says so in its one line, and this rank's wait for a plan ends the same way
+            # (a failure handler that raised here printed a traceback through the backend)
+            pass
 
     # -- the controller's plans -----------------------------------------------------------------
 
