@@ -60,7 +60,6 @@ import random
 import re
 import shutil
 import signal
-import statistics
 import sys
 import tempfile
 import time
@@ -84,6 +83,7 @@ from inplace_failover import (  # noqa: E402
     steady_step,
 )
 from random_kill import PHASES, KillMetrics, kill_metrics, last_line, read_events, recovered_phases  # noqa: E402
+from hsdp_failover import digests_agree, distinct, read_final, spread  # noqa: E402  (the same summaries)
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_MODULE = "tests.titan.bench_config"
@@ -153,28 +153,6 @@ def kill_plan(seed: int, runs: int, steps: int, checkpoint_every: int) -> list[t
     rng = random.Random(seed)
     low, high = kill_range(steps, checkpoint_every)
     return [(rng.randint(low, high), rng.random()) for _ in range(runs)]
-
-
-def spread(values: list[float], fmt: str = "{:.2f}") -> str:
-    """min / median / max of the finite values; "-" when there are none."""
-    finite = [v for v in values if not math.isnan(v)]
-    if not finite:
-        return "-"
-    return " / ".join(fmt.format(v) for v in (min(finite), statistics.median(finite), max(finite)))
-
-
-def distinct(values: list[int]) -> str:
-    """The distinct non-negative values, sorted ("-" when none): steps recomputed per run."""
-    seen = sorted({v for v in values if v >= 0})
-    return ", ".join(str(v) for v in seen) if seen else "-"
-
-
-def digests_agree(finals: list[list[str]]) -> bool | None:
-    """Every run's per-rank final digests equal (None: fewer than 2 complete runs to compare)."""
-    complete = [f for f in finals if f and all(f)]
-    if len(complete) < 2:
-        return None
-    return all(f == complete[0] for f in complete[1:])
 
 
 # -- one run --------------------------------------------------------------------------------------
@@ -351,13 +329,6 @@ def one_run(args: argparse.Namespace, launcher: str, index: int, plan: tuple[int
     run.ok = not problems and not run.notes and run.metrics is not None
     run.notes = problems + run.notes
     return run
-
-
-def read_final(path: Path) -> str:
-    try:
-        return path.read_text().strip()
-    except OSError:
-        return ""
 
 
 # -- report ---------------------------------------------------------------------------------------
