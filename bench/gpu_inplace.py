@@ -60,8 +60,11 @@ def run_job(work: Path, name: str, args: argparse.Namespace, tmrun_args: list[st
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--kill-step", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--kill-step", type=int, default=14)
+    parser.add_argument("--step-time", type=float, default=1.0,
+                        help="extra seconds a step: the failure and the migration land after the standby is warm "
+                             "(some 15 s after the start on a GPU)")
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--timeout", type=float, default=300)
@@ -81,17 +84,26 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="tmrun-gpu-") as tmp:
         work = Path(args.keep or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        runs = [run_job(work, "reference", args, [], [])]
-        runs.append(run_job(work, "failure", args, ["--inject-failure", f"rank=1,step={kill},at=backward"], []))
-        runs.append(run_job(work, "migration", args, [], ["--migrate-at", kill]))
-        runs.append(run_job(work, "migration-socket", args, ["--handover", "socket"], ["--migrate-at", kill]))
+        slow = ["--step-time", str(args.step_time)]
+        runs = [run_job(work, "reference", args, [], slow)]
+        runs.append(run_job(work, "failure", args, ["--inject-failure", f"rank=1,step={kill},at=backward"], slow))
+        runs.append(run_job(work, "migration", args, [], [*slow, "--migrate-at", kill]))
+        runs.append(run_job(work, "migration-socket", args, ["--handover", "socket"], [*slow, "--migrate-at", kill]))
+        logs = {r["name"]: Path(r["log_path"]).read_text(errors="replace") for r in runs}
     reference = runs[0]["final"]
     ok = bool(reference) and all(r["exit"] == 0 and r["replicas_equal"] and r["final"] == reference for r in runs)
+    # the event took place: replaced in place (not a group restart), migrated (not refused)
+    runs[1]["in_place"] = bool(re.search(r"recoveries: [1-9]", runs[1]["report"])) and "group restart" not in logs["failure"]
+    for r in runs[2:]:
+        r["migrated"] = bool(re.search(r"handed \d+ bytes to the joiner", logs[r["name"]]))
+    ok &= runs[1]["in_place"] and all(r["migrated"] for r in runs[2:])
     for r in runs:
         same = ("missing" if not r["final"] else
                 "bitwise equal to the reference" if r["final"] == reference else "DIFFERS from the reference")
         replicas = "ranks 0 and 1 hold the same bits" if r["replicas_equal"] else "RANKS 0 AND 1 DIFFER"
-        print(f"\n== {r['name']}: exit {r['exit']} in {r['seconds']} s; {replicas}; final state {same}\n"
+        event = ("" if r["name"] == "reference" else "; replaced in place" if r.get("in_place") else
+                 "; migrated" if r.get("migrated") else "; THE EVENT DID NOT HAPPEN AS ASKED (restart or refused)")
+        print(f"\n== {r['name']}: exit {r['exit']} in {r['seconds']} s; {replicas}; final state {same}{event}\n"
               f"   {r['report']}")
         for line in r["log"]:
             print(f"   {line[:220]}")

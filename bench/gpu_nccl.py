@@ -176,7 +176,7 @@ def step_median(path: Path, skip: int = 5) -> float:
 
 def ddp_step_times(work: Path, args: argparse.Namespace, env: dict) -> dict:
     common = [str(ROOT / "examples" / "train_inplace.py"), "--device", "cuda", "--steps", str(args.steps),
-              "--width", str(args.width), "--depth", str(args.depth)]
+              "--width", str(args.width), "--depth", str(args.depth), "--deterministic"]
     result = {}
     for name, launcher, extra_env in (
         ("tmrun", [sys.executable, "-m", "tmrun.cli.main", "--standalone", "--nproc-per-node", str(args.ranks),
@@ -186,14 +186,20 @@ def ddp_step_times(work: Path, args: argparse.Namespace, env: dict) -> dict:
     ):
         out = work / f"ddp-{name}"
         out.mkdir()
-        cmd = [*launcher, *common, "--step-log", str(out / "steps-{rank}.log")]
+        cmd = [*launcher, *common, "--step-log", str(out / "steps-{rank}.log"), "--final", str(out / "final-{rank}")]
         with open(out / "log", "wb") as log:
             code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**env, **extra_env,
                                   "TMRUN_STATE_DIR": str(out / "state")}, timeout=args.timeout,
                                   start_new_session=True, check=False).returncode
-        result[name] = {"exit": code, "median_step_s": round(step_median(out / "steps-0.log"), 5)}
+        finals = [(out / f"final-{r}").read_text().strip() if (out / f"final-{r}").exists() else ""
+                  for r in range(args.ranks)]
+        result[name] = {"exit": code, "median_step_s": round(step_median(out / "steps-0.log"), 5),
+                        "final": finals[0], "replicas_equal": bool(finals[0]) and len(set(finals)) == 1}
     t, r = result["tmrun"]["median_step_s"], result["torchrun"]["median_step_s"]
     result["tmrun_over_torchrun"] = round(t / r, 4) if r == r and r else None
+    # the same training on torch's own NCCL group: the same bits (the plane changes no value)
+    result["bitwise_equal_to_torchrun"] = (bool(result["tmrun"]["final"]) and result["tmrun"]["replicas_equal"]
+                                           and result["tmrun"]["final"] == result["torchrun"]["final"])
     return result
 
 
@@ -201,7 +207,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--kill-step", type=int, default=12)
+    parser.add_argument("--kill-step", type=int, default=14)
+    parser.add_argument("--job-steps", type=int, default=24, help="steps of the failure and migration runs (d), (e)")
+    parser.add_argument("--job-step-time", type=float, default=1.0,
+                        help="extra seconds a step in (d), (e): the event lands after the standby is warm")
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--timeout", type=float, default=300)
@@ -233,8 +242,8 @@ def main() -> int:
 
     gpus = torch.cuda.device_count()
     shared = args.ranks > gpus
-    env = {**os.environ, **({"TMRUN_NCCL_SHARED_GPU": "1", "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"}
-                            if shared else {})}
+    env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8",  # --deterministic on CUDA
+           **({"TMRUN_NCCL_SHARED_GPU": "1", "NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"} if shared else {})}
     if args.ranks + 1 > gpus:  # the standby of (b), (d), (e) has no spare GPU: it shares one
         env["TMRUN_STANDBY_SHARE_GPU"] = "1"
     os.environ.update(env)
@@ -263,16 +272,23 @@ def main() -> int:
         report["ddp"] = ddp_step_times(work, args, env)
         print(f"(b) DDP median step: {report['ddp']}", flush=True)
         ok &= report["ddp"]["tmrun"]["exit"] == 0 and report["ddp"]["torchrun"]["exit"] == 0
+        ok &= report["ddp"]["bitwise_equal_to_torchrun"]
         kill = str(args.kill_step)
-        runs = [run_job(work, "reference", args, [], []),
-                run_job(work, "failure", args, ["--inject-failure", f"rank=1,step={kill},at=backward"], []),
-                run_job(work, "migration", args, [], ["--migrate-at", kill])]
+        # a standby on a GPU is warm some 15 s after the start (CUDA, the model, its shadow steps):
+        # slower steps let the failure and the migration find it warm
+        jobs = argparse.Namespace(**{**vars(args), "steps": args.job_steps})
+        slow = ["--step-time", str(args.job_step_time), "--deterministic"]
+        runs = [run_job(work, "reference", jobs, [], slow),
+                run_job(work, "failure", jobs, ["--inject-failure", f"rank=1,step={kill},at=backward"], slow),
+                run_job(work, "migration", jobs, [], [*slow, "--migrate-at", kill])]
         logs = {r["name"]: Path(r["log_path"]).read_text(errors="replace") for r in runs}
     reference = runs[0]["final"]
     for r in runs:
         r["bitwise_equal"] = bool(reference) and r["final"] == reference and r["replicas_equal"]
         r["recovery_lines"] = re.findall(r"[^\n]*(?:ranks recovered|downtime|device plane)[^\n]*", logs[r["name"]])[-8:]
         ok &= r["exit"] == 0 and r["bitwise_equal"]
+    in_place = re.search(r"recoveries: (\d+)", runs[1]["report"])
+    ok &= bool(in_place) and int(in_place.group(1)) >= 1  # replaced in place, not by a group restart
     ahead = re.findall(r"generation 1's communicator built ahead of the switch \(([\d.]+) s\)", logs["migration"])
     runs[2]["built_ahead_s"] = [float(x) for x in ahead]
     ok &= len(ahead) == 2

@@ -232,3 +232,73 @@ def test_located_in_a_slurm_allocation_by_step(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setenv("SLURM_JOB_NODELIST", "localhost")
     assert _locate(None, None)[0] == ("localhost", 30400 + 242)
     assert _locate("slurm-4242.1", None)[0] == ("localhost", 30400 + (4242 + 101) % 1000)
+
+
+# ---- exactly one job (issue 31) ----------------------------------------------------------------
+def _second_job(run_id: str, token: str | None = None):  # type: ignore[no-untyped-def]
+    """Another job's leader on this host: its store, operations endpoint and run file."""
+    master = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)
+    store = PrefixStore(keys.job_prefix(run_id), master)
+    store.set(keys.STATE, Membership(epoch=1, phase=Phase.RUNNING, active=[0], reason="formed").to_json())
+    ops = OpsServer(store, run_id, request_timeout=0.5, token=token)
+    address = ops.start("127.0.0.1")
+    write_runfile(run_id, f"127.0.0.1:{master.port}", ops=address, token=token)
+    return store, ops, address
+
+
+def test_two_jobs_on_the_host_are_listed_and_never_guessed(job, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """Two jobs on one host and no --run-id: every command refuses in one line that lists both
+    (a script that took the newest once migrated a rank of an unrelated job); --run-id picks."""
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    _, other, _ = _second_job("other-job")
+    try:
+        for args in (["status"], ["migrate", "1"], ["drain", "1"], ["events"]):
+            result = CliRunner().invoke(app, args)
+            assert result.exit_code == 1, (args, result.output)
+            assert "2 tmrun jobs run on this host" in result.output and RUN in result.output, result.output
+            assert "other-job" in result.output and "--run-id" in result.output, result.output
+            assert len([line for line in result.output.splitlines() if line.strip()]) == 1, result.output
+        picked = CliRunner().invoke(app, ["status", "--json", "--run-id", "other-job"])
+        assert picked.exit_code == 0 and json.loads(picked.output)["run_id"] == "other-job", picked.output
+        moved = CliRunner().invoke(app, ["migrate", "1", "--run-id", RUN])
+        assert moved.exit_code == 0 and moved.output.startswith(f"job {RUN}: migration of rank 1"), moved.output
+    finally:
+        other.stop()
+
+
+def test_inside_a_slurm_job_its_own_run_is_chosen(job, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """On a node shared with another job, tmrun-ctl inside SLURM job 5150 acts on 5150's run."""
+    _, mine, _ = _second_job("slurm-5150")
+    try:
+        monkeypatch.setenv("SLURM_JOB_ID", "5150")
+        result = CliRunner().invoke(app, ["status", "--json"])
+        assert result.exit_code == 0 and json.loads(result.output)["run_id"] == "slurm-5150", result.output
+        _, step, _ = _second_job("slurm-5150.1")  # two steps of this job: which one must be said
+        try:
+            result = CliRunner().invoke(app, ["status"])
+            assert result.exit_code == 1 and "2 tmrun jobs" in result.output and RUN not in result.output
+        finally:
+            step.stop()
+    finally:
+        mine.stop()
+
+
+def test_the_printed_endpoint_hint_works_as_printed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tmrun-ctl --endpoint HOST:PORT``, as tmrun prints it, on the job's host with no token in
+    the environment: the run file's token file is used (it failed: 'requires its job token')."""
+    monkeypatch.setenv("TMRUN_STATE_DIR", str(tmp_path / "state"))
+    for name in ("TMRUN_JOB_TOKEN", "TMRUN_JOB_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    _, ops, address = _second_job("tokened", token="s3cret-token-0123456789abcdef")
+    try:
+        result = CliRunner().invoke(app, ["status", "--json", "--endpoint", address])
+        assert result.exit_code == 0 and json.loads(result.output)["run_id"] == "tokened", result.output
+        host, port = address.rsplit(":", 1)
+        by_name = CliRunner().invoke(app, ["status", "--json", "--endpoint", f"localhost:{port}"])
+        assert by_name.exit_code == 0, by_name.output
+        (tmp_path / "state").rename(tmp_path / "gone")  # another host: no run file, so no token
+        missing = CliRunner().invoke(app, ["status", "--endpoint", address])
+        assert missing.exit_code == 1 and "requires its job token" in missing.output
+        assert "TMRUN_JOB_TOKEN" in missing.output
+    finally:
+        ops.stop()

@@ -948,3 +948,102 @@ def test_premul_sum_on_the_gloo_plane_goes_over_tcp(groups) -> None:
     t = torch.ones(3)
     pg.allreduce([t], ar_opts(premul(0.5))).wait()
     assert torch.equal(t, torch.full((3,), 0.5)) and inner.calls == 0 and pg.stats()["device_ops"] == 0
+
+
+# ------------------------------------------------------------------ the device plane's inner calls
+class _SyncOnlyInner:
+    """An inner group as torch 2.11's ProcessGroupNCCL behaves: a blocking call (``asyncOp``
+    False) runs on the caller's stream and returns no Work; an asynchronous one returns one."""
+
+    def __init__(self) -> None:
+        self.async_ops: list[bool] = []
+
+    def allreduce(self, tensors: list, opts: Any) -> Any:
+        self.async_ops.append(opts.asyncOp)
+        if not opts.asyncOp:
+            return None
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(tensors)
+        return SimpleNamespace(get_future=lambda: fut)
+
+
+def _plane_caller(inner: Any) -> Any:
+    plane = SimpleNamespace(group=lambda *_args: inner)
+    return SimpleNamespace(_device_plane=lambda: plane, _plane_store=None, _rank=0, _size=2, _abort_seq=0,
+                           _stats={"network_ops": 0, "device_ops": 0}, _plane_done=lambda op, fut: op.complete())
+
+
+@pytest.mark.parametrize("blocking_result", ["work", "none"])
+def test_a_blocking_call_reaches_the_inner_group_asynchronously_and_completes(blocking_result: str) -> None:
+    """``dist.all_reduce(t)`` passes ``asyncOp=False``: the plane asks the inner group for a Work
+    anyway (its future completes the op); an inner group that still returns none (it ran on the
+    caller's stream) completes the op at once, never an AttributeError."""
+    inner = _SyncOnlyInner()
+    if blocking_result == "none":
+        inner.allreduce = lambda tensors, opts: None  # type: ignore[method-assign]
+    opts = AllreduceOptions()
+    opts.asyncOp = False
+    tensor = torch.ones(3)
+    op = tb._Op("allreduce", [tensor])
+    work = tb.TmrunProcessGroup._run_on_plane(_plane_caller(inner), op, SimpleNamespace(epoch=0), "allreduce",
+                                              ([tensor], opts))
+    assert work.wait(5) and work.is_success()
+    assert opts.asyncOp is True
+    assert inner.async_ops == ([True] if blocking_result == "work" else [])
+
+
+class _FailingAtLaunch:
+    """An inner group whose communicator already saw the peer go: NCCL raises at the launch."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def allreduce(self, tensors: list, opts: Any) -> Any:
+        raise self.error
+
+
+def _failing_group(inner: Any, lost: Any) -> Any:
+    """The parts of a TmrunProcessGroup that a launch on the plane and its failure handling use."""
+    handled: list[BaseException] = []
+    group = SimpleNamespace(_handler_lock=threading.Lock(), _aborted=False, _abort_seq=0, _plane_store=None,
+                            _rank=0, _size=2, _stats={k: 0 for k in ("network_ops", "device_ops", "absorbed_errors",
+                                                                      "raised_errors", "aborts")},
+                            _comm=SimpleNamespace(wait_failure=lambda _grace, _gen: lost), handled=handled)
+    plane = SimpleNamespace(group=lambda *_args: inner)
+    group._device_plane = lambda: plane
+    group._handler = lambda error: handled.append(error) or True
+    for name in ("_plane_fail", "_fail", "_absorb"):
+        setattr(group, name, getattr(tb.TmrunProcessGroup, name).__get__(group))
+    group._abort_plane = lambda: None
+    return group
+
+
+@pytest.mark.parametrize("lost_peer_named", [True, False])
+def test_an_nccl_error_at_the_launch_is_a_lost_peer_when_the_tcp_side_names_one(lost_peer_named: bool) -> None:
+    """On torch 2.11 (H200) a survivor's next allreduce raised NCCL's remote error at its launch:
+    it went to the script as a traceback and the job restarted. It is handled as the operation's
+    own failure: absorbed as the lost peer the TCP side names, else the caller's error."""
+    error = dist.DistBackendError("NCCL error: ncclRemoteError: remote process exited")
+    lost = (1, 1, 0, "rank 1 lost") if lost_peer_named else None
+    group = _failing_group(_FailingAtLaunch(error), lost)
+    tensor = torch.ones(3)
+    op = tb._Op("allreduce", [tensor])
+    work = tb.TmrunProcessGroup._run_on_plane(group, op, SimpleNamespace(epoch=0), "allreduce",
+                                              ([tensor], AllreduceOptions()))
+    if lost_peer_named:
+        assert work.wait(5) and work.is_success()
+        assert len(group.handled) == 1 and "rank 1 lost" in str(group.handled[0])
+        assert group._aborted and group._stats["absorbed_errors"] == 1
+    else:
+        with pytest.raises(dist.DistBackendError, match="ncclRemoteError"):
+            work.wait(5)
+        assert not group.handled and group._stats["raised_errors"] == 1
+
+
+def test_torchs_refusal_of_the_arguments_at_the_launch_is_the_callers_at_once() -> None:
+    group = _failing_group(_FailingAtLaunch(ValueError("Tensors must be contiguous")), (1, 1, 0, "rank 1 lost"))
+    op = tb._Op("allreduce", [torch.ones(3)])
+    with pytest.raises(ValueError, match="contiguous"):
+        tb.TmrunProcessGroup._run_on_plane(group, op, SimpleNamespace(epoch=0), "allreduce",
+                                           ([torch.ones(3)], AllreduceOptions()))
+    assert not group.handled

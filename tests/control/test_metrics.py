@@ -68,3 +68,18 @@ def test_restarts_are_counted_and_flagged() -> None:
     assert totals(later, now=10.0)["restarts"] == 2
     assert "not in the downtime" in describe(t)
     assert totals([], now=5.0)["ettr"] == 1.0
+
+
+def test_a_failed_job_has_no_ettr() -> None:
+    """A job that ended failed printed 'downtime 0.000s ... ETTR 100.00%': its work since the last
+    checkpoint is lost, which no event measures, so it claims no ETTR."""
+    events = [
+        _e(0, 0.0, "formed", "formed with 2 active, 0 standby"),
+        _e(1, 5.0, "failure", "node 0: rank 1 (pid 5) exit code 1"),
+        _e(2, 6.0, "closed", "failed: workers failed with no restarts left: rank 1 exit code 1"),
+    ]
+    t = totals(events, now=10.0)
+    assert t["failed"] and t["ettr"] is None and t["finished"]
+    assert "ETTR none (the job failed)" in describe(t) and "100" not in describe(t)
+    ok = totals([*events[:1], _e(1, 6.0, "closed", "succeeded: workers finished")], now=10.0)
+    assert not ok["failed"] and ok["ettr"] == 1.0

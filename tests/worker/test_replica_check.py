@@ -68,3 +68,32 @@ def test_members_of_different_shards_are_not_compared() -> None:
         assert [r.groups for r in results] == [0, 0]
     finally:
         close_all(comms)
+
+
+def _arriving_check(members: dict, arriving_rank: int, what: str):  # type: ignore[no-untyped-def]
+    return lambda c: check(c, 0, members[c.rank].replica_tensors(), what, later=frozenset({"optimizer"}),
+                           arriving=c.rank == arriving_rank)
+
+
+def test_a_joiner_whose_optimizer_state_still_arrives_is_compared_on_the_rest() -> None:
+    """A migration's joiner reads the leaver's optimizer state in the background: its group
+    compares the model only (on an H200 the check read that state before it arrived and stopped
+    a correct job as diverged); a model that differs still stops the job."""
+    comms = make_group(3, job="replicas-arriving")
+    try:
+        members = {r: _member(seed=1) for r in range(3)}
+        with torch.no_grad():  # rank 1's optimizer state has not arrived yet
+            for state in members[1]._objects["optimizer"].state.values():
+                state["exp_avg"].zero_()
+        results, _ = run_ranks(comms, _arriving_check(members, 1, "generation 1"))
+        assert {r.groups for r in results} == {1}
+        # the same state without the arriving flag is a divergence, named on the optimizer's tensor
+        _, errors = run_ranks(comms, _arriving_check(members, -1, "generation 2"), raise_errors=False)
+        assert len(errors) == 3 and "optimizer.state.0.exp_avg" in str(errors[0])
+        with torch.no_grad():
+            next(iter(members[2]._objects["model"][0].parameters())).add_(1e-7)
+        _, errors = run_ranks(comms, _arriving_check(members, 1, "generation 3"), raise_errors=False)
+        assert len(errors) == 3 and all(isinstance(e, ReplicasDiverged) for e in errors)
+        assert "'model.0.weight'" in str(errors[0]) and "rank 2" in str(errors[0])
+    finally:
+        close_all(comms)

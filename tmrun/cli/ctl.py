@@ -20,7 +20,7 @@ from tmrun.protocol import ops as wire
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Operate a running tmrun job.")
 
-RunIdOption = typer.Option(None, "--run-id", help="The job's --rdzv-id, among the jobs on this host (default: the newest).")
+RunIdOption = typer.Option(None, "--run-id", help="The job's --rdzv-id, among the jobs on this host (default: the only one, or inside a SLURM job its own).")
 EndpointOption = typer.Option(
     None, "--endpoint", help="HOST:PORT of the job's operations endpoint (tmrun prints it at start; default: the job on this host)."
 )
@@ -42,32 +42,79 @@ def _given_token() -> str | None:
 
 
 def _locate(run_id: str | None, endpoint: str | None) -> tuple[tuple[str, int], str | None]:
-    """The job's operations endpoint and its job token: the run file's token file for a job on
-    this host, else TMRUN_JOB_TOKEN_FILE / TMRUN_JOB_TOKEN."""
-    if endpoint:
-        return wire.parse_address(endpoint), _given_token()
+    """The job's operations endpoint and its job token. Exactly one job: ``--endpoint``, else
+    ``--run-id``, else inside a SLURM job that job's own run, else the only job on this host
+    (several: a refusal that lists them). The token: TMRUN_JOB_TOKEN_FILE / TMRUN_JOB_TOKEN, else
+    the token file of the job's run file on this host (also for ``--endpoint``, as tmrun prints it)."""
     from tmrun.launcher.runfile import live_runs
 
+    if endpoint:
+        address = wire.parse_address(endpoint)
+        given = _given_token()
+        if given is not None:
+            return address, given
+        served = [r for r in live_runs() if _same_endpoint(str(r.get("ops") or ""), address)]
+        return address, (_run_token(served[0]) if served else None)
     runs = [r for r in live_runs() if run_id is None or r.get("run_id") == run_id]
+    slurm_job = os.environ.get("SLURM_JOB_ID", "") if run_id is None else ""
+    if slurm_job:  # inside a SLURM job: its own runs only, never another job's on a shared node
+        runs = [r for r in runs if _of_slurm_job(str(r.get("run_id")), slurm_job)]
     if not runs:
         located = _locate_in_slurm(run_id)
         if located is not None:
             return located, _given_token()
-        which = f"with run id {run_id!r} " if run_id else ""
+        which = f"with run id {run_id!r} " if run_id else (f"of SLURM job {slurm_job} " if slurm_job else "")
         raise wire.OpsError(f"no running tmrun job {which}found on this host; pass --endpoint HOST:PORT "
                             "(tmrun prints it at start: 'operations endpoint at ...')")
-    ops = str(runs[0].get("ops") or "")
+    if len(runs) > 1:
+        listed = "; ".join(f"{r.get('run_id')} (endpoint {r.get('ops') or 'none'}, started "
+                           f"{time.strftime('%H:%M:%S', time.localtime(float(r['started'])))})"  # type: ignore[arg-type]
+                           for r in runs)
+        raise wire.OpsError(f"{len(runs)} tmrun jobs run on this host: {listed}; choose one with --run-id RUN_ID "
+                            "or --endpoint HOST:PORT")
+    run = runs[0]
+    ops = str(run.get("ops") or "")
     if not ops:
-        raise wire.OpsError(f"job {runs[0].get('run_id')} was started by a tmrun without an operations endpoint")
-    token_file = str(runs[0].get("token_file") or "")
+        raise wire.OpsError(f"job {run.get('run_id')} was started by a tmrun without an operations endpoint")
+    given = _given_token()
+    return wire.parse_address(ops), (given if given is not None else _run_token(run))
+
+
+def _of_slurm_job(run_id: str, job_id: str) -> bool:
+    """A run id of SLURM job ``job_id``: ``slurm-JOB`` (step 0) or ``slurm-JOB.STEP``."""
+    return run_id == f"slurm-{job_id}" or run_id.startswith(f"slurm-{job_id}.")
+
+
+def _same_endpoint(ops: str, address: tuple[str, int]) -> bool:
+    """Whether a run file's endpoint is ``address`` (the same port, on this host's name or one
+    of its addresses, as tmrun prints it)."""
+    import socket
+
+    try:
+        host, port = wire.parse_address(ops)
+    except wire.OpsError:
+        return False
+    if port != address[1]:
+        return False
+    if host == address[0]:
+        return True
+    try:
+        return bool({info[4][0] for info in socket.getaddrinfo(host, port)}
+                    & {info[4][0] for info in socket.getaddrinfo(address[0], port)})
+    except OSError:
+        return False
+
+
+def _run_token(run: dict[str, object]) -> str | None:
+    token_file = str(run.get("token_file") or "")
     if not token_file:
-        return wire.parse_address(ops), _given_token()
+        return None
     from tmrun.protocol.auth import TokenError, read_token_file
 
     try:
-        return wire.parse_address(ops), read_token_file(token_file, "its token file ")
+        return read_token_file(token_file, "its token file ")
     except TokenError as exc:
-        raise wire.OpsError(f"job {runs[0].get('run_id')}: {exc}") from None
+        raise wire.OpsError(f"job {run.get('run_id')}: {exc}") from None
 
 
 def _locate_in_slurm(run_id: str | None) -> tuple[str, int] | None:
@@ -218,7 +265,8 @@ def migrate(
     request["node" if node is not None else "rank"] = node if node is not None else rank
     reply = _ask(run_id, endpoint, request, timeout)
     target = f"node at group rank {node}" if node is not None else f"rank {rank}"
-    typer.echo(f"migration of {target} requested (request {reply['request']}); see tmrun-ctl events")
+    typer.echo(f"job {reply.get('run_id')}: migration of {target} requested (request {reply['request']}); "
+               "see tmrun-ctl events")
 
 
 @app.command()
@@ -246,7 +294,7 @@ def drain(
     since = int(job.get("next_event", 0))
     token = os.urandom(4).hex()
     reply = _ask(run_id, endpoint, {"op": "migrate", "node": node, "reason": f"{reason} [{token}]"}, timeout)
-    typer.echo(f"draining node {node_id} (group rank {node}): request {reply['request']}")
+    typer.echo(f"job {job.get('run_id')}: draining node {node_id} (group rank {node}): request {reply['request']}")
     deadline = time.monotonic() + wait
     moved = False
     try:

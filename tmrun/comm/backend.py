@@ -344,6 +344,17 @@ def _device_allreduce(tensors: list, opts: Any) -> tuple[str, tuple]:
     return "allreduce_coalesced", (tensors, coalesced)
 
 
+def _ask_for_work(args: tuple) -> None:
+    """Options of a blocking call (``asyncOp`` False: ``dist.all_reduce(t)``) made asynchronous for
+    the inner group: torch's ProcessGroupNCCL then runs it on its own stream and returns a Work
+    whose future completes the tmrun operation (with a blocking call it returns None: on torch
+    2.11, ``dist.all_reduce`` of a CUDA tensor raised AttributeError on the plane). The caller
+    still waits, on the tmrun Work torch gets back."""
+    for arg in args:
+        if hasattr(arg, "asyncOp"):
+            arg.asyncOp = True
+
+
 def _nothing(_comm: Any) -> None:
     """The launch of an operation that only the device plane serves."""
 
@@ -780,15 +791,26 @@ class TmrunProcessGroup(dist.ProcessGroup):
         self._stats["network_ops"] += 1
         self._stats["device_ops"] += 1
         op.abort_seq = self._abort_seq
+        _ask_for_work(args)
         try:
             work = getattr(inner, method)(*args)
         except Exception as exc:
             with self._handler_lock:  # the inner group was aborted under us: the step is given up
                 gave_up = self._aborted or op.abort_seq != self._abort_seq
+            if not gave_up and isinstance(exc, dist.DistError):
+                # NCCL's error at the launch (a communicator that saw the peer go, torch 2.11:
+                # "ncclRemoteError ... remote process exited"): a failure like one of the
+                # operation's own, handled as the TCP side names the lost peer, else the caller's
+                op.on_plane = True
+                self._plane_fail(op, exc)
+                return TmrunWork(op)
             if not gave_up:  # torch's own refusal of the arguments: the caller's, at once
                 op.complete(exc)
                 raise
             self._stats["absorbed_errors"] += 1
+            op.complete()
+            return TmrunWork(op)
+        if work is None:  # done in order on the caller's current stream (a blocking call): nothing to wait for
             op.complete()
             return TmrunWork(op)
         op.keep.append(work)

@@ -121,7 +121,8 @@ def _nccl_group(store: Any, rank: int, size: int, timeout: datetime.timedelta) -
     # torch's watchdog must not end the process when a generation's communicator fails: tmrun
     # aborts it and builds the next generation's (CleanUpOnly). In-place workers get it from the
     # launcher (torch's agent would set 1); this covers a group made outside tmrun's launcher
-    os.environ.setdefault(environment.ENV_NCCL_ERROR_HANDLING, "2")
+    for name, value in environment.NCCL_WATCHDOG_DEFAULTS.items():
+        os.environ.setdefault(name, value)
     if os.environ.get(ENV_SHARED_GPU, "") == "1":
         # several ranks on one GPU (tests, benches): NCCL refuses two ranks on one GPU of one host;
         # before 2.30 each process poses as a host of its own (docs/nccl.md)

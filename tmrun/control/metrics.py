@@ -96,8 +96,12 @@ def totals(events: list[dict[str, Any]], now: float | None = None) -> dict[str, 
     events = [enrich(e) for e in events]
     formed = [e["time"] for e in events if e.get("kind") == "formed"]
     start = formed[0] if formed else (events[0]["time"] if events else now)
-    closed = [e["time"] for e in events if e.get("kind") == "closed"]
+    closing = [e for e in events if e.get("kind") == "closed"]
+    closed = [e["time"] for e in closing]
     end = closed[-1] if closed else now
+    # "failed: ..." (the leader's closed event): the job's work since its last checkpoint is
+    # lost, which no event measures: such a job has no ETTR (never a 100% for a failed job)
+    failed = bool(closing) and str(closing[-1].get("detail", "")).startswith("failed")
     downtime = 0.0
     recoveries = migrations = failures = restarts = recomputed = 0
     planned_pending = False
@@ -128,7 +132,8 @@ def totals(events: list[dict[str, Any]], now: float | None = None) -> dict[str, 
     return {
         "wall_s": round(wall, 3),
         "downtime_s": round(downtime, 3),
-        "ettr": round(max(ettr, 0.0), 6),
+        "ettr": None if failed else round(max(ettr, 0.0), 6),
+        "failed": failed,
         "recoveries": recoveries,
         "migrations": migrations,
         "failures": failures,
@@ -141,7 +146,8 @@ def totals(events: list[dict[str, Any]], now: float | None = None) -> dict[str, 
 
 def describe(t: dict[str, Any]) -> str:
     """One line for the job's end and for tmrun-ctl status."""
-    line = (f"downtime {t['downtime_s']:.3f}s over {t['wall_s']:.1f}s, ETTR {t['ettr'] * 100:.2f}%, "
+    ettr = "none (the job failed)" if t.get("ettr") is None else f"{t['ettr'] * 100:.2f}%"
+    line = (f"downtime {t['downtime_s']:.3f}s over {t['wall_s']:.1f}s, ETTR {ettr}, "
             f"{t['recoveries']} in-place recoveries ({t['migrations']} planned), "
             f"{t['steps_recomputed']} steps recomputed")
     if t["restarts"]:

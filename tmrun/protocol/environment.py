@@ -47,6 +47,17 @@ ENV_COMM_BIND = "TMRUN_COMM_BIND"
 ENV_COMM_ADVERTISE = "TMRUN_COMM_ADVERTISE"
 ENV_NCCL_LIBRARY = "TMRUN_NCCL_LIBRARY"  # an NCCL library to use instead of torch's (preloaded into workers)
 ENV_NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"  # torch's watchdog: 2 = clean up, do not kill
+# torch's ProcessGroupNCCL watchdog, as a survivor of a lost peer needs it, each unless the user set
+# it: clean up without killing the process; no flight recorder (on torch 2.11 its traceback of the
+# failed collective ended the survivor: "watchdog thread terminated with exception: std::future_error:
+# Broken promise", seen on an H200), no dump on a failure or timeout, no heartbeat monitor (it kills
+# a process whose watchdog is slow; tmrun detects hangs itself). docs/nccl.md, "Torch's watchdog".
+NCCL_WATCHDOG_DEFAULTS = {
+    ENV_NCCL_ERROR_HANDLING: "2",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "0",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+    "TORCH_NCCL_ENABLE_MONITORING": "0",
+}
 ENV_DEVICE_PLANE = "TMRUN_DEVICE_PLANE"  # one of DEVICE_PLANES (tmrun.comm.device_plane)
 DEVICE_PLANES = ("auto", "nccl", "staging", "gloo")
 ENV_HEAL_OVERLAP = "TMRUN_HEAL_OVERLAP"  # one of HEAL_OVERLAPS (tmrun.worker.cpu_budget)

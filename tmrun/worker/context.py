@@ -85,6 +85,7 @@ class Context:
         self.interrupter = StepInterrupter(doomed=lambda: self.aborted_by is not None,
                                            optimized=self.tracked.optimized_ids)
         self.heal_read: Any = None  # transfer.DeferredRead: the optimizer state still arriving here
+        self.handover_arriving = False  # a migration's joiner: the leaver's optimizer state still arriving
         self.heal_served: tuple[int, list[int]] | None = None  # (generation, members still reading this one)
         self.ddp_used = False
         # a standby of a job with subgroups waits in tmrun.init() and builds its model as its rank

@@ -6,12 +6,14 @@ The one place that knows how the runtime reaches the backend object behind
 from __future__ import annotations
 
 import os
+import socket
 from datetime import timedelta
 from typing import Any, Callable
 
 import torch.distributed as dist
 
 from tmrun.comm import backend as tmrun_backend
+from tmrun.comm import device_plane
 from tmrun.protocol import environment
 
 BACKEND = "tmrun"
@@ -19,8 +21,13 @@ BACKEND = "tmrun"
 
 def init_plain() -> None:
     """A job without in-place replacement: the usual env:// initialisation (torchrun's variables)."""
-    if not dist.is_initialized():
-        dist.init_process_group(os.environ.get(environment.ENV_BACKEND, BACKEND))
+    if dist.is_initialized():
+        return
+    backend = os.environ.get(environment.ENV_BACKEND, BACKEND)
+    if backend == "nccl" and os.environ.get(device_plane.ENV_SHARED_GPU, "") == "1":
+        # the GPU benches' torchrun baseline: several ranks on one GPU, as the device plane does
+        os.environ.setdefault("NCCL_HOSTID", f"{socket.gethostname()}-{os.getpid()}")
+    dist.init_process_group(backend)
 
 
 def init_active(store: dist.Store, rank: int, world_size: int, comm_timeout: float) -> None:

@@ -207,6 +207,7 @@ class Migration:
             return
         if overlap:
             self._handover = (handoff, pending, started)
+            ctx.handover_arriving = True
         else:
             handoff.close()
         ctx.committed_step = int(meta["committed_step"])  # type: ignore[call-overload]
@@ -229,6 +230,7 @@ class Migration:
         try:
             pending.finish()
         finally:
+            self._ctx.handover_arriving = False
             handoff.close()
         self._log_complete(pending.nbytes, started)
 

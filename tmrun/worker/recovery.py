@@ -306,13 +306,18 @@ def _check_replicas(ctx: Context, comm: native.Communicator, shard_key: int, def
     a disagreement stops the job: one line, the controller's ``diverged`` event, no restart (a
     restart would train from a checkpoint as if nothing happened; the cause needs a person).
     ``deferred``: the optimizer state is still arriving on the healed members (its own CRC
-    checks it when read): the model only."""
+    checks it when read): the model only. Likewise where a migration's joiner still reads its
+    optimizer state in the background (``ctx.handover_arriving``; seen on a 16-core GPU host,
+    where the read overlaps: the check read the joiner's optimizer state before it arrived and
+    stopped a correct job as diverged)."""
     named = ctx.tracked.replica_tensors()
+    later = frozenset(ctx.tracked.deferrable())
     if deferred:
-        later = ctx.tracked.deferrable()
         named = [(name, t) for name, t in named if name.partition(".")[0] not in later]
     try:
-        return replica_check.check(comm, shard_key, named, f"generation {ctx.gen}")
+        # a migration's joiner whose optimizer state still arrives: its group compares the rest
+        return replica_check.check(comm, shard_key, named, f"generation {ctx.gen}", later=later,
+                                   arriving=ctx.handover_arriving)
     except replica_check.ReplicasDiverged as exc:
         ctx.require_store().set(keys.DIVERGED, str(exc))
         log(f"rank {ctx.rank}: {exc}")

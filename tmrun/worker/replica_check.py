@@ -85,15 +85,22 @@ def first_difference(names: list[str], crcs_by_member: dict[int, list[int]]) -> 
 
 
 def check(comm: tmrun_native.Communicator, shard_key: int, named: list[tuple[str, torch.Tensor]],
-          what: str) -> Checked:
+          what: str, later: frozenset[str] = frozenset(), arriving: bool = False) -> Checked:
     """Compare the replicas' checksums of ``named`` (every member calls this with the same walk).
     Raises :class:`ReplicasDiverged` on every member when any group disagrees; ``what`` names
-    the change (for the line)."""
+    the change (for the line). ``later``: the tracked objects (the same on every member) whose
+    tensors may still be arriving somewhere (names ``object.…``); ``arriving``: this member's are (a migration's joiner: its
+    optimizer state is read in the background, checked by the handover's own CRC against the
+    leaver's). A group with an arriving member compares the other tensors only, on every
+    member alike."""
     started = time.monotonic()
     names = [name for name, _ in named]
     crcs = fingerprints([tensor for _, tensor in named])
-    rows = _allgather(comm, [shard_key, _digest(crcs), len(crcs)])
-    keys, digests = [row[0] for row in rows], [row[1] for row in rows]
+    ready = [crc for name, crc in zip(names, crcs) if name.partition(".")[0] not in later]
+    rows = _allgather(comm, [shard_key, _digest(crcs), len(crcs), _digest(ready), int(arriving)])
+    keys = [row[0] for row in rows]
+    partial = {key for key, row in zip(keys, rows) if row[4]}  # groups that compare what arrived only
+    digests = [row[3] if key in partial else row[1] for key, row in zip(keys, rows)]
     diverged = disagreement(keys, digests)
     groups = sum(1 for key in set(keys) if keys.count(key) > 1)
     if diverged:
@@ -101,7 +108,12 @@ def check(comm: tmrun_native.Communicator, shard_key: int, named: list[tuple[str
         longest = max(row[2] for row in rows)
         padded = _allgather(comm, crcs + [0] * (longest - len(crcs)))
         group = diverged[0]
-        name, same, other = first_difference(names, {m: padded[m][: rows[m][2]] for m in group})
+        by_member = {m: padded[m][: rows[m][2]] for m in group}
+        if keys[group[0]] in partial:  # what some member still receives is not compared
+            kept = [i for i, name in enumerate(names) if name.partition(".")[0] not in later]
+            by_member = {m: [c[i] for i in kept if i < len(c)] for m, c in by_member.items()}
+            names = [names[i] for i in kept]
+        name, same, other = first_difference(names, by_member)
         raise ReplicasDiverged(
             f"replicas disagree after {what}: tensor {name!r} differs between rank{'s' if len(same) > 1 else ''} "
             f"{', '.join(map(str, same))} and rank{'s' if len(other) > 1 else ''} {', '.join(map(str, other))}"

@@ -98,7 +98,9 @@ class NodeReplacement:
         store = self._epoch_store(membership.epoch)
         generations = core.Generations(store)
         if not store.check([keys.API]):
-            return Decision.PLAIN, None, "the script does not use the tmrun worker API"
+            # the same key is missing when the script failed before tmrun.init(): say both
+            return Decision.PLAIN, None, ("no rank reached tmrun.init() in this epoch (the script does not use "
+                                          "the tmrun worker API, or failed before it)")
         if generations.abandoned():
             return Decision.FALLBACK, None, "in-place recovery was already abandoned in this epoch"
         diverged = core.diverged(store)

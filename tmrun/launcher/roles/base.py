@@ -78,7 +78,8 @@ def worker_environ(env: LaunchEnv) -> dict[str, str]:
     (SIGKILL of a worker holding 1.2 GB: 68 ms until its pidfd fires, 15 ms with huge pages on
     this machine); copies out of its memory during healing are faster too. ``TMRUN_NCCL_LIBRARY``
     is preloaded (``LD_PRELOAD``): the device plane then runs on that NCCL, not torch's.
-    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` unless the user set it (torch's agent would set 1)."""
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` and the rest of torch's NCCL watchdog settings a survivor needs
+    (``environment.NCCL_WATCHDOG_DEFAULTS``), each unless the user set it (torch's agent would set 1)."""
     environ = env.to_environ()
     if environment.ENV_THP_ALLOC not in os.environ:
         environ[environment.ENV_THP_ALLOC] = "1"
@@ -86,10 +87,11 @@ def worker_environ(env: LaunchEnv) -> dict[str, str]:
         # as for standby workers: a worker whose store's host is gone says so in one line (its
         # agent too), without torch's C++ warning and its stack frames first
         environ[environment.ENV_TORCH_CPP_LOG_LEVEL] = "ERROR"
-    if environment.ENV_NCCL_ERROR_HANDLING not in os.environ:
-        # torch's agent would set 1 (tear down): a generation's NCCL failure must not end the
-        # survivors, whose device plane aborts it and builds the next (2: clean up only)
-        environ[environment.ENV_NCCL_ERROR_HANDLING] = "2"
+    for name, value in environment.NCCL_WATCHDOG_DEFAULTS.items():
+        if name not in os.environ:
+            # torch's agent would set 1 (tear down): a generation's NCCL failure must not end the
+            # survivors, whose device plane aborts it and builds the next (2: clean up only)
+            environ[name] = value
     library = os.environ.get(environment.ENV_NCCL_LIBRARY, "")
     if library:  # an expert's NCCL instead of torch's: preloaded, so torch's ProcessGroupNCCL binds to it
         preload = os.environ.get("LD_PRELOAD", "")
