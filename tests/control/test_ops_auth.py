@@ -123,7 +123,9 @@ def test_ctl_uses_the_run_files_token_and_refuses_a_wrong_one(secured, tmp_path:
     lines = [line for line in wrong.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "authentication failed" in lines[0], wrong.stderr
     assert "wrong-token" not in wrong.stderr + wrong.stdout
-    missing = _ctl(["status", "--endpoint", endpoint], state)
+    printed = _ctl(["status", "--endpoint", endpoint], state)  # as tmrun prints it, on the job's host
+    assert printed.returncode == 0, printed.stderr
+    missing = _ctl(["status", "--endpoint", endpoint], {"TMRUN_STATE_DIR": str(tmp_path / "another-host")})
     assert missing.returncode != 0 and "requires its job token" in missing.stderr
     assert len([line for line in missing.stderr.splitlines() if line.strip()]) == 1
     good = tmp_path / "token"

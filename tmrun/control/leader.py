@@ -45,6 +45,10 @@ class LeaderConfig:
     token: str = field(default="", repr=False, compare=False)  # the job token ("": no authentication)
 
 
+START_WINDOW = 120.0  # s: a worker failure this soon after its epoch's start, before tmrun.init(), is "at start"
+FAILED_STARTS = 2  # starts in a row that failed at start: the job ends (a crash loop, not bad luck)
+
+
 @dataclass
 class _Pending:
     first_seen: float
@@ -81,6 +85,8 @@ class Leader:
         self._started = time.monotonic()
         self._hole_since: float | None = None
         self._failures_seen = 0
+        self._epoch_since = time.monotonic()  # when the current epoch was published
+        self._failed_starts = 0  # epochs in a row whose workers failed at start (see _failed_at_start)
         self._pending: _Pending | None = None
         self._lost: dict[int, str] = {}
         self._stop = threading.Event()
@@ -165,6 +171,8 @@ class Leader:
                               f"({self._membership.phase.value}); the job goes on in place")
 
     def _publish(self, membership: Membership) -> None:
+        if membership.epoch != self._membership.epoch:
+            self._epoch_since = time.monotonic()
         self._membership = membership
         self._store.set(keys.STATE, membership.to_json())
         self._store.add(keys.STATE_VERSION, 1)
@@ -299,17 +307,34 @@ class Leader:
             self._event("failure", every_report)
             self._event("replace", why)
             return
+        causes = "; ".join(f"node {r.node_id}: {r.detail}" for r in pending.reports if r.node_id in culprits)
+        if self._failed_at_start(pending, started_api=decision is not Decision.PLAIN):
+            self._event("failure", causes)
+            self._fail(f"the script fails at start: {self._failed_starts} starts in a row ended within "
+                       f"{START_WINDOW:g} s, before any rank reached tmrun.init() ({causes}; its own error is "
+                       "in the workers' output); not restarted again")
+            return
         if decision is Decision.FALLBACK:
             self._event("fallback", f"{why}: the group restarts (as torchrun)")
         else:
             say(f"no in-place replacement: {why}")
         plan = planner.replace_failed(self._membership, culprits, dead, self._config.limits)
-        causes = "; ".join(f"node {r.node_id}: {r.detail}" for r in pending.reports if r.node_id in culprits)
         self._publish(plan)
         self._event("failure", causes)
         self._event("replace", f"epoch {plan.epoch}: {plan.reason}")
         if planner.HOLE in plan.active and self._hole_since is None:
             self._hole_since = time.monotonic()
+
+    def _failed_at_start(self, pending: _Pending, started_api: bool) -> bool:
+        """Whether the script fails at start, again: this epoch's workers failed (no node was
+        lost) within :data:`START_WINDOW` of the epoch's start with no rank in tmrun.init(), as in
+        the epoch before. A crash loop (a bad argument) then ends after two starts, not after
+        every restart the job allows."""
+        at_start = (not started_api and not any(r.node_dead for r in pending.reports)
+                    and pending.first_seen - self._epoch_since < START_WINDOW
+                    and not self._inplace.reached_api(self._membership))
+        self._failed_starts = self._failed_starts + 1 if at_start else 0
+        return self._failed_starts >= FAILED_STARTS
 
     def _maybe_migrate(self) -> None:
         swapped, events = self._inplace.migrate(self._membership)

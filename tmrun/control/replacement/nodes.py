@@ -86,6 +86,10 @@ class NodeReplacement:
                 ready.append((node_id, ids))
         return ready
 
+    def reached_api(self, membership: Membership) -> bool:
+        """Whether a rank of ``membership``'s epoch reached ``tmrun.init()``."""
+        return self._epoch_store(membership.epoch).check([keys.API])
+
     def decide(self, membership: Membership, culprits: list[int], dead: set[int],
                first_seen: float, node_fallback: str = "") -> tuple[Decision, Membership | None, str]:
         """What to do about ``culprits`` (active nodes that failed; ``dead`` ones are gone).
