@@ -21,4 +21,5 @@ def test_a_script_that_fails_at_every_start_ends_after_two_starts(tmp_path: Path
     lines = [line for line in log.splitlines() if "the script fails at start" in line]
     assert lines and lines[-1].startswith("tmrun: error: job failed: the script fails at start: 2 starts in a row"), log
     assert "before any rank reached tmrun.init()" in lines[-1] and "exit code 2" in lines[-1], log
+    assert "Setting OMP_NUM_THREADS" not in log, log  # tmrun chose torch's default without its banner
     assert "ETTR none (the job failed)" in log and "Traceback" not in log.replace("usage:", ""), log

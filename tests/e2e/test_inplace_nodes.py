@@ -131,9 +131,9 @@ def test_no_standby_node_falls_back_to_a_group_restart(tmp_path: Path, reference
     assert final == reference  # the example keeps no checkpoint: the restarted group trains from step 0
 
 
-def _drain_when_warm(work: Path, out: list[str]) -> None:
+def _drain_when_warm(work: Path, out: list[str], status: list[str] | None = None) -> None:
     """Once the standby node is warm, ``tmrun-ctl drain 1`` (bounded; its output, even cut short,
-    goes to ``out``)."""
+    goes to ``out``); before it, ``tmrun-ctl status --json`` to ``status`` when given."""
     deadline = time.monotonic() + 150
     log = work / "agent2.log"
     while time.monotonic() < deadline:
@@ -141,6 +141,10 @@ def _drain_when_warm(work: Path, out: list[str]) -> None:
         if "standby 2000 warm" in text and "standby 2001 warm" in text:
             cmd = [*tmrun_cmd()[:2], "tmrun.cli.ctl", "drain", "1", "--reason", "drain", "--wait", "120"]
             env = {**os.environ, "TMRUN_STATE_DIR": str(work / "state")}
+            if status is not None:
+                shown = subprocess.run([*tmrun_cmd()[:2], "tmrun.cli.ctl", "status", "--json"], capture_output=True,
+                                       text=True, timeout=60, env=env)
+                status.append(shown.stdout + shown.stderr)
             try:
                 result = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
                 out.append(result.stdout + result.stderr)
@@ -157,12 +161,17 @@ def test_planned_migration_of_a_node_recomputes_nothing(tmp_path: Path, referenc
     run without migration."""
     work = tmp_path / "migrate"
     requested: list[str] = []
-    request = partial(_drain_when_warm, work, requested)
+    shown: list[str] = []
+    request = partial(_drain_when_warm, work, requested, shown)
     thread = threading.Thread(target=request, daemon=True)
     thread.start()
     codes, logs, final = _run_nodes(work, 3, script_args=["--step-time", "1.0"])  # room for the request under load
     thread.join(timeout=150)
     everything = "\n".join(logs)
+    # tmrun-ctl status lists the warm standby node's standby workers (it listed none)
+    standby_node = [n for n in json.loads(shown[0])["nodes"] if n["role"] == "standby"]
+    assert len(standby_node) == 1 and len(standby_node[0]["standby_workers"]) == 2, shown
+    assert {w["local_rank"] for w in standby_node[0]["standby_workers"]} == {0, 1}, shown
     assert requested and "draining node 1 (group rank 1)" in requested[0], requested
     # its agent left (or, when the training ended first, it leaves with the job)
     assert re.search(r"node 1 drained: (its agent left|the job ended)", requested[0]), requested

@@ -373,6 +373,7 @@ def run(argv: Sequence[str]) -> int:
     console_mode = choose_mode(args.console)
     if console_mode == "live" and args.redirects in ("", "0"):
         args.redirects = "3"  # workers' stdout and stderr to files: the live view owns the terminal
+    _one_omp_thread_per_worker(args)
     try:
         config, entrypoint, entry_args = config_from_args(args)
     except (ValueError, RuntimeError, AssertionError) as exc:
@@ -394,6 +395,21 @@ def run(argv: Sequence[str]) -> int:
                                                              straggler_factor=args.straggler_factor,
                                                              straggler_steps=args.straggler_steps,
                                                              gpu_health=args.gpu_health == "auto"))
+
+
+def _one_omp_thread_per_worker(args: argparse.Namespace) -> None:
+    """torch's default for several workers on a node (``OMP_NUM_THREADS=1`` unless set), chosen
+    here so that torch does not print its five-line banner about it on every start."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    from torch.distributed.run import determine_local_world_size
+
+    try:
+        several = determine_local_world_size(args.nproc_per_node) > 1
+    except (ValueError, RuntimeError):
+        return  # config_from_args says what is wrong with it
+    if several:
+        os.environ["OMP_NUM_THREADS"] = "1"
 
 
 def _quiet_torch_cpp_warnings() -> None:

@@ -46,6 +46,7 @@ class NodeRole(AgentRole):
         self._dir = tempfile.mkdtemp(prefix="tmrun-node-")
         self._watch: NodeWatch | None = None
         self._pool: StandbyPool | None = None
+        self._published_standby: list[dict[str, object]] | None = None  # what tmrun-ctl status last got
         self._settings = settings
         self._standby_epoch = -1  # the epoch this standby node's workers are warm for
         self._standby_ids: list[int] = []
@@ -166,10 +167,25 @@ class NodeRole(AgentRole):
         assert pool is not None
         pool.fill()
         ids = [m.index for m in sorted(pool.members, key=lambda m: m.local_rank)]
+        self._publish_standby(membership.epoch)
         if ids != self._standby_ids and len(ids) == spec.local_world_size:
             self._epoch_store(membership.epoch).set(keys.standby_node(handler.node_id or 0),
                                                     proto.StandbyNode(ids).encode())
             self._standby_ids = ids
+
+    def standby_members(self) -> list[dict[str, object]]:
+        """This node's standby workers (a standby node's pool), for ``tmrun-ctl status``."""
+        return [m.describe() for m in self._pool.members] if self._pool is not None else []
+
+    def _publish_standby(self, epoch: int) -> None:
+        """A standby node tells ``tmrun-ctl status`` its standby workers (pid and state) when
+        they change: it runs no worker group, so nothing else publishes them."""
+        members = self.standby_members()
+        if members == self._published_standby:
+            return
+        self._published_standby = members
+        self._handler.publish_workers(proto.WorkersInfo(epoch=epoch, group_rank=None, agent_pid=os.getpid(),
+                                                  workers=[], standby_workers=members))
 
     def _stop_pool(self) -> None:
         if self._pool is not None:
