@@ -1047,3 +1047,21 @@ def test_torchs_refusal_of_the_arguments_at_the_launch_is_the_callers_at_once() 
         tb.TmrunProcessGroup._run_on_plane(group, op, SimpleNamespace(epoch=0), "allreduce",
                                            ([torch.ones(3)], AllreduceOptions()))
     assert not group.handled
+
+
+def test_at_exit_every_group_is_closed_and_its_completer_stopped(groups) -> None:
+    """At interpreter exit no completer thread may still wait inside the communicator: it would
+    take the GIL back during finalization and abort the process ('terminate called without an
+    active exception'). close_groups_at_exit closes the communicators (a pending receive fails)
+    and stops the completer threads, within bounds."""
+    pg0, pg1 = groups(2)
+    pending = pg0.recv([torch.zeros(4)], 1, 5)  # rank 1 never sends: the completer waits in the communicator
+    time.sleep(0.1)
+    completer = pg0._completer._thread
+    assert completer is not None and completer.is_alive()
+    started = time.monotonic()
+    tb.close_groups_at_exit()
+    assert time.monotonic() - started < tb.EXIT_STOP_TIMEOUT + 3
+    assert not completer.is_alive()
+    assert pending.is_completed() and pg0._closed and pg1._closed
+    assert pg0 not in tb.created_groups() and pg1 not in tb.created_groups()

@@ -48,7 +48,7 @@ def test_loss_noticed_outside_the_running_operation_ends_it():
         def body(c):
             if c.rank == victim:
                 time.sleep(0.3)
-                c.close()
+                c._debug_vanish()  # as a killed process: no goodbye (a goodbye is a clean leave)
                 return None
             return _recv_from_partner(c)
 

@@ -28,8 +28,10 @@ def test_a_peer_that_closes_is_reported_to_a_waiting_thread_while_idle():
         assert found and found[0] is not None, "the loss was not recorded while idle"
         epoch, peer, protocol, message = found[0]
         assert (epoch, peer, protocol) == (0, 1, False)
-        assert "rank 1 lost" in message
-        assert comms[0].failure() == message
+        assert "rank 1 lost: it closed its communicator" in message
+        # a clean leave (its goodbye) is named here, but is not the epoch's sticky failure: an
+        # operation that does not need rank 1 would go on (tests/native/test_goodbye.py)
+        assert comms[0].failure() == ""
         # the same epoch's failure is not handed out twice
         assert comms[0].wait_failure(0.2, ignore_epoch=0) is None
     finally:

@@ -1,5 +1,5 @@
 // ThreadSanitizer harness for tcp::Communicator::failure() and links() (built and run by
-// test_failure_race.py). Rank 1 closes; rank 0's service thread notices the loss in its idle tick,
+// test_failure_race.py). Rank 1 vanishes (closes without a goodbye, as a killed process); rank 0's service thread notices the loss in its idle tick,
 // closes the link (broken, error, fd) and records the sticky failure while the main thread keeps
 // polling failure() and links(), as a Python monitor thread would.
 // Exit status 0 when rank 0 reported the failure and showed the link closed with its error;
@@ -34,7 +34,7 @@ int main() {
       }
   };
   poll_links();
-  b.close();
+  b.debug_vanish();  // as a killed process (a close() says goodbye: a clean leave)
   auto deadline = std::chrono::steady_clock::now() + 10s;
   while ((seen.empty() || !link_closed) && std::chrono::steady_clock::now() < deadline) {
     seen = a.failure();

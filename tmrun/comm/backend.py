@@ -36,6 +36,7 @@ Creating a group in local mode (a standby's sandbox; no store traffic, no commun
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import socket
@@ -632,6 +633,19 @@ class TmrunProcessGroup(dist.ProcessGroup):
 
     def abort(self) -> None:
         self.shutdown()
+
+    def _close_at_exit(self) -> None:
+        """:func:`close_groups_at_exit`: the communicator closed (what still runs fails), the
+        completer stopped, each bounded; nothing that may wait on a peer."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._comm is not None:
+            try:
+                self._comm.close()
+            except Exception:  # noqa: BLE001  exiting: nothing to tell
+                pass
+        self._completer.stop(EXIT_STOP_TIMEOUT)
 
     # ------------------------------------------------------------------ machinery
     def _serve_locally(self) -> bool:
@@ -1578,6 +1592,23 @@ def created_groups() -> list:
     group first): what a replacement must repair besides the default group (docs/mesh.md)."""
     alive = [ref() for ref in _CREATED]
     return [pg for pg in alive if pg is not None and not pg._closed]
+
+
+EXIT_STOP_TIMEOUT = 2.0  # s: how long the exit waits for a group's completer thread
+
+
+def close_groups_at_exit() -> None:
+    """At interpreter exit (atexit): every live group's communicator closed (its goodbye said)
+    and its completer thread stopped, before the interpreter finalizes. A daemon thread still
+    inside the communicator then (waiting for an operation with the GIL released) would take the
+    GIL back during finalization and be ended inside native code, which aborts the process
+    ("terminate called without an active exception", SIGABRT after a worker's last line). The
+    device plane is left alone: NCCL's own shutdown may wait on dead peers."""
+    for pg in reversed(created_groups()):
+        pg._close_at_exit()
+
+
+atexit.register(close_groups_at_exit)
 
 
 def _sandboxed() -> bool:

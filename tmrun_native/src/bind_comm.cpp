@@ -454,6 +454,8 @@ a Work. Operations run in submission order on the communicator's worker thread.)
         py::gil_scoped_release r;
         c.close();
       })
+      .def("_debug_vanish", &Comm::debug_vanish, py::call_guard<py::gil_scoped_release>(),
+           "Test hook: close without the goodbye, as a killed process ends its connections.")
       .def("_debug_send_raw",
            [](Comm& c, int peer, py::bytes data) {
              std::string s = data;

@@ -42,6 +42,7 @@ const char* frame_type_name(FrameType t) noexcept {
     case FrameType::kAbort: return "abort";
     case FrameType::kSync: return "sync";
     case FrameType::kReject: return "reject";
+    case FrameType::kGoodbye: return "goodbye";
   }
   return "unknown";
 }
@@ -84,7 +85,7 @@ bool parse_header(const uint8_t* d, size_t len, uint64_t expected_job_hash, Fram
   if (h.version != kWireVersion) return fail("unsupported wire version");
   if (d[9] != 0 || d[10] != 0 || d[11] != 0) return fail("reserved bytes not zero");
   if ((h.flags & ~kKnownFlags) != 0) return fail("unknown flags");
-  if (type < static_cast<uint8_t>(FrameType::kData) || type > static_cast<uint8_t>(FrameType::kReject))
+  if (type < static_cast<uint8_t>(FrameType::kData) || type > static_cast<uint8_t>(FrameType::kGoodbye))
     return fail("unknown frame type");
   h.type = static_cast<FrameType>(type);
   if (h.length > kMaxFrameLength) return fail("frame length too large");
@@ -94,6 +95,7 @@ bool parse_header(const uint8_t* d, size_t len, uint64_t expected_job_hash, Fram
   if ((h.type == FrameType::kHello || h.type == FrameType::kHelloAck) && h.length != kHelloSize)
     return fail("bad hello length");
   if (h.type == FrameType::kReject && h.length > 4096) return fail("reject reason too long");
+  if (h.type == FrameType::kGoodbye && h.length != 0) return fail("goodbye with a payload");
   if ((h.flags & kFlagPayloadCrc) == 0 && h.payload_crc != 0) return fail("payload crc set without flag");
   if (expected_job_hash != 0 && h.job_hash != expected_job_hash) return fail("foreign job");
   *out = h;

@@ -38,6 +38,7 @@ enum class FrameType : uint8_t {
   kAbort = 5,      // the collective failed: `tag` is the rank that was lost
   kSync = 6,       // epoch switch marker (commit / connect)
   kReject = 7,     // handshake refused; payload is a reason string
+  kGoodbye = 8,    // the sender closed its communicator (a clean leave), no payload
 };
 
 struct FrameHeader {

@@ -145,7 +145,11 @@ class Communicator {
   // without polling, while the owner computes.
   bool wait_failure(double timeout_s, int64_t ignore_epoch, FailureInfo* out) const;
 
-  void close();  // idempotent; fails the operations still queued
+  // Idempotent; fails the operations still queued. Says goodbye on every link first (bounded,
+  // 0.5 s at most): a peer then sees a clean leave, not a lost rank, unless it needs this rank.
+  void close();
+  // Test hook: closes without the goodbye, as a killed process ends its connections.
+  void debug_vanish();
   // Test hook: writes raw bytes on the link to `peer`, bypassing framing.
   void debug_send_raw(int peer, const std::string& bytes);
 

@@ -68,6 +68,7 @@ struct Link {
   bool ring;              // ring-neighbour link (else: lazily opened point-to-point link)
   Fd fd;
   bool broken = false;
+  bool peer_left = false;  // a goodbye arrived: the peer closed its communicator (no heartbeats to it)
   std::string error;
 
   // transmit state: the frame in flight
@@ -174,6 +175,7 @@ struct LinkFailure {  // a link-level failure (EOF, reset, timeout, protocol)
   Link* link;
   std::string reason;
   bool protocol;
+  bool left = false;  // the peer said goodbye (closed its communicator) before the link ended
 };
 struct AbortReceived {
   Link* from;
@@ -261,6 +263,8 @@ struct Communicator::Impl {
   Link* p2p_link(int peer);
   void close_link(Link& l, const std::string& why);
   void retire(std::unique_ptr<Link> l);
+  void say_goodbye();
+  void note_left(int peer, std::string msg);
   void drain_retired();
   std::vector<LinkInfo> links() const;
   Counters counters() const;
@@ -328,6 +332,12 @@ struct Communicator::Impl {
   int failed_reporter_ = -1;
   bool failed_protocol_ = false;
   std::string failed_msg_;
+  // a peer that left cleanly (a goodbye) while no operation needed it: not a failure of the epoch
+  // (operations that do not need it go on), but wait_failure() names it (fail_mu_)
+  bool left_ = false;
+  uint64_t left_epoch_ = 0;
+  int left_peer_ = -1;
+  std::string left_msg_;
   std::set<int> aborted_peers_;  // losses already announced this epoch (op_mu_)
 
   // accepted, handshaken connections waiting to be claimed: (peer, epoch) -> link
@@ -349,6 +359,7 @@ struct Communicator::Impl {
 
   // threads
   std::atomic<bool> stop_{false};
+  std::atomic<bool> goodbye_{true};  // close() says goodbye (debug_vanish: not)
   std::thread service_;
   std::mutex q_mu_;
   std::condition_variable q_cv_;

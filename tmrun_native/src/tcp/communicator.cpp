@@ -112,6 +112,10 @@ bool Communicator::wait_failure(double timeout_s, int64_t ignore_epoch, FailureI
   return impl_->wait_failure(timeout_s, ignore_epoch, out);
 }
 void Communicator::close() { impl_->close(); }
+void Communicator::debug_vanish() {
+  impl_->goodbye_ = false;
+  impl_->close();
+}
 void Communicator::debug_send_raw(int peer, const std::string& bytes) { impl_->debug_send_raw(peer, bytes); }
 
 // ---------------------------------------------------------------- construction
@@ -152,6 +156,7 @@ void Communicator::Impl::close() {
   if (service_.joinable()) service_.join();
   if (prepare_thread_.joinable()) prepare_thread_.join();
   std::lock_guard<std::mutex> g(op_mu_);
+  if (goodbye_) say_goodbye();
   std::lock_guard<std::mutex> t(table_mu_);
   for (auto& kv : links_) {
     if (kv.second->fd.valid()) links_closed_++;

@@ -23,10 +23,21 @@ void Communicator::Impl::idle_tick(const std::set<Link*>& exclude) {
   for (Link* l : ls) {
     if (l->broken) continue;
     try {
-      tx_pump(*l, nullptr, nullptr, now);
+      if (!l->peer_left) tx_pump(*l, nullptr, nullptr, now);
       RxCtx c{RxMode::kIdle};
       rx_pump(*l, c);
     } catch (const LinkFailure& f) {
+      if (f.left) {
+        // A goodbye, then the end: the peer left cleanly. Not a failure of the epoch and not
+        // announced: a peer still finishing the operation this rank left after has what it needs
+        // from it. An operation that does need it fails on its link (begin_op); wait_failure()
+        // names it meanwhile (the loss watcher, the device plane).
+        int peer = f.link->peer;
+        close_link(*f.link, f.reason);
+        note_left(peer, str_cat("rank ", peer, " lost: ", f.reason, " (detected by rank ", rank_, " while idle, epoch ",
+                                epoch_.load(), ")"));
+        continue;
+      }
       bool proto = f.protocol;
       std::string reason = f.reason;
       int peer = f.link->peer;
@@ -76,13 +87,32 @@ std::string Communicator::Impl::failure() const {
 
 bool Communicator::Impl::wait_failure(double timeout_s, int64_t ignore_epoch, FailureInfo* out) const {
   std::unique_lock<std::mutex> g(fail_mu_);
-  auto wanted = [&] { return stop_.load() || (failed_ && int64_t(failed_epoch_) != ignore_epoch); };
+  auto failed = [&] { return failed_ && int64_t(failed_epoch_) != ignore_epoch; };
+  auto left = [&] { return left_ && int64_t(left_epoch_) != ignore_epoch; };
+  auto wanted = [&] { return stop_.load() || failed() || left(); };
   if (!fail_cv_.wait_for(g, secs(std::max(0.0, timeout_s)), wanted) || stop_) return false;
-  out->epoch = failed_epoch_;
-  out->peer = failed_peer_;
-  out->protocol = failed_protocol_;
-  out->message = failed_msg_;
+  if (failed()) {
+    out->epoch = failed_epoch_;
+    out->peer = failed_peer_;
+    out->protocol = failed_protocol_;
+    out->message = failed_msg_;
+  } else {
+    out->epoch = left_epoch_;
+    out->peer = left_peer_;
+    out->protocol = false;
+    out->message = left_msg_;
+  }
   return true;
+}
+
+void Communicator::Impl::note_left(int peer, std::string msg) {
+  std::lock_guard<std::mutex> g(fail_mu_);
+  if (left_) return;  // the first of the epoch
+  left_ = true;
+  left_epoch_ = epoch_.load();
+  left_peer_ = peer;
+  left_msg_ = std::move(msg);
+  fail_cv_.notify_all();
 }
 
 // The failure recorded for an abort notice about `lost` (-1: an operation timed out somewhere)

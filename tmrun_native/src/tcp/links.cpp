@@ -1,5 +1,6 @@
 // The link table: opening links (connect, dialling with the hello handshake, lazy point-to-point
 // links), installing, closing and retiring them, and the introspection that reads the table.
+#include <poll.h>
 #include <sys/socket.h>
 
 #include <algorithm>
@@ -240,6 +241,69 @@ void Communicator::Impl::retire(std::unique_ptr<Link> l) {
   ::shutdown(l->fd.get(), SHUT_WR);
   l->last_progress = Clock::now();
   retired_.push_back(std::move(l));
+}
+
+// Closing the communicator: every open link gets a goodbye after the frame in flight, then our
+// FIN, and is drained until the peer closes its end or a short grace period ends. A peer reads
+// everything we sent and then the goodbye, so our leave right after an operation is not a lost
+// rank to it (closing with unread bytes would reset the connection under a peer still reading
+// the end of that operation). Bounded: at most kGoodbyeGraceS whatever the peers do.
+void Communicator::Impl::say_goodbye() {
+  constexpr double kGoodbyeGraceS = 0.5;
+  const auto deadline = Clock::now() + secs(std::min(kGoodbyeGraceS, opts_.timeout));
+  std::vector<Link*> open;
+  {
+    std::lock_guard<std::mutex> t(table_mu_);
+    for (auto& kv : links_)
+      if (!kv.second->broken && kv.second->fd.valid()) open.push_back(kv.second.get());
+  }
+  auto wait_writable = [&](Link& l) {
+    auto left = std::chrono::duration<double>(deadline - Clock::now()).count();
+    if (left <= 0) return false;
+    pollfd p{l.fd.get(), POLLOUT, 0};
+    return ::poll(&p, 1, int(left * 1000) + 1) > 0;
+  };
+  std::vector<Link*> draining;
+  for (Link* l : open) {
+    try {
+      bool sent = false;
+      while (Clock::now() < deadline) {
+        tx_pump(*l, nullptr, nullptr, Clock::now(), false);
+        if (!l->tx_busy) {
+          if (sent) break;
+          start_frame(*l, FrameType::kGoodbye, 0, nullptr, 0);
+          sent = true;
+          continue;
+        }
+        if (!wait_writable(*l)) break;
+      }
+      ::shutdown(l->fd.get(), SHUT_WR);
+      draining.push_back(l);
+    } catch (const LinkFailure&) {  // the peer is gone already: nothing to say goodbye to
+    }
+  }
+  while (!draining.empty()) {
+    auto left = std::chrono::duration<double>(deadline - Clock::now()).count();
+    if (left <= 0) break;
+    std::vector<pollfd> fds;
+    for (Link* l : draining) fds.push_back(pollfd{l->fd.get(), POLLIN | POLLRDHUP, 0});
+    if (::poll(fds.data(), nfds_t(fds.size()), int(left * 1000) + 1) <= 0) break;
+    std::vector<Link*> still;
+    for (size_t i = 0; i < draining.size(); ++i) {
+      bool ended = false;
+      if (fds[i].revents) {
+        for (;;) {
+          ssize_t n = ::recv(draining[i]->fd.get(), trash_.data(), trash_.size(), MSG_DONTWAIT);
+          if (n > 0) continue;
+          if (n < 0 && errno == EINTR) continue;
+          ended = !(n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK));  // EOF or error: the peer closed
+          break;
+        }
+      }
+      if (!ended) still.push_back(draining[i]);
+    }
+    draining.swap(still);
+  }
 }
 
 void Communicator::Impl::drain_retired() {

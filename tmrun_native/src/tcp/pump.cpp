@@ -120,7 +120,10 @@ ssize_t Communicator::Impl::rx_read(Link& l, void* dst, size_t want, bool* prog)
     *prog = true;
     return n;
   }
-  if (n == 0) throw LinkFailure{&l, "connection closed by peer", false};
+  if (n == 0) {
+    if (l.peer_left) throw LinkFailure{&l, "it closed its communicator", false, true};
+    throw LinkFailure{&l, "connection closed by peer", false};
+  }
   if (errno == EINTR) return 0;
   if (errno == EAGAIN || errno == EWOULDBLOCK) return -1;
   throw LinkFailure{&l, errno_str("recv failed"), false};
@@ -154,6 +157,9 @@ RxStep Communicator::Impl::rx_accept_header(Link& l, RxCtx& c, const FrameHeader
                       true};
   switch (h.type) {
     case FrameType::kHeartbeat:
+      return RxStep::kAgain;
+    case FrameType::kGoodbye:  // its end follows; an operation that still needs this peer fails then
+      l.peer_left = true;
       return RxStep::kAgain;
     case FrameType::kAbort:
       if ((c.mode == RxMode::kOp || c.mode == RxMode::kIdle) && h.epoch == cur)

@@ -131,6 +131,9 @@ void Communicator::Impl::do_commit() {
     failed_peer_ = failed_reporter_ = -1;
     failed_protocol_ = false;
     failed_msg_.clear();
+    left_ = false;
+    left_peer_ = -1;
+    left_msg_.clear();
   }
   aborted_peers_.clear();
   commits_++;
