@@ -58,6 +58,17 @@ def run_job(work: Path, name: str, args: argparse.Namespace, tmrun_args: list[st
             "report": report.group(0) if report else "", "log": lines[-14:], "log_path": str(out / "agent.log")}
 
 
+def replaced_in_place(run: dict, log: str) -> bool:
+    """The failure run's rank was replaced in place (its report counts a recovery), not by a
+    group restart (which ends bitwise equal too: it trains from step 0)."""
+    return bool(re.search(r"recoveries: [1-9]", run["report"])) and "group restart" not in log
+
+
+def migrated(log: str) -> bool:
+    """A migration run's leaver handed its state over (a refused migration changes nothing)."""
+    return bool(re.search(r"handed \d+ bytes to the joiner", log))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=24)
@@ -93,9 +104,9 @@ def main() -> int:
     reference = runs[0]["final"]
     ok = bool(reference) and all(r["exit"] == 0 and r["replicas_equal"] and r["final"] == reference for r in runs)
     # the event took place: replaced in place (not a group restart), migrated (not refused)
-    runs[1]["in_place"] = bool(re.search(r"recoveries: [1-9]", runs[1]["report"])) and "group restart" not in logs["failure"]
+    runs[1]["in_place"] = replaced_in_place(runs[1], logs["failure"])
     for r in runs[2:]:
-        r["migrated"] = bool(re.search(r"handed \d+ bytes to the joiner", logs[r["name"]]))
+        r["migrated"] = migrated(logs[r["name"]])
     ok &= runs[1]["in_place"] and all(r["migrated"] for r in runs[2:])
     for r in runs:
         same = ("missing" if not r["final"] else

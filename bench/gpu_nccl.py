@@ -59,7 +59,9 @@ def _init(rank: int, world: int, port: int, on_cpu: bool = False):  # type: igno
         count = torch.cuda.device_count()
         if world > count:
             os.environ["TMRUN_NCCL_SHARED_GPU"] = "1"
-            os.environ.setdefault("NCCL_HOSTID", f"{socket.gethostname()}-{os.getpid()}")
+            from tmrun.comm.device_plane import share_gpu_if_asked
+
+            share_gpu_if_asked()  # before torch's own NCCL group of (c) too
         device = torch.device("cuda", rank % count)
         torch.cuda.set_device(device)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=__import__("datetime").timedelta(seconds=120))
@@ -236,7 +238,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("SKIP: no CUDA device")
         return SKIP
-    from gpu_inplace import run_job  # the same job runner as the staging path's GPU check
+    from gpu_inplace import migrated, replaced_in_place, run_job  # as the staging path's GPU check
 
     from tmrun.comm.nccl_runtime import loaded_library
 
@@ -287,8 +289,9 @@ def main() -> int:
         r["bitwise_equal"] = bool(reference) and r["final"] == reference and r["replicas_equal"]
         r["recovery_lines"] = re.findall(r"[^\n]*(?:ranks recovered|downtime|device plane)[^\n]*", logs[r["name"]])[-8:]
         ok &= r["exit"] == 0 and r["bitwise_equal"]
-    in_place = re.search(r"recoveries: (\d+)", runs[1]["report"])
-    ok &= bool(in_place) and int(in_place.group(1)) >= 1  # replaced in place, not by a group restart
+    runs[1]["in_place"] = replaced_in_place(runs[1], logs["failure"])
+    runs[2]["migrated"] = migrated(logs["migration"])
+    ok &= runs[1]["in_place"] and runs[2]["migrated"]
     ahead = re.findall(r"generation 1's communicator built ahead of the switch \(([\d.]+) s\)", logs["migration"])
     runs[2]["built_ahead_s"] = [float(x) for x in ahead]
     ok &= len(ahead) == 2

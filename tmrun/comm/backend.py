@@ -615,37 +615,27 @@ class TmrunProcessGroup(dist.ProcessGroup):
         return self._plane.counts()
 
     # ------------------------------------------------------------------ lifecycle
-    def shutdown(self, drain_timeout: float = 10.0) -> None:
+    def shutdown(self, drain_timeout: float = 10.0, *, device_plane: bool = True, stop_timeout: float = 30.0) -> None:
         """Wait up to ``drain_timeout`` s for submitted operations, close the communicator (what
-        is still running fails with "communicator is closed"), stop the completer thread."""
+        is still running fails with "communicator is closed"), stop the completer thread (up to
+        ``stop_timeout`` s). ``device_plane``: shut the plane's inner groups down too (NCCL's
+        shutdown may wait on dead peers: not at exit, :func:`close_groups_at_exit`)."""
         if self._closed:
             return
         self._closed = True
-        self._completer.drain(drain_timeout)
-        if self._plane is not None:
+        if drain_timeout > 0:
+            self._completer.drain(drain_timeout)
+        if device_plane and self._plane is not None:
             self._plane.shutdown()
         if self._comm is not None:
             try:
                 self._comm.close()
             except Exception as exc:  # noqa: BLE001
                 say(f"closing the tmrun communicator failed: {exc}", worker=True)
-        self._completer.stop()
+        self._completer.stop(stop_timeout)
 
     def abort(self) -> None:
         self.shutdown()
-
-    def _close_at_exit(self) -> None:
-        """:func:`close_groups_at_exit`: the communicator closed (what still runs fails), the
-        completer stopped, each bounded; nothing that may wait on a peer."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._comm is not None:
-            try:
-                self._comm.close()
-            except Exception:  # noqa: BLE001  exiting: nothing to tell
-                pass
-        self._completer.stop(EXIT_STOP_TIMEOUT)
 
     # ------------------------------------------------------------------ machinery
     def _serve_locally(self) -> bool:
@@ -1605,7 +1595,7 @@ def close_groups_at_exit() -> None:
     ("terminate called without an active exception", SIGABRT after a worker's last line). The
     device plane is left alone: NCCL's own shutdown may wait on dead peers."""
     for pg in reversed(created_groups()):
-        pg._close_at_exit()
+        pg.shutdown(0.0, device_plane=False, stop_timeout=EXIT_STOP_TIMEOUT)
 
 
 atexit.register(close_groups_at_exit)

@@ -117,16 +117,21 @@ def device_types(args: Any) -> set:
 Factory = Callable[[Any, int, int, datetime.timedelta], Any]
 
 
+def share_gpu_if_asked() -> None:
+    """``TMRUN_NCCL_SHARED_GPU=1`` (several ranks on one GPU: tests, benches): NCCL refuses two
+    ranks on one GPU of one host, so before 2.30 each process poses as a host of its own
+    (docs/nccl.md). Call before the process's first NCCL communicator."""
+    if os.environ.get(ENV_SHARED_GPU, "") == "1":
+        os.environ.setdefault("NCCL_HOSTID", f"{socket.gethostname()}-{os.getpid()}")
+
+
 def _nccl_group(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
     # torch's watchdog must not end the process when a generation's communicator fails: tmrun
     # aborts it and builds the next generation's (CleanUpOnly). In-place workers get it from the
     # launcher (torch's agent would set 1); this covers a group made outside tmrun's launcher
     for name, value in environment.NCCL_WATCHDOG_DEFAULTS.items():
         os.environ.setdefault(name, value)
-    if os.environ.get(ENV_SHARED_GPU, "") == "1":
-        # several ranks on one GPU (tests, benches): NCCL refuses two ranks on one GPU of one host;
-        # before 2.30 each process poses as a host of its own (docs/nccl.md)
-        os.environ.setdefault("NCCL_HOSTID", f"{socket.gethostname()}-{os.getpid()}")
+    share_gpu_if_asked()
     group_class = nccl_backend_class()
     options = dist.ProcessGroupNCCL.Options()  # both classes take these options (torch's _nccl2_options)
     options._timeout = timeout

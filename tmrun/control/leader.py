@@ -308,7 +308,7 @@ class Leader:
             self._event("replace", why)
             return
         causes = "; ".join(f"node {r.node_id}: {r.detail}" for r in pending.reports if r.node_id in culprits)
-        if self._failed_at_start(pending, started_api=decision is not Decision.PLAIN):
+        if self._failed_at_start(pending):
             self._event("failure", causes)
             self._fail(f"the script fails at start: {self._failed_starts} starts in a row ended within "
                        f"{START_WINDOW:g} s, before any rank reached tmrun.init() ({causes}; its own error is "
@@ -325,12 +325,12 @@ class Leader:
         if planner.HOLE in plan.active and self._hole_since is None:
             self._hole_since = time.monotonic()
 
-    def _failed_at_start(self, pending: _Pending, started_api: bool) -> bool:
+    def _failed_at_start(self, pending: _Pending) -> bool:
         """Whether the script fails at start, again: this epoch's workers failed (no node was
         lost) within :data:`START_WINDOW` of the epoch's start with no rank in tmrun.init(), as in
         the epoch before. A crash loop (a bad argument) then ends after two starts, not after
         every restart the job allows."""
-        at_start = (not started_api and not any(r.node_dead for r in pending.reports)
+        at_start = (not any(r.node_dead for r in pending.reports)
                     and pending.first_seen - self._epoch_since < START_WINDOW
                     and not self._inplace.reached_api(self._membership))
         self._failed_starts = self._failed_starts + 1 if at_start else 0

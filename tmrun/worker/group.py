@@ -6,7 +6,6 @@ The one place that knows how the runtime reaches the backend object behind
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -24,9 +23,8 @@ def init_plain() -> None:
     if dist.is_initialized():
         return
     backend = os.environ.get(environment.ENV_BACKEND, BACKEND)
-    if backend == "nccl" and os.environ.get(device_plane.ENV_SHARED_GPU, "") == "1":
-        # the GPU benches' torchrun baseline: several ranks on one GPU, as the device plane does
-        os.environ.setdefault("NCCL_HOSTID", f"{socket.gethostname()}-{os.getpid()}")
+    if backend == "nccl":
+        device_plane.share_gpu_if_asked()  # the GPU benches' torchrun baseline, as the device plane does
     dist.init_process_group(backend)
 
 

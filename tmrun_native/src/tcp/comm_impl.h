@@ -264,6 +264,7 @@ struct Communicator::Impl {
   void close_link(Link& l, const std::string& why);
   void retire(std::unique_ptr<Link> l);
   void say_goodbye();
+  bool read_to_end(Link& l);
   void note_left(int peer, std::string msg);
   void drain_retired();
   std::vector<LinkInfo> links() const;

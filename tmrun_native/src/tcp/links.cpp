@@ -243,6 +243,17 @@ void Communicator::Impl::retire(std::unique_ptr<Link> l) {
   retired_.push_back(std::move(l));
 }
 
+// Reads and drops what a link we are leaving has for us. Returns true once the peer's end came
+// (EOF or an error), false when nothing more is there for now.
+bool Communicator::Impl::read_to_end(Link& l) {
+  for (;;) {
+    ssize_t n = ::recv(l.fd.get(), trash_.data(), trash_.size(), MSG_DONTWAIT);
+    if (n > 0) continue;
+    if (n < 0 && errno == EINTR) continue;
+    return !(n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK));
+  }
+}
+
 // Closing the communicator: every open link gets a goodbye after the frame in flight, then our
 // FIN, and is drained until the peer closes its end or a short grace period ends. A peer reads
 // everything we sent and then the goodbye, so our leave right after an operation is not a lost
@@ -289,19 +300,8 @@ void Communicator::Impl::say_goodbye() {
     for (Link* l : draining) fds.push_back(pollfd{l->fd.get(), POLLIN | POLLRDHUP, 0});
     if (::poll(fds.data(), nfds_t(fds.size()), int(left * 1000) + 1) <= 0) break;
     std::vector<Link*> still;
-    for (size_t i = 0; i < draining.size(); ++i) {
-      bool ended = false;
-      if (fds[i].revents) {
-        for (;;) {
-          ssize_t n = ::recv(draining[i]->fd.get(), trash_.data(), trash_.size(), MSG_DONTWAIT);
-          if (n > 0) continue;
-          if (n < 0 && errno == EINTR) continue;
-          ended = !(n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK));  // EOF or error: the peer closed
-          break;
-        }
-      }
-      if (!ended) still.push_back(draining[i]);
-    }
+    for (size_t i = 0; i < draining.size(); ++i)
+      if (!fds[i].revents || !read_to_end(*draining[i])) still.push_back(draining[i]);
     draining.swap(still);
   }
 }
@@ -310,14 +310,7 @@ void Communicator::Impl::drain_retired() {
   auto now = Clock::now();
   for (auto it = retired_.begin(); it != retired_.end();) {
     Link& l = **it;
-    bool drop = now - l.last_progress > secs(std::max(5.0, 2 * opts_.timeout));
-    while (!drop) {
-      ssize_t n = ::recv(l.fd.get(), trash_.data(), trash_.size(), MSG_DONTWAIT);
-      if (n > 0) continue;
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
-      drop = true;  // EOF or error: the peer is gone
-    }
+    bool drop = now - l.last_progress > secs(std::max(5.0, 2 * opts_.timeout)) || read_to_end(l);
     if (drop)
       it = retired_.erase(it);
     else
