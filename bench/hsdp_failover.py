@@ -89,14 +89,15 @@ STEADY_MIN = 3  # steps before the kill: the steady step needs a few intervals
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """Bad flags: one line on stderr (no usage block), exit status 2."""
+    """Bad flags: one line on stderr (no usage block), exit status 2 (``prog``: the bench's file name)."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"hsdp_failover.py: error: {message}\n")
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="hsdp_failover.py", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3, help="runs per launcher, interleaved (default 3)")
     parser.add_argument("--dim", type=int, default=256, help="model width (default 256: 3.2M parameters with 4 layers)")
     parser.add_argument("--layers", type=int, default=4, help="transformer blocks (default 4)")
@@ -205,89 +206,99 @@ def command(args: argparse.Namespace, launcher: str, work: Path) -> tuple[list[s
     return cmd, dict(base_env(), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
 
 
-def one_run(args: argparse.Namespace, launcher: str, index: int, work: Path) -> Run:
-    run = Run(launcher, index)
-    tmrun = launcher == "tmrun"
-    log = work / "launcher.log"
-    rank0, rank1 = work / "steps-0.log", work / f"steps-{KILL_RANK}.log"
-    cmd, env = command(args, launcher, work)
-    busy0, mine0 = busy_cpu()
-    wall0 = time.monotonic()
-    deadline = wall0 + args.timeout
-    job = Job(cmd, log, env)
-    LIVE_JOBS.append(job)
-    t_kill = NAN
-    code: int | None = None
+class Watch:
+    """One launcher run until the kill and to its end (this bench's and bench/torchtitan_failover.py's):
+    bounded waits that check, every half second, that the launcher lives and (tmrun) that
+    in-place recovery did not break."""
 
-    def check_alive() -> None:
-        if job.proc.poll() is not None:
-            raise Abort(f"the launcher exited (code {job.proc.returncode}) before the kill")
-        if tmrun:
-            found = re.search(f"^.*(?:{INPLACE_BROKEN}).*$", log.read_text(errors="replace"), re.MULTILINE)
+    def __init__(self, job: Job, log: Path, tmrun: bool, deadline: float) -> None:
+        self.job, self.log, self.tmrun, self.deadline = job, log, tmrun, deadline
+
+    def check_alive(self) -> None:
+        if self.job.proc.poll() is not None:
+            raise Abort(f"the launcher exited (code {self.job.proc.returncode}) before the kill")
+        if self.tmrun:
+            found = re.search(f"^.*(?:{INPLACE_BROKEN}).*$", self.log.read_text(errors="replace"), re.MULTILINE)
             if found:
                 raise Abort(f"in-place recovery broke: {found.group(0).strip()}")
 
-    def wait_for(what: str, ready, poll: float = POLL) -> None:  # type: ignore[no-untyped-def]
+    def wait_for(self, what: str, ready, poll: float = POLL) -> None:  # type: ignore[no-untyped-def]
         checked = 0.0
         while not ready():
             now = time.monotonic()
-            if now > deadline:
+            if now > self.deadline:
                 raise Abort(f"waited too long for {what}")
             if now - checked > 0.5:
-                check_alive()
+                self.check_alive()
                 checked = now
             time.sleep(poll)
 
-    def rank1_done(step: int) -> bool:
-        line = last_line(rank1)
-        return len(line) >= 3 and int(line[0]) >= step
+    def standby_warm(self) -> None:
+        """tmrun: until its standby is warm (a kill before that waits for it, which is not the
+        recovery this bench measures)."""
+        if self.tmrun:
+            self.wait_for("the standby to be warm", lambda: "] standby 0 warm" in self.log.read_text(errors="replace"))
 
+    def finish(self, timeout: float) -> int:
+        """The launcher's exit code, once it ends (Abort when it does not, within the deadline)."""
+        while time.monotonic() < self.deadline:
+            code = self.job.wait(0.25)
+            if code is not None:
+                return code
+            if self.tmrun:
+                self.check_alive()
+        raise Abort(f"no finish within {timeout:.0f}s (hung)")
+
+
+def step_done(path: Path, step: int) -> bool:
+    """Whether a rank's step log (``step time pid`` lines) has reached ``step``."""
+    line = last_line(path)
+    return len(line) >= 3 and int(line[0]) >= step
+
+
+def kill_logged_rank(job: Job, line: list[str], at: float = 0.0) -> float:
+    """SIGKILL the process of a step log's ``line``, once it is checked to be this job's, at the
+    wall-clock time ``at`` (0: at once); the kill's time."""
+    pid = int(line[2])
     try:
-        try:
-            if tmrun:
-                wait_for("the standby to be warm", lambda: "] standby 0 warm" in log.read_text(errors="replace"))
-            wait_for(f"rank {KILL_RANK}'s step {args.kill_step - 2}", lambda: rank1_done(args.kill_step - 2))
-            size = log_size(rank1)  # the next line is step S - 1: kill right after it
-            wait_for(f"rank {KILL_RANK}'s step {args.kill_step - 1}", lambda: log_size(rank1) != size
-                     and rank1_done(args.kill_step - 1), poll=FAST_POLL)
-            line = last_line(rank1)
-            pid = int(line[2])
-            try:
-                import psutil
+        import psutil
 
-                if psutil.Process(pid).environ().get(TAG_VAR) != job.tag:
-                    raise Abort(f"pid {pid} of rank {KILL_RANK}'s step log is not this job's")
-            except psutil.Error as exc:
-                raise Abort(f"rank {KILL_RANK}'s pid {pid} is gone before the kill: {exc!r}") from exc
-            os.kill(pid, signal.SIGKILL)
-            t_kill = time.time()
-            if int(line[0]) != args.kill_step - 1:
-                run.notes.append(f"killed after rank {KILL_RANK}'s step {line[0]}, not {args.kill_step - 1}")
-            while code is None and time.monotonic() < deadline:
-                code = job.wait(0.25)
-                if tmrun and code is None:
-                    check_alive()
-            if code is None:
-                raise Abort(f"no finish within {args.timeout:.0f}s (hung)")
-        except Abort as exc:
-            run.notes.append(str(exc))
-    finally:
-        left = job.cleanup()
-        LIVE_JOBS.remove(job)
-        if left:
-            run.notes.append(f"{len(left)} processes would not die: {left}")
+        if psutil.Process(pid).environ().get(TAG_VAR) != job.tag:
+            raise Abort(f"pid {pid} of rank {KILL_RANK}'s step log is not this job's")
+    except psutil.Error as exc:
+        raise Abort(f"rank {KILL_RANK}'s pid {pid} is gone before the kill: {exc!r}") from exc
+    time.sleep(max(0.0, at - time.time()))
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError as exc:
+        raise Abort(f"rank {KILL_RANK} (pid {pid}) was gone at the kill") from exc
+    return time.time()
+
+
+def wind_up(job: Job, run: Run, started: tuple[float, float, float]) -> None:
+    """The job's processes gone (any left is a note), and the run's wall time and the CPU others
+    used meanwhile (``started``: monotonic time, busy and own CPU seconds at the start)."""
+    left = job.cleanup()
+    LIVE_JOBS.remove(job)
+    if left:
+        run.notes.append(f"{len(left)} processes would not die: {left}")
+    wall0, busy0, mine0 = started
     busy1, mine1 = busy_cpu()
     run.seconds = time.monotonic() - wall0
     run.others = max(0.0, (busy1 - busy0) - (mine1 - mine0)) / max(1e-9, run.seconds)
-    text = log.read_text(errors="replace")
-    rows = read_steps(rank0)
+
+
+def judge(run, code: int | None, rows: list, t_kill: float, text: str, last_step: int) -> list[str]:  # type: ignore[no-untyped-def]
+    """What went wrong in a run, from its exit code, rank 0's step log and (tmrun) the agent's
+    log; sets the run's metrics, recovery and phases. The torchrun side's resume check is the caller's."""
+    tmrun = run.launcher == "tmrun"
     problems: list[str] = []
     if code is None:
         problems.append("did not finish")
     elif code != 0:
         problems.append(f"exit code {code}")
-    if not rows or rows[-1][0] != args.steps - 1:
-        problems.append(f"rank 0's last step {rows[-1][0] if rows else None}, not {args.steps - 1}")
+    if not rows or rows[-1][0] != last_step:
+        problems.append(f"rank 0's last step {rows[-1][0] if rows else None}, not {last_step}")
     if not math.isnan(t_kill):
         run.metrics = kill_metrics(rows, t_kill, redone_aborted=tmrun)
         if run.metrics is None:
@@ -305,14 +316,108 @@ def one_run(args: argparse.Namespace, launcher: str, index: int, work: Path) -> 
             phases = recovered_phases(read_events(Path(events.group(1))), 1, [t_kill])
             if phases:
                 run.phases = phases[0]
-    elif "resumed from the checkpoint of step" not in text:
-        problems.append("no resume from a checkpoint seen")
-    run.finals = [read_final(work / f"final-{rank}") for rank in range(NPROC)]
+    return problems
+
+
+def conclude(run, problems: list[str], finals: list[Path]) -> None:  # type: ignore[no-untyped-def]
+    """Every rank's final digest read; the run is ok when nothing went wrong."""
+    run.finals = [read_final(path) for path in finals]
     if not all(run.finals):
         problems.append("not every rank wrote its final digest")
     run.ok = not problems and not run.notes and run.metrics is not None
     run.notes = problems + run.notes
+
+
+def start_watched(cmd: list[str], log: Path, env: dict[str, str], tmrun: bool,
+                  timeout: float) -> tuple[Job, Watch, tuple[float, float, float]]:
+    """The launcher started (its output to ``log``) under watch for ``timeout`` s, and what
+    :func:`wind_up` needs of the start."""
+    started = (time.monotonic(), *busy_cpu())
+    job = Job(cmd, log, env)
+    LIVE_JOBS.append(job)
+    return job, Watch(job, log, tmrun, started[0] + timeout), started
+
+
+def one_run(args: argparse.Namespace, launcher: str, index: int, work: Path) -> Run:
+    run = Run(launcher, index)
+    log = work / "launcher.log"
+    rank0, rank1 = work / "steps-0.log", work / f"steps-{KILL_RANK}.log"
+    cmd, env = command(args, launcher, work)
+    job, watch, started = start_watched(cmd, log, env, launcher == "tmrun", args.timeout)
+    t_kill = NAN
+    code: int | None = None
+    try:
+        try:
+            watch.standby_warm()
+            watch.wait_for(f"rank {KILL_RANK}'s step {args.kill_step - 2}", lambda: step_done(rank1, args.kill_step - 2))
+            size = log_size(rank1)  # the next line is step S - 1: kill right after it
+            watch.wait_for(f"rank {KILL_RANK}'s step {args.kill_step - 1}", lambda: log_size(rank1) != size
+                           and step_done(rank1, args.kill_step - 1), poll=FAST_POLL)
+            line = last_line(rank1)
+            t_kill = kill_logged_rank(job, line)
+            if int(line[0]) != args.kill_step - 1:
+                run.notes.append(f"killed after rank {KILL_RANK}'s step {line[0]}, not {args.kill_step - 1}")
+            code = watch.finish(args.timeout)
+        except Abort as exc:
+            run.notes.append(str(exc))
+    finally:
+        wind_up(job, run, started)
+    text = log.read_text(errors="replace")
+    problems = judge(run, code, read_steps(rank0), t_kill, text, args.steps - 1)
+    if launcher != "tmrun" and "resumed from the checkpoint of step" not in text:
+        problems.append("no resume from a checkpoint seen")
+    conclude(run, problems, [work / f"final-{rank}" for rank in range(NPROC)])
     return run
+
+
+def run_all(args: argparse.Namespace, root: Path, one, report) -> None:  # type: ignore[no-untyped-def]
+    """Every run (``one(launcher, index, work)``, launchers alternating), its line as it ends;
+    then ``report(args, runs, seconds)``; exit status 1 when no run recovered."""
+    started = time.monotonic()
+    print(f"machine: {machine()}", flush=True)
+    print(f"logs: {root}" + ("" if args.keep else " (removed at the end; --keep keeps them)"), flush=True)
+    runs: list = []
+    try:
+        for index in range(args.runs):
+            for launcher in args.launchers:
+                work = root / f"{launcher}-{index}"
+                work.mkdir()
+                run = one(launcher, index, work)
+                runs.append(run)
+                print(f"  [{time.monotonic() - started:4.0f}s] {run.line()}", flush=True)
+    finally:
+        cleanup_all()
+    report(args, runs, time.monotonic() - started)
+    if not args.keep:
+        shutil.rmtree(root, ignore_errors=True)
+    if not any(r.ok for r in runs):
+        sys.exit(1)
+
+
+def print_tables(launchers: list[str], runs: list) -> None:
+    """The report's tables: each launcher's recovery (min / median / max over its recovered runs),
+    then tmrun's recovery hop by hop."""
+    print()
+    print("| launcher | recovered | steady step s | kill -> next step s | downtime s | committed time lost s "
+          "| steps recomputed | tmrun recovery s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for launcher in launchers:
+        mine = [r for r in runs if r.launcher == launcher]
+        done = [r for r in mine if r.ok and r.metrics is not None]
+        ms = [r.metrics for r in done if r.metrics is not None]
+        print(f"| {launcher} | {len(done)} of {len(mine)} | {spread([m.steady for m in ms], '{:.3f}')} | "
+              f"{spread([m.stall for m in ms])} | {spread([m.downtime for m in ms])} | "
+              f"{spread([m.committed for m in ms])} | {distinct([m.recomputed for m in ms])} | "
+              f"{spread([r.recovery for r in done], '{:.3f}')} |")
+    phased = [r.phases for r in runs if r.ok and r.phases]
+    if phased:
+        print()
+        print("tmrun's recovery, hop by hop (the `recovered` event's phases, docs/events.md; kill_to_seen: the "
+              "bench's kill to the controller seeing it), seconds, min / median / max:")
+        print()
+        print("| " + " | ".join(PHASES) + " |")
+        print("|" + "---|" * len(PHASES))
+        print("| " + " | ".join(spread([p.get(name, NAN) for p in phased], "{:.3f}") for name in PHASES) + " |")
 
 
 def read_final(path: Path) -> str:
@@ -339,27 +444,7 @@ def report(args: argparse.Namespace, runs: list[Run], total: float) -> None:
           f"`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`, DCP checkpoint every {args.checkpoint_every} steps; "
           "tmrun: `--standby 1` (warm at the kill), no checkpoint. Seconds, min / median / max over the "
           "recovered runs.")
-    print()
-    print("| launcher | recovered | steady step s | kill -> next step s | downtime s | committed time lost s "
-          "| steps recomputed | tmrun recovery s |")
-    print("|---|---|---|---|---|---|---|---|")
-    for launcher in args.launchers:
-        mine = [r for r in runs if r.launcher == launcher]
-        done = [r for r in mine if r.ok and r.metrics is not None]
-        ms = [r.metrics for r in done if r.metrics is not None]
-        print(f"| {launcher} | {len(done)} of {len(mine)} | {spread([m.steady for m in ms], '{:.3f}')} | "
-              f"{spread([m.stall for m in ms])} | {spread([m.downtime for m in ms])} | "
-              f"{spread([m.committed for m in ms])} | {distinct([m.recomputed for m in ms])} | "
-              f"{spread([r.recovery for r in done], '{:.3f}')} |")
-    phased = [r.phases for r in runs if r.ok and r.phases]
-    if phased:
-        print()
-        print("tmrun's recovery, hop by hop (the `recovered` event's phases, docs/events.md; kill_to_seen: the "
-              "bench's kill to the controller seeing it), seconds, min / median / max:")
-        print()
-        print("| " + " | ".join(PHASES) + " |")
-        print("|" + "---|" * len(PHASES))
-        print("| " + " | ".join(spread([p.get(name, NAN) for p in phased], "{:.3f}") for name in PHASES) + " |")
+    print_tables(args.launchers, runs)
     agree = digests_agree([r.finals for r in runs if r.ok])
     print()
     if agree is None:
@@ -376,25 +461,7 @@ def main() -> None:
     args = parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     root = Path(tempfile.mkdtemp(prefix="tmrun-hsdp-bench-"))
-    started = time.monotonic()
-    print(f"machine: {machine()}", flush=True)
-    print(f"logs: {root}" + ("" if args.keep else " (removed at the end; --keep keeps them)"), flush=True)
-    runs: list[Run] = []
-    try:
-        for index in range(args.runs):
-            for launcher in args.launchers:
-                work = root / f"{launcher}-{index}"
-                work.mkdir()
-                run = one_run(args, launcher, index, work)
-                runs.append(run)
-                print(f"  [{time.monotonic() - started:4.0f}s] {run.line()}", flush=True)
-    finally:
-        cleanup_all()
-    report(args, runs, time.monotonic() - started)
-    if not args.keep:
-        shutil.rmtree(root, ignore_errors=True)
-    if not any(r.ok for r in runs):
-        sys.exit(1)
+    run_all(args, root, lambda launcher, index, work: one_run(args, launcher, index, work), report)
 
 
 if __name__ == "__main__":

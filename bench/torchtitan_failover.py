@@ -58,32 +58,36 @@ import math
 import os
 import random
 import re
-import shutil
 import signal
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers of the other benches
 from inplace_failover import (  # noqa: E402
-    INPLACE_BROKEN,
-    LIVE_JOBS,
     STEADY_WINDOW,
-    TAG_VAR,
-    Job,
     base_env,
-    busy_cpu,
-    cleanup_all,
     machine,
     print_notes,
     read_steps,
     steady_step,
 )
-from random_kill import PHASES, KillMetrics, kill_metrics, last_line, read_events, recovered_phases  # noqa: E402
-from hsdp_failover import digests_agree, distinct, read_final, spread  # noqa: E402  (the same summaries)
+from random_kill import KillMetrics, last_line  # noqa: E402
+from hsdp_failover import (  # noqa: E402  (the same flags' errors, summaries, and run under watch)
+    Abort,
+    OneLineParser,
+    conclude,
+    digests_agree,
+    judge,
+    kill_logged_rank,
+    print_tables,
+    run_all,
+    spread,
+    start_watched,
+    step_done,
+    wind_up,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_MODULE = "tests.titan.bench_config"
@@ -103,13 +107,6 @@ STEADY_MIN = 3  # completions before the kill: the steady step needs a few inter
 # -- flags and pure arithmetic (unit tested: tests/bench/test_torchtitan_bench.py) ----------------
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """Bad flags: one line on stderr (no usage block), exit status 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"torchtitan_failover.py: error: {message}\n")
-
-
 def kill_range(steps: int, checkpoint_every: int) -> tuple[int, int]:
     """The steps (1-based, inclusive) a kill may land in: after torchrun's first checkpoint and
     STEADY_MIN completions, with 3 steps after it."""
@@ -117,7 +114,8 @@ def kill_range(steps: int, checkpoint_every: int) -> tuple[int, int]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="torchtitan_failover.py", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3, help="runs per launcher, interleaved (default 3)")
     parser.add_argument("--layout", default="ddp", help="ddp (2 processes, default) or hsdp (2 x 2, 4 processes)")
     parser.add_argument("--steps", type=int, default=20, help="torchtitan steps per run (default 20)")
@@ -189,10 +187,6 @@ class Run:
         return text + (f" [{'; '.join(self.notes)}]" if self.notes else "")
 
 
-class Abort(Exception):
-    """The run cannot go on (the job died, a wait ran out, in-place recovery broke)."""
-
-
 def command(args: argparse.Namespace, launcher: str, work: Path, assets: Path) -> tuple[list[str], dict[str, str]]:
     nproc, flags = LAYOUTS[args.layout]
     config = "titan_bench_tmrun" if launcher == "tmrun" else "titan_bench_plain"
@@ -215,123 +209,40 @@ def one_run(args: argparse.Namespace, launcher: str, index: int, plan: tuple[int
             assets: Path) -> Run:
     kill_step, fraction = plan
     run = Run(launcher, index, kill_step, fraction)
-    tmrun = launcher == "tmrun"
     nproc = LAYOUTS[args.layout][0]
     log = work / "launcher.log"
     rank0, rank1 = work / "steps-0.log", work / f"steps-{KILL_RANK}.log"
     cmd, env = command(args, launcher, work, assets)
-    busy0, mine0 = busy_cpu()
-    wall0 = time.monotonic()
-    deadline = wall0 + args.timeout
-    job = Job(cmd, log, env)
-    LIVE_JOBS.append(job)
+    job, watch, started = start_watched(cmd, log, env, launcher == "tmrun", args.timeout)
     t_kill = NAN
     code: int | None = None
-
-    def check_alive() -> None:
-        if job.proc.poll() is not None:
-            raise Abort(f"the launcher exited (code {job.proc.returncode}) before the kill")
-        if tmrun:
-            found = re.search(f"^.*(?:{INPLACE_BROKEN}).*$", log.read_text(errors="replace"), re.MULTILINE)
-            if found:
-                raise Abort(f"in-place recovery broke: {found.group(0).strip()}")
-
-    def wait_for(what: str, ready, poll: float = POLL) -> None:  # type: ignore[no-untyped-def]
-        checked = 0.0
-        while not ready():
-            now = time.monotonic()
-            if now > deadline:
-                raise Abort(f"waited too long for {what}")
-            if now - checked > 0.5:
-                check_alive()
-                checked = now
-            time.sleep(poll)
-
-    def rank1_done(step: int) -> bool:
-        line = last_line(rank1)
-        return len(line) >= 3 and int(line[0]) >= step
-
     try:
         try:
-            if tmrun:
-                wait_for("the standby to be warm", lambda: "] standby 0 warm" in log.read_text(errors="replace"))
-            wait_for(f"rank {KILL_RANK}'s step {kill_step - 2}", lambda: rank1_done(kill_step - 2))
-            wait_for(f"rank {KILL_RANK}'s step {kill_step - 1}", lambda: rank1_done(kill_step - 1), poll=FAST_POLL)
+            watch.standby_warm()
+            watch.wait_for(f"rank {KILL_RANK}'s step {kill_step - 2}", lambda: step_done(rank1, kill_step - 2))
+            watch.wait_for(f"rank {KILL_RANK}'s step {kill_step - 1}", lambda: step_done(rank1, kill_step - 1),
+                           poll=FAST_POLL)
             line = last_line(rank1)
-            pid = int(line[2])
             steady = steady_step([t for _, t, _ in read_steps(rank1)][-(STEADY_WINDOW + 1):])
-            try:
-                import psutil
-
-                if psutil.Process(pid).environ().get(TAG_VAR) != job.tag:
-                    raise Abort(f"pid {pid} of rank {KILL_RANK}'s step log is not this job's")
-            except psutil.Error as exc:
-                raise Abort(f"rank {KILL_RANK}'s pid {pid} is gone before the kill: {exc!r}") from exc
-            time.sleep(max(0.0, float(line[1]) + fraction * steady - time.time()))
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError as exc:
-                raise Abort(f"rank {KILL_RANK} (pid {pid}) was gone at the kill") from exc
-            t_kill = time.time()
+            # a fraction of a steady step into step S
+            t_kill = kill_logged_rank(job, line, at=float(line[1]) + fraction * steady)
             if int(line[0]) != kill_step - 1:
                 run.notes.append(f"killed after rank {KILL_RANK}'s step {line[0]}, not {kill_step - 1}")
-            while code is None and time.monotonic() < deadline:
-                code = job.wait(0.25)
-                if tmrun and code is None:
-                    check_alive()
-            if code is None:
-                raise Abort(f"no finish within {args.timeout:.0f}s (hung)")
+            code = watch.finish(args.timeout)
         except Abort as exc:
             run.notes.append(str(exc))
     finally:
-        left = job.cleanup()
-        LIVE_JOBS.remove(job)
-        if left:
-            run.notes.append(f"{len(left)} processes would not die: {left}")
-    busy1, mine1 = busy_cpu()
-    run.seconds = time.monotonic() - wall0
-    run.others = max(0.0, (busy1 - busy0) - (mine1 - mine0)) / max(1e-9, run.seconds)
+        wind_up(job, run, started)
     text = log.read_text(errors="replace")
-    rows = read_steps(rank0)
-    problems: list[str] = []
-    if code is None:
-        problems.append("did not finish")
-    elif code != 0:
-        problems.append(f"exit code {code}")
-    if not rows or rows[-1][0] != args.steps:
-        problems.append(f"rank 0's last step {rows[-1][0] if rows else None}, not {args.steps}")
-    if not math.isnan(t_kill):
-        run.metrics = kill_metrics(rows, t_kill, redone_aborted=tmrun)
-        if run.metrics is None:
-            problems.append("too few steps of rank 0 around the kill")
-    if tmrun:
-        if "in-place replacement" not in text:
-            problems.append("no in-place replacement in the agent log")
-        if len({who for _, _, who in rows}) > 1:
-            problems.append("rank 0 changed process")
-        recovered = re.search(r"generation 1: all \d+ ranks recovered, ([\d.]+)s after", text)
-        if recovered:
-            run.recovery = float(recovered.group(1))
-        events = re.search(r"the job's events go to (\S+)", text)
-        if events and not math.isnan(t_kill):
-            phases = recovered_phases(read_events(Path(events.group(1))), 1, [t_kill])
-            if phases:
-                run.phases = phases[0]
-    else:
+    problems = judge(run, code, read_steps(rank0), t_kill, text, args.steps)
+    if launcher != "tmrun":
         loaded = re.search(r"Loading the checkpoint from \S*step-(\d+)", text)
         if loaded:
             run.resumed = int(loaded.group(1))
         else:
             problems.append("torchtitan loaded no checkpoint")
-    run.finals = [read_final(work / f"final-{rank}") for rank in range(nproc)]
-    if not all(run.finals):
-        problems.append("not every rank wrote its final digest")
-    run.ok = not problems and not run.notes and run.metrics is not None
-    run.notes = problems + run.notes
+    conclude(run, problems, [work / f"final-{rank}" for rank in range(nproc)])
     return run
-
-
-# -- report ---------------------------------------------------------------------------------------
 
 
 def report(args: argparse.Namespace, runs: list[Run], total: float) -> None:
@@ -354,27 +265,7 @@ def report(args: argparse.Namespace, runs: list[Run], total: float) -> None:
           f"`--checkpoint.enable --checkpoint.interval {args.checkpoint_every}`; tmrun: `--standby 1` "
           "(warm at the kill), tmrun.integrations.torchtitan, no checkpoint. Seconds, min / median / max over "
           "the recovered runs.")
-    print()
-    print("| launcher | recovered | steady step s | kill -> next step s | downtime s | committed time lost s "
-          "| steps recomputed | tmrun recovery s |")
-    print("|---|---|---|---|---|---|---|---|")
-    for launcher in args.launchers:
-        mine = [r for r in runs if r.launcher == launcher]
-        done = [r for r in mine if r.ok and r.metrics is not None]
-        ms = [r.metrics for r in done if r.metrics is not None]
-        print(f"| {launcher} | {len(done)} of {len(mine)} | {spread([m.steady for m in ms], '{:.3f}')} | "
-              f"{spread([m.stall for m in ms])} | {spread([m.downtime for m in ms])} | "
-              f"{spread([m.committed for m in ms])} | {distinct([m.recomputed for m in ms])} | "
-              f"{spread([r.recovery for r in done], '{:.3f}')} |")
-    phased = [r.phases for r in runs if r.ok and r.phases]
-    if phased:
-        print()
-        print("tmrun's recovery, hop by hop (the `recovered` event's phases, docs/events.md; kill_to_seen: the "
-              "bench's kill to the controller seeing it), seconds, min / median / max:")
-        print()
-        print("| " + " | ".join(PHASES) + " |")
-        print("|" + "---|" * len(PHASES))
-        print("| " + " | ".join(spread([p.get(name, NAN) for p in phased], "{:.3f}") for name in PHASES) + " |")
+    print_tables(args.launchers, runs)
     agree = digests_agree([r.finals for r in runs if r.ok])
     print()
     if agree is None:
@@ -398,25 +289,8 @@ def main() -> None:
     assets = root / "assets"
     make_assets(assets)
     plan = kill_plan(args.seed, args.runs, args.steps, args.checkpoint_every)
-    started = time.monotonic()
-    print(f"machine: {machine()}", flush=True)
-    print(f"logs: {root}" + ("" if args.keep else " (removed at the end; --keep keeps them)"), flush=True)
-    runs: list[Run] = []
-    try:
-        for index in range(args.runs):
-            for launcher in args.launchers:
-                work = root / f"{launcher}-{index}"
-                work.mkdir()
-                run = one_run(args, launcher, index, plan[index], work, assets)
-                runs.append(run)
-                print(f"  [{time.monotonic() - started:4.0f}s] {run.line()}", flush=True)
-    finally:
-        cleanup_all()
-    report(args, runs, time.monotonic() - started)
-    if not args.keep:
-        shutil.rmtree(root, ignore_errors=True)
-    if not any(r.ok for r in runs):
-        sys.exit(1)
+    run_all(args, root, lambda launcher, index, work: one_run(args, launcher, index, plan[index], work, assets),
+            report)
 
 
 if __name__ == "__main__":

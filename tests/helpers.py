@@ -10,9 +10,10 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import psutil
 
@@ -141,3 +142,15 @@ def load_script(path: str | Path, name: str) -> ModuleType:
     sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def assert_one_line_usage_error(parse: Callable[[list[str]], object], flags: list[str], prog: str, message: str,
+                                capsys: Any) -> None:
+    """A script's bad flags: exit status 2 and one line on stderr, ``PROG: error: ...`` naming ``message``."""
+    import pytest
+
+    with pytest.raises(SystemExit) as exc:
+        parse(flags)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"{prog}: error: ") and message in err

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT, load_script
+from tests.helpers import ROOT, assert_one_line_usage_error, load_script
 
 BENCH = ROOT / "bench" / "hsdp_failover.py"
 
@@ -40,11 +40,7 @@ def test_defaults_and_launchers() -> None:
     ],
 )
 def test_bad_flags_exit_2_with_one_line(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exc:
-        _bench().parse_args(flags)
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("hsdp_failover.py: error: ") and message in err
+    assert_one_line_usage_error(_bench().parse_args, flags, "hsdp_failover.py", message, capsys)
 
 
 def test_parameter_count_matches_the_model() -> None:
