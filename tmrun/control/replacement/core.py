@@ -366,12 +366,17 @@ class Slot:
                 pass
 
 
+LEFT_MARK = "it closed its communicator"  # a lost peer's goodbye (tmrun_native: a clean leave)
+LEAVING_GRACE = 3.0  # s: a rank that said goodbye has this long to exit by itself before it is fenced
+
+
 class Slots:
     """The ranks this node plays and the processes that play them."""
 
     def __init__(self) -> None:
         self.by_rank: dict[int, Slot] = {}
         self.leavers: list[Slot] = []  # migrated ranks' old processes, leaving on their own
+        self._leaving: dict[int, tuple[float, proto.WorkerReport]] = {}  # said goodbye: rank -> (fence after, report)
 
     def adopt(self, processes: dict[int, subprocess.Popen[bytes]], promoted: bool = False) -> None:
         self.by_rank = {rank: Slot(rank, process, promoted=promoted) for rank, process in processes.items()}
@@ -404,7 +409,26 @@ class Slots:
         slot = self.by_rank.get(report.lost)
         if report.gen != gen or slot is None or slot.poll() is not None or report.lost == report.reporter:
             return None
+        if LEFT_MARK in report.detail:
+            # it closed its communicator (its goodbye): its process is on its way out, and its own
+            # exit says why (a worker that raised: exit code 1, not our SIGKILL); overdue_leavers()
+            # gives it up after LEAVING_GRACE
+            self._leaving.setdefault(report.lost, (time.monotonic() + LEAVING_GRACE, report))
+            return None
         return slot
+
+    def overdue_leavers(self, gen: int) -> list[tuple[Slot, proto.WorkerReport]]:
+        """Ranks of generation ``gen`` that said goodbye and still run :data:`LEAVING_GRACE` later
+        (a report of each, as :meth:`live_peer_lost` would have returned it)."""
+        now, overdue = time.monotonic(), []
+        for rank, (deadline, report) in list(self._leaving.items()):
+            slot = self.by_rank.get(rank)
+            if report.gen != gen or slot is None or slot.poll() is not None or slot.fenced:
+                del self._leaving[rank]
+            elif now >= deadline:
+                del self._leaving[rank]
+                overdue.append((slot, report))
+        return overdue
 
     def replace(self, rank: int, process: subprocess.Popen[bytes], leaving: bool) -> Slot:
         """A promoted standby plays ``rank`` now; the old process leaves on its own (``leaving``,

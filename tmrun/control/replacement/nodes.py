@@ -198,7 +198,10 @@ class NodeReplacement:
         return self._recoveries.completed(final=final)
 
 
-REPORT_SETTLE = 1.0  # seconds (like the leader's failure_settle): a report vs the rank's own exit
+# seconds a survivor's report waits for the rank's own exit: a worker that raised closes its
+# communicators at exit first (its goodbye, then its completer: up to about 2.5 s), and its peers
+# may report it lost meanwhile; its own exit code is the cause to report, not "still running"
+REPORT_SETTLE = core.LEAVING_GRACE
 
 
 @dataclass
@@ -318,6 +321,8 @@ class NodeWatch:
             slot = self.slots.live_peer_lost(report, self._gen)
             if slot is not None:
                 return f"rank {report.lost} (pid {slot.pid}) lost by rank {report.reporter}, its process still running"
+        for slot, report in self.slots.overdue_leavers(self._gen):
+            return f"rank {report.lost} (pid {slot.pid}) lost by rank {report.reporter}, its process still running"
         return ""
 
     def _fail(self, detail: str, by_signal: bool = True) -> None:

@@ -24,9 +24,6 @@ from tmrun.control.replacement import core
 from tmrun.protocol import messages as proto
 
 
-LEFT_MARK = "it closed its communicator"  # a lost peer's goodbye (tmrun_native: a clean leave)
-LEAVING_GRACE = 3.0  # s: a rank that said goodbye has this long to exit by itself before it is fenced
-
 class StandbyProcess(Protocol):
     index: int
     process: subprocess.Popen[bytes]
@@ -73,7 +70,6 @@ class ProcessReplacement:
         self._generations = core.Generations(store, gen_file)
         self._recoveries = core.Recoveries()
         self._reports = core.ReportInbox(store)
-        self._leaving: dict[int, tuple[float, proto.WorkerReport]] = {}  # rank -> (fence after, report)
         self._migrations = core.MigrationInbox(events_store, skip_older=True)
         self.slots = core.Slots()
         self.gen = 0
@@ -194,20 +190,9 @@ class ProcessReplacement:
                 continue
             slot = self.slots.live_peer_lost(report, self.gen)
             if slot is not None and not slot.fenced:
-                if LEFT_MARK in report.detail:
-                    # it closed its communicator (its goodbye): its process is on its way out, and
-                    # its own exit says why (an exception's exit code, not our SIGKILL)
-                    self._leaving.setdefault(report.lost, (time.monotonic() + LEAVING_GRACE, report))
-                    continue
                 self._fence(slot, report)
-        now = time.monotonic()
-        for rank, (deadline, report) in list(self._leaving.items()):
-            slot = self.slots.live_peer_lost(report, self.gen) if report.gen == self.gen else None
-            if slot is None or slot.fenced:
-                del self._leaving[rank]
-            elif now >= deadline:
-                del self._leaving[rank]
-                self._fence(slot, report)
+        for slot, report in self.slots.overdue_leavers(self.gen):
+            self._fence(slot, report)
 
     def _fence(self, slot: core.Slot, report: proto.WorkerReport) -> None:
         # A survivor lost this rank but its process lives on (hung, or cut off): fence it so that
