@@ -11,6 +11,7 @@ import os
 import shutil
 import sys
 import uuid
+import warnings
 from collections.abc import Sequence
 from typing import NoReturn
 
@@ -429,7 +430,23 @@ def _quiet_torch_cpp_warnings() -> None:
         os.environ[name] = user_value
 
 
+NUMPY_ABSENT_WARNING = "Failed to initialize NumPy"  # torch's UserWarning, at import, where numpy is not installed
+
+
+def _quiet_numpy_absent() -> None:
+    """torch warns at import that it found no NumPy (which neither tmrun nor torch needs; the
+    quick start's install has none), once per process: in the launcher, every worker and every
+    standby. Ignored here and, through ``PYTHONWARNINGS`` (the user's filters kept, and applied
+    after ours, so theirs win), in every process tmrun starts."""
+    warnings.filterwarnings("ignore", message=NUMPY_ABSENT_WARNING, category=UserWarning)
+    ours = f"ignore:{NUMPY_ABSENT_WARNING}:UserWarning"
+    user_value = os.environ.get("PYTHONWARNINGS", "")
+    if ours not in user_value.split(","):
+        os.environ["PYTHONWARNINGS"] = f"{ours},{user_value}" if user_value else ours
+
+
 def main(argv: Sequence[str] | None = None) -> NoReturn:
+    _quiet_numpy_absent()
     _quiet_torch_cpp_warnings()  # before anything imports torch
     from tmrun.launcher.launch import LaunchError
     from tmrun.rendezvous.endpoint import EndpointError
