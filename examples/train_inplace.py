@@ -9,7 +9,9 @@ Under plain torchrun the same script trains normally (no replacement).
 --step-log PATH writes one line per completed step (``step time pid``); ``{rank}`` in PATH is
 replaced by the rank. --final PATH writes the SHA-256 of the final parameters and optimizer
 state (rank 0; every rank when PATH contains ``{rank}``), so runs with and without failures can
-be compared bit for bit, and replicas with each other.
+be compared bit for bit, and replicas with each other. --checkpoint PATH (with --checkpoint-every
+K) makes rank 0 save the model and optimizer every K steps, and every rank resume from PATH at
+start: a group restart then recomputes only the steps since (tmrun counts them).
 """
 
 from __future__ import annotations
@@ -70,6 +72,22 @@ def report(done: list[tuple[int, float]], recoveries: list[dict[str, float | int
     )
 
 
+def resume(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Load the checkpoint at ``path`` if there is one; the step to start at."""
+    if not path or not os.path.exists(path):
+        return 0
+    state = torch.load(path)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    return int(state["step"]) + 1
+
+
+def save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+    """The state after ``step``, written whole or not at all."""
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=20)
@@ -85,6 +103,8 @@ def main() -> None:
     parser.add_argument("--deterministic", action="store_true",
                         help="torch.use_deterministic_algorithms(True) (on CUDA also set CUBLAS_WORKSPACE_CONFIG)")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (every process on cuda:LOCAL_RANK %% GPUs)")
+    parser.add_argument("--checkpoint", default="", help="resume from PATH at start; rank 0 saves there")
+    parser.add_argument("--checkpoint-every", type=int, default=0, metavar="K", help="save every K steps (0: never)")
     args = parser.parse_args()
 
     tm = tmrun.init()  # on a standby: runs in the sandbox until promoted
@@ -97,11 +117,12 @@ def main() -> None:
     torch.manual_seed(0)
     model = build_model(args.width, args.depth).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    start = resume(args.checkpoint, model, opt)
     model = tm.ddp(model)  # DistributedDataParallel over the resilient group
     tm.track(model=model, optimizer=opt)  # what a joiner receives; step and RNG state included
     loss_fn = torch.nn.MSELoss()
     done: list[tuple[int, float]] = []  # (step, completion time) on this process
-    for step in tm.steps(args.steps):  # re-yields a step that a failure aborted
+    for step in tm.steps(args.steps, start=start):  # re-yields a step that a failure aborted
         x, y = batch_for(step, tm.rank, tm.world_size, args.width, args.batch)
         loss = loss_fn(model(x.to(device)), y.to(device))
         loss.backward()
@@ -113,6 +134,9 @@ def main() -> None:
             done.append((step, time.monotonic()))
             if step == args.migrate_at and tm.rank == args.migrate_rank and not tm.aborted:
                 tm.migrate(reason=f"--migrate-at {step}")
+        if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and tm.rank == 0 \
+                and not tm.is_shadow and not tm.aborted:
+            save(args.checkpoint, model.module, opt, step)
         if args.step_log and not tm.is_shadow:
             with open(args.step_log.replace("{rank}", str(tm.rank)), "a") as log:
                 log.write(f"{step} {time.time():.6f} {os.getpid()}\n")

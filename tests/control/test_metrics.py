@@ -83,3 +83,25 @@ def test_a_failed_job_has_no_ettr() -> None:
     assert "ETTR none (the job failed)" in describe(t) and "100" not in describe(t)
     ok = totals([*events[:1], _e(1, 6.0, "closed", "succeeded: workers finished")], now=10.0)
     assert not ok["failed"] and ok["ettr"] == 1.0
+
+
+def test_a_measured_restart_is_in_the_downtime_and_the_recomputed_steps() -> None:
+    """A group restart that redid 26 steps printed '0 steps recomputed, ETTR 100.00%': its
+    restarted event (control.restarts) now brings its downtime and steps into the totals."""
+    events = [
+        _e(0, 0.0, "formed", "formed with 2 active, 0 standby"),
+        _e(1, 50.0, "fallback", "rank 1: no standby ready within 60s"),
+        _e(2, 50.1, "replace", "epoch 2: node 0 restarts in place"),
+        _e(3, 70.0, "restarted", "epoch 2: the group restart cost 20.000s", seconds=20.0, steps_recomputed=26,
+           resumed=0, high_water=25),
+        _e(4, 100.0, "closed", "succeeded: workers finished"),
+    ]
+    t = totals(events, now=999.0)
+    assert t["downtime_s"] == 20.0 and t["ettr"] == 0.8 and t["steps_recomputed"] == 26
+    assert t["restarts"] == 1 and t["restarts_measured"] == 1 and not t["restarts_excluded"]
+    assert describe(t).endswith("26 steps recomputed, 1 group restart (counted above)")
+    # a restart that could not be measured (no progress: a script without the worker API)
+    unmeasured = [*events[:3], _e(3, 99.0, "restarted", "epoch 2: the group restart was not measured", seconds=None,
+                                  steps_recomputed=None), events[4]]
+    u = totals(unmeasured, now=999.0)
+    assert u["restarts_excluded"] and u["downtime_s"] == 0.0 and "(not in the downtime)" in describe(u)

@@ -129,6 +129,11 @@ def test_no_standby_node_falls_back_to_a_group_restart(tmp_path: Path, reference
     assert "fallback: no warm standby node within 2s: the group restarts (as torchrun)" in logs[0], logs[0]
     assert "node 0 runs group rank 0 of 2 in epoch 2" in logs[0]
     assert final == reference  # the example keeps no checkpoint: the restarted group trains from step 0
+    # what the restart cost, from both nodes' progress: steps 0..3 done again, and the time
+    # until step 4 completed (it printed '0 steps recomputed' and left the restart out)
+    assert re.search(r"restarted: epoch 2: the group restart cost [\d.]+s \(failure to back at step 4\), resumed at "
+                     r"step 0 after step 3 had completed: 4 steps recomputed", logs[0]), logs[0]
+    assert "4 steps recomputed, 1 group restart (counted above)" in logs[0], logs[0]
 
 
 def _drain_when_warm(work: Path, out: list[str], status: list[str] | None = None) -> None:

@@ -19,7 +19,7 @@ def test_a_record_round_trips_through_its_file(tmp_path: Path) -> None:
     assert progress.read(path) is None  # no file yet
     writer = progress.ProgressFile(path)
     record = progress.ProgressRecord(step=7, step_end=1.5, step_seconds=0.25, busy_seconds=0.125, comm_since=2.0,
-                                     updated=3.0, pid=42, gen=1, role="recovering")
+                                     updated=3.0, pid=42, gen=1, role="recovering", resumed=5)
     writer.write(record)
     assert progress.read(path) == record
     writer.write(progress.ProgressRecord(step=8, pid=42))
@@ -42,6 +42,15 @@ def test_node_progress_message() -> None:
     msg = proto.NodeProgress(1, 10.0, (proto.RankProgress(2, 5, 0.5, 0.25, 9.5, 77, "active"),))
     assert proto.NodeProgress.decode("k", msg.encode()) == msg
     assert proto.NodeProgress.decode("k", '{"node": 0, "time": 1, "ranks": []}').ranks == ()
+    # an epoch and a resume step (a group restart's count, control.restarts); -1 where not said
+    said = proto.NodeProgress(1, 10.0, (proto.RankProgress(2, 5, 0.5, 0.25, 9.5, 77, "active", resumed=3),), epoch=4)
+    assert proto.NodeProgress.decode("k", said.encode()) == said
+    older = proto.NodeProgress.decode("k", '{"node": 0, "time": 1, "ranks": [{"rank": 0, "step": 1, "step_seconds": 0,'
+                                           ' "busy_seconds": 0, "time": 0, "pid": 1}]}')
+    assert older.epoch == -1 and older.ranks[0].resumed == -1
+    with pytest.raises(proto.ProtocolMessageError, match="resumed"):
+        proto.NodeProgress.decode("k", '{"node": 0, "time": 1, "ranks": [{"rank": 0, "step": 1, "step_seconds": 0,'
+                                       ' "busy_seconds": 0, "time": 0, "pid": 1, "resumed": -5}]}')
     with pytest.raises(proto.ProtocolMessageError, match="ranks"):
         proto.NodeProgress.decode("k", '{"node": 0, "time": 1}')
     with pytest.raises(proto.ProtocolMessageError, match="step_seconds"):

@@ -141,8 +141,9 @@ class Detection:
     """One node's detection (see the module's doc); the controller calls :meth:`poll`."""
 
     def __init__(self, settings: DetectionSettings, job_store: Any, node: int, local_ranks: dict[int, int],
-                 nvml: Any = "auto") -> None:
+                 nvml: Any = "auto", epoch: int = -1) -> None:
         self.settings = settings
+        self._epoch = epoch
         self._job = job_store
         self._node = node
         self._local = dict(local_ranks)  # rank -> local rank (its GPU: local rank % GPUs)
@@ -231,15 +232,33 @@ class Detection:
         return stepped
 
     def _publish(self, pids: dict[int, int]) -> None:
-        ranks = tuple(
+        self._set(keys.node_progress(self._node), self._node_progress(self._records, set(pids)))
+
+    def _node_progress(self, records: dict[int, progress.ProgressRecord], ranks: set[int]) -> proto.NodeProgress:
+        return proto.NodeProgress(self._node, time.time(), tuple(
             proto.RankProgress(rank=r, step=rec.step, step_seconds=rec.step_seconds, busy_seconds=rec.busy_seconds,
-                               time=rec.step_end, pid=rec.pid, role=rec.role)
-            for r, rec in sorted(self._records.items()) if r in pids)
+                               time=rec.step_end, pid=rec.pid, role=rec.role, resumed=rec.resumed)
+            for r, rec in sorted(records.items()) if r in ranks), epoch=self._epoch)
+
+    def _set(self, key: str, value: proto.NodeProgress) -> None:
         try:
-            self._job.set(keys.node_progress(self._node), proto.NodeProgress(self._node, time.time(), ranks).encode())
+            self._job.set(key, value.encode())
         except Exception:  # noqa: BLE001 - the store is going away with the job
             pass
+
+    def publish_final(self) -> None:
+        """This epoch's workers stopped: their last records (each rank's last process that wrote
+        one), once, for the leader's count of a group restart (keys.final_progress)."""
+        if not self.settings.progress_dir or self._epoch < 0:
+            return
+        records = {}
+        for rank in self._local:
+            record = progress.read(progress.path_for(self.settings.progress_dir, rank))
+            if record is not None and record.pid:
+                records[rank] = record
+        self._set(keys.final_progress(self._epoch, self._node), self._node_progress(records, set(records)))
 
     def close(self) -> None:
         if self.gpus is not None:
             self.gpus.close()
+

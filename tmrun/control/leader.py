@@ -20,6 +20,7 @@ from tmrun.control import planner
 from tmrun.control.events import record_event
 from tmrun.control.ops import OpsServer
 from tmrun.control.replacement.nodes import Decision, NodeReplacement
+from tmrun.control.restarts import RestartAccounts, Restarted
 from tmrun.protocol import keys
 from tmrun.protocol.membership import GroupLimits, Membership, Phase
 from tmrun.protocol.messages import ClosedNotice, FailureReport, ProtocolMessageError, registered_node
@@ -53,6 +54,13 @@ FAILED_STARTS = 2  # starts in a row that failed at start: the job ends (a crash
 class _Pending:
     first_seen: float
     reports: list[FailureReport] = field(default_factory=list)
+
+
+def _earliest(pending: _Pending) -> float:
+    """The earliest evidence of a failure (Unix time): the reports' own instants (a worker's exit
+    as its agent saw it, a lost node's last heartbeat), else when the leader first saw one."""
+    seen = time.time() - (time.monotonic() - pending.first_seen)
+    return min([r.at for r in pending.reports if r.at > 0] + [seen])
 
 
 class Liveness(Protocol):
@@ -89,12 +97,14 @@ class Leader:
         self._failed_starts = 0  # epochs in a row whose workers failed at start (see _failed_at_start)
         self._pending: _Pending | None = None
         self._lost: dict[int, str] = {}
+        self._lost_at: dict[int, float] = {}  # node id -> when its loss began (Unix time)
         self._stop = threading.Event()
         self._monitor: Liveness = liveness or LivenessMonitor(config.run_id, config.heartbeat_timeout,
                                                               token=config.token or None)
         self._takeover = takeover
         self._inplace = NodeReplacement(raw_store if raw_store is not None else store, store, config.run_id,
                                         config.standby_wait, skip_older=takeover)
+        self._restarts = RestartAccounts(store)  # the group restarts' cost (the "restarted" events)
         self._thread = threading.Thread(target=self._run, name="tmrun-leader", daemon=True)
         self.error: BaseException | None = None
         # tmrun-ctl's endpoint: a thread and a store connection of its own, off the decision loop
@@ -150,6 +160,7 @@ class Leader:
                     self._check_hole()
                     for recovered in self._inplace.recovered():
                         self._event("recovered", recovered.describe(), **recovered.fields())
+                    self._restarted(self._restarts.poll())
                     if self._pending is None and self._config.limits.max_nodes > 1:
                         self._maybe_migrate()  # (on one node the agent's controller migrates ranks)
         except Exception as exc:  # the store went away or a bug: the job cannot continue
@@ -183,6 +194,13 @@ class Leader:
 
     def _on_lost(self, node_id: int, why: str) -> None:
         self._lost[node_id] = why
+        # the earliest evidence of the loss: a closed connection now; a heartbeat timeout, the
+        # last heartbeat (about the timeout ago)
+        self._lost_at[node_id] = time.time() - (self._config.heartbeat_timeout if "no heartbeat" in why else 0.0)
+
+    def _restarted(self, accounts: list[Restarted]) -> None:
+        for account in accounts:
+            self._event("restarted", account.describe(), **account.fields())
 
     # -- joins ----------------------------------------------------------------------------
 
@@ -273,7 +291,8 @@ class Leader:
                     self._joined.remove(node_id)
             elif role == "active":
                 self._add_pending(
-                    FailureReport(node_id, self._membership.epoch, by_signal=False, node_dead=True, detail=why)
+                    FailureReport(node_id, self._membership.epoch, by_signal=False, node_dead=True, detail=why,
+                                  at=self._lost_at.pop(node_id, time.time()))
                 )
             elif role == "standby":
                 self._publish(planner.drop_standby(self._membership, node_id))
@@ -319,9 +338,12 @@ class Leader:
         else:
             say(f"no in-place replacement: {why}")
         plan = planner.replace_failed(self._membership, culprits, dead, self._config.limits)
+        old = self._membership
         self._publish(plan)
         self._event("failure", causes)
         self._event("replace", f"epoch {plan.epoch}: {plan.reason}")
+        self._restarted(self._restarts.begin(old.epoch, plan.epoch, len(old.active), len(plan.active),
+                                             _earliest(pending)))
         if planner.HOLE in plan.active and self._hole_since is None:
             self._hole_since = time.monotonic()
 
@@ -361,5 +383,6 @@ class Leader:
         closed = planner.close(self._membership, Phase(notice.phase), notice.reason)
         for recovered in self._inplace.recovered(final=True):  # nobody steps any more
             self._event("recovered", recovered.describe(), **recovered.fields())
+        self._restarted(self._restarts.finish(time.time()))
         self._publish(closed)
         self._event("closed", f"{closed.phase.value}: {closed.reason}")

@@ -3,15 +3,16 @@
 Pure functions over event dicts (the JSON of :class:`~tmrun.protocol.messages.Event` plus
 ``seq``): no store, no torch. What each number is computed from (docs/events.md):
 
-* ``downtime_s``: the sum of the ``seconds`` of every ``recovered`` event: the controller's
-  measure from the failure it saw (or the migration request) until every rank counted itself
-  recovered into the new generation. Restarts of the whole group (``fallback``, a ``replace``
-  that starts a new epoch) have no measured end and are *not* included: they are counted in
-  ``restarts`` and flagged.
+* ``downtime_s``: the sum of the ``seconds`` of every ``recovered`` event (the controller's
+  measure from the failure it saw, or the migration request, until every rank counted itself
+  recovered into the new generation) and of every ``restarted`` event (a group restart: from the
+  earliest evidence of the failure until the restarted group completed again the first step it
+  had not completed before, :mod:`tmrun.control.restarts`). A restart without a measured
+  ``restarted`` event (its workers write no progress) is counted in ``restarts`` and flagged.
 * ``steps_recomputed``: one per in-place recovery that followed a failure (the runtime redoes
   exactly the aborted step: it resumes at the first step not committed everywhere), zero per
-  planned migration (nothing is recomputed). Restarts are not counted (their loss depends on
-  the script's checkpoints).
+  planned migration (nothing is recomputed), and a restart's ``steps_recomputed`` (the steps
+  completed before the failure and again after it, from the checkpoint the script resumed).
 * ``ettr``: (wall - downtime) / wall, wall from the first ``formed`` event (else the first
   event) to the job's end (``closed``) or to now.
 """
@@ -103,7 +104,7 @@ def totals(events: list[dict[str, Any]], now: float | None = None) -> dict[str, 
     # lost, which no event measures: such a job has no ETTR (never a 100% for a failed job)
     failed = bool(closing) and str(closing[-1].get("detail", "")).startswith("failed")
     downtime = 0.0
-    recoveries = migrations = failures = restarts = recomputed = 0
+    recoveries = migrations = failures = restarts = recomputed = measured_restarts = 0
     planned_pending = False
     fallback_pending = False  # a fallback's group restart shows as a new epoch next
     for event in events:
@@ -121,6 +122,10 @@ def totals(events: list[dict[str, Any]], now: float | None = None) -> dict[str, 
             fallback_pending = True
         elif kind == "failure":
             failures += 1
+        elif kind == "restarted" and isinstance(event.get("seconds"), (int, float)):
+            measured_restarts += 1
+            downtime += float(event["seconds"])
+            recomputed += int(event.get("steps_recomputed") or 0)
         elif kind == "recovered":
             recoveries += 1
             downtime += float(event.get("seconds") or 0.0)
@@ -139,7 +144,8 @@ def totals(events: list[dict[str, Any]], now: float | None = None) -> dict[str, 
         "failures": failures,
         "restarts": restarts,
         "steps_recomputed": recomputed,
-        "restarts_excluded": restarts > 0,  # restarts' downtime is not in downtime_s / ettr
+        "restarts_measured": min(measured_restarts, restarts),
+        "restarts_excluded": restarts > measured_restarts,  # a restart's downtime is not in downtime_s / ettr
         "finished": bool(closed),
     }
 
@@ -152,5 +158,11 @@ def describe(t: dict[str, Any]) -> str:
             f"{t['steps_recomputed']} steps recomputed")
     if t["restarts"]:
         plural = "s" if t["restarts"] != 1 else ""
-        line += f", {t['restarts']} group restart{plural} (not in the downtime)"
+        measured = t.get("restarts_measured", 0)
+        if measured == t["restarts"]:
+            line += f", {t['restarts']} group restart{plural} (counted above)"
+        elif measured:
+            line += f", {t['restarts']} group restarts ({t['restarts'] - measured} not measured: not in the downtime)"
+        else:
+            line += f", {t['restarts']} group restart{plural} (not in the downtime)"
     return line

@@ -225,6 +225,13 @@ OPS_ADDR = "leader/ops"  # "host:port" of the leader's operations endpoint (tmru
 # ---- progress (detection beyond process exit) ------------------------------------------------------
 
 
+def final_progress(epoch: int, node: int) -> str:
+    """A node's ranks' last progress in ``epoch`` (a :class:`NodeProgress`), written once by its
+    agent when that epoch's workers stopped, before it starts the next epoch's: the leader
+    counts a group restart's recomputed steps from it."""
+    return f"progress-final/{epoch}/{node}"
+
+
 def node_progress(node: int) -> str:
     """JSON NodeProgress of node ``node`` (group rank; 0 on one node), under the job prefix
     ``tmrun/<run>/``: its agent rewrites it at most about once a second while workers run."""

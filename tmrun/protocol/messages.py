@@ -264,13 +264,17 @@ class FailureReport(_Json):
     # the node's own in-place controller (one node, --standby N) was in charge of this failure and
     # gave up: why ('' when it was not: a plain script, or standby nodes)
     node_fallback: str = ""
+    # when the agent saw its worker's exit (Unix time; its pidfd wakes it at the exit): the
+    # earliest evidence of the failure, where a group restart's downtime starts. 0: not said
+    at: float = 0.0
 
     @classmethod
     def decode(cls, key: str, raw: bytes | str) -> FailureReport:
         data = _load(key, raw)
         return cls(node_id=_int(key, data, "node_id"), epoch=_int(key, data, "epoch"),
                    by_signal=bool(data.get("by_signal")), node_dead=bool(data.get("node_dead")),
-                   detail=str(data.get("detail", "")), node_fallback=str(data.get("node_fallback", "")))
+                   detail=str(data.get("detail", "")), node_fallback=str(data.get("node_fallback", "")),
+                   at=_number(key, data, "at") if "at" in data else 0.0)
 
 
 @dataclass(frozen=True)
@@ -474,6 +478,14 @@ def _number(key: str, data: dict[str, Any], name: str) -> float:
         raise ProtocolMessageError(f"{key}: field {name!r} is out of range") from None
 
 
+def _step(key: str, data: dict[str, Any], name: str) -> int:
+    """An optional integer >= -1 (-1 when absent: written by an older tmrun)."""
+    value = data.get(name, -1)
+    if not isinstance(value, int) or isinstance(value, bool) or value < -1:
+        raise ProtocolMessageError(f"{key}: field {name!r} must be an integer >= -1, got {_show(value)}")
+    return value
+
+
 @dataclass(frozen=True)
 class RankProgress(_Json):
     """One rank's last completed step, as its current process wrote it (see protocol.progress).
@@ -489,6 +501,7 @@ class RankProgress(_Json):
     time: float
     pid: int
     role: str = ""
+    resumed: int = -1  # the step the process's loop started at (its checkpoint's step + 1); -1: unknown
 
     @classmethod
     def from_dict(cls, key: str, data: Any) -> RankProgress:
@@ -499,7 +512,8 @@ class RankProgress(_Json):
             raise ProtocolMessageError(f"{key}: field 'step' must be an integer >= -1, got {_show(step)}")
         return cls(rank=_int(key, data, "rank"), step=step, step_seconds=_number(key, data, "step_seconds"),
                    busy_seconds=_number(key, data, "busy_seconds"), time=_number(key, data, "time"),
-                   pid=_int(key, data, "pid"), role=_str(key, data, "role", ""))
+                   pid=_int(key, data, "pid"), role=_str(key, data, "role", ""),
+                   resumed=_step(key, data, "resumed"))
 
 
 @dataclass(frozen=True)
@@ -511,9 +525,11 @@ class NodeProgress:
     node: int
     time: float
     ranks: tuple[RankProgress, ...] = ()
+    epoch: int = -1  # the rendezvous epoch of the workers (-1: not said)
 
     def encode(self) -> str:
-        return json.dumps({"node": self.node, "time": self.time, "ranks": [asdict(r) for r in self.ranks]})
+        return json.dumps({"node": self.node, "time": self.time, "ranks": [asdict(r) for r in self.ranks],
+                           "epoch": self.epoch})
 
     @classmethod
     def decode(cls, key: str, raw: bytes | str) -> NodeProgress:
@@ -522,4 +538,4 @@ class NodeProgress:
         if not isinstance(ranks, list):
             raise ProtocolMessageError(f"{key}: field 'ranks' must be a list")
         return cls(node=_int(key, data, "node"), time=_number(key, data, "time"),
-                   ranks=tuple(RankProgress.from_dict(key, r) for r in ranks))
+                   ranks=tuple(RankProgress.from_dict(key, r) for r in ranks), epoch=_step(key, data, "epoch"))

@@ -18,8 +18,8 @@ import struct
 import threading
 from dataclasses import dataclass
 
-# seq, step, step_end, step_seconds, busy_seconds, comm_since, pid, gen, role
-_FORMAT = "<QqdddddqqI4x"
+# seq, step, step_end, step_seconds, busy_seconds, comm_since, updated, pid, gen, resumed, role
+_FORMAT = "<QqdddddqqqI4x"
 SIZE = struct.calcsize(_FORMAT)
 ROLES = ("", "standby", "joining", "active", "recovering", "switching", "leaving")
 
@@ -39,16 +39,18 @@ class ProgressRecord:
     pid: int = 0
     gen: int = -1
     role: str = ""
+    resumed: int = -1  # the step this process's loop started at (tm.steps(total, start)); -1: unknown (a standby)
 
     def pack(self, seq: int) -> bytes:
         role = ROLES.index(self.role) if self.role in ROLES else 0
         return struct.pack(_FORMAT, seq, self.step, self.step_end, self.step_seconds, self.busy_seconds,
-                           self.comm_since, self.updated, self.pid, self.gen, role)
+                           self.comm_since, self.updated, self.pid, self.gen, self.resumed, role)
 
     @classmethod
     def unpack(cls, raw: bytes) -> tuple[int, ProgressRecord]:
-        seq, step, end, secs, busy, since, updated, pid, gen, role = struct.unpack(_FORMAT, raw)
-        return seq, cls(step, end, secs, busy, since, updated, pid, gen, ROLES[role] if role < len(ROLES) else "")
+        seq, step, end, secs, busy, since, updated, pid, gen, resumed, role = struct.unpack(_FORMAT, raw)
+        return seq, cls(step, end, secs, busy, since, updated, pid, gen, ROLES[role] if role < len(ROLES) else "",
+                        resumed)
 
 
 class ProgressFile:

@@ -305,7 +305,7 @@ class TmrunRendezvousHandler(RendezvousHandler):
         assert self.node_id is not None
         seq = self.store.add(keys.FAIL_SEQ, 1) - 1
         report = FailureReport(node_id=self.node_id, epoch=self.epoch, by_signal=by_signal, detail=detail,
-                               node_fallback=node_fallback)
+                               node_fallback=node_fallback, at=time.time())
         self.store.set(keys.failure(seq), report.encode())
 
     def publish_workers(self, info: WorkersInfo) -> None:

@@ -50,6 +50,8 @@ class StepLoop:
         step = start
         if not ctx.life.is_(Role.STANDBY) and ctx.committed_step < start - 1:
             ctx.committed_step = start - 1  # resumed from the script's checkpoint of step start - 1
+        if not ctx.life.is_(Role.STANDBY):
+            ctx.progress.resume_at(start)
         if ctx.pending_join is not None:  # a standby promoted in tmrun.init(): its model is built now
             step = self._standby.heal_after_init()
         while True:

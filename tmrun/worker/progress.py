@@ -43,6 +43,12 @@ class ProgressWriter:
             self._record = replace(self._record, gen=gen, role=role)
             self._write()
 
+    def resume_at(self, step: int) -> None:
+        """This process's loop starts at ``step`` (0, or where the script resumed from its
+        checkpoint): the leader counts a group restart's recomputed steps from it."""
+        with self._lock:
+            self._record = replace(self._record, resumed=step)
+
     def begin_step(self) -> None:
         self._began = time.time()
         self._comm_at_begin = COMM_CLOCK.seconds()

@@ -64,11 +64,12 @@ class LocalStandbyRole(AgentRole):
         progress_dir = os.path.join(self._progress_root, str(self._group_starts - 1))
         os.makedirs(progress_dir, exist_ok=True)
         if self._controller is not None and self._controller.detection is not None:
+            self._controller.detection.publish_final()  # the previous start's workers stopped
             self._controller.detection.close()
         first = worker_group.workers[0].global_rank if worker_group.workers else 0
         detection = Detection(replace(self._settings.detection, progress_dir=progress_dir), handler.store,
                               worker_group.group_rank or 0,
-                              {w.global_rank: w.global_rank - first for w in worker_group.workers})
+                              {w.global_rank: w.global_rank - first for w in worker_group.workers}, epoch=handler.epoch)
         self._controller = ProcessReplacement(
             PrefixStore(prefix, handler.raw_store), self._pool, world_size, self._settings.standby_wait,
             max(spec.max_restarts, 0), handler.store, gen_file, self._settings.refill_delay, detection)

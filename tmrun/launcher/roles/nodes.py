@@ -73,10 +73,11 @@ class NodeRole(AgentRole):
         store = self._epoch_store(handler.epoch)
         world_size = worker_group.workers[0].world_size if worker_group.workers else worker_group.spec.local_world_size
         if self._watch is not None and self._watch.detection is not None:
+            self._watch.detection.publish_final()  # the previous epoch's workers stopped
             self._watch.detection.close()
         detection = Detection(replace(self._settings.detection, progress_dir=self._progress_dir(handler.epoch)),
                               handler.store, worker_group.group_rank or 0,
-                              {w.global_rank: w.local_rank for w in worker_group.workers})
+                              {w.global_rank: w.local_rank for w in worker_group.workers}, epoch=handler.epoch)
         watch = self._watch = NodeWatch(store, world_size, self._gen_file(handler.epoch), handler.report_failure,
                                         detection, handler.store)
         ranks = [w.global_rank for w in worker_group.workers]
