@@ -77,7 +77,7 @@ def test_a_restart_that_never_got_back_is_counted_until_the_end_or_the_next_rest
     # a second failure before the group got back to step 10: the first restart ends there
     [first] = accounts.begin(2, 3, 1, 1, failed=15.0)
     assert first.back is None and first.seconds == 5.0 and first.steps_recomputed == 7  # steps 0..6 done again
-    assert "never got back" in first.describe()
+    assert "until the end: the group did not get back" in first.describe()
     [second] = accounts.finish(20.0)
     assert second.old_epoch == 2 and second.seconds is None  # no record of epoch 3 yet: not measured
 

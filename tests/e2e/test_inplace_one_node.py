@@ -320,15 +320,19 @@ def test_no_warm_standby_falls_back_to_a_group_restart(tmp_path: Path, reference
     assert final == reference
 
 
-def test_a_group_restart_counts_its_downtime_and_the_steps_it_recomputed(tmp_path: Path) -> None:
-    """No warm standby when rank 1 dies at step 10 (its sandbox runs 40 steps first): the group
+@pytest.mark.parametrize("standby", ["no warm standby", "no standby"])
+def test_a_group_restart_counts_its_downtime_and_the_steps_it_recomputed(tmp_path: Path, standby: str) -> None:
+    """Rank 1 dies at step 10 with no warm standby (its sandbox runs 40 steps first), or in a
+    job without standbys (--standby 0: the drill fires in the first start only): the group
     restarts, and the script resumes from its checkpoint of step 7 (saved every 4 steps). The
     leader's restarted event counts steps 8 and 9 as recomputed (completed before the failure
     and again after), and the restart's downtime from the failure until step 10 completed; the
     totals include both. Before, such a restart printed '0 steps recomputed' and left its
     downtime out."""
-    code, log, _, steps = _run(tmp_path, "restart", "--standby-wait", "0", "--shadow-steps", "40",
-                               "--inject-failure", "rank=1,step=10", steps=14, step_time=0.2,
+    how = (("--standby-wait", "0", "--shadow-steps", "40") if standby == "no warm standby"
+           else ("--max-restarts", "1"))
+    code, log, _, steps = _run(tmp_path, "restart", *how, "--inject-failure", "rank=1,step=10", steps=14,
+                               step_time=0.2, standby=1 if standby == "no warm standby" else 0,
                                script_args=("--checkpoint", str(tmp_path / "ckpt.pt"), "--checkpoint-every", "4"))
     assert code == 0, log
     done = [s for s, _ in steps[0]]

@@ -199,7 +199,8 @@ class TmrunWork(dist.Work):
         secs = _seconds(timeout)
         if not self._op.done.wait(secs):
             raise TimeoutError(f"tmrun {self._op.name}: not completed within {secs} s")
-        self._op.future.wait()  # raises the operation's error
+        if self._op.error is not None:
+            raise self._op.error  # the operation's own error, its type kept
         return True
 
     def get_future(self) -> torch.futures.Future:
@@ -285,7 +286,7 @@ COMM_CLOCK = CommClock()
 class _Op:
     """One operation: native works, what to run after them, and everything it keeps alive."""
 
-    __slots__ = ("name", "result", "keep", "native", "finish", "future", "done", "error", "abort_seq",
+    __slots__ = ("name", "result", "keep", "native", "finish", "future", "_outcome", "done", "error", "abort_seq",
                  "local", "source_rank", "clocked", "on_plane")
 
     def __init__(self, name: str, result: list, local: Optional[Callable[[], None]] = None) -> None:
@@ -294,7 +295,13 @@ class _Op:
         self.keep: list = []  # tensors and staging buffers referenced until the op is over
         self.native: list = []
         self.finish: list = []
-        self.future: torch.futures.Future = _future_for(result)
+        # The future callers get (DDP's reducer reads it in C++) is a continuation of the one
+        # completed here: torch's Python Future.set_exception only stores the exception as the
+        # value (a Python-side unwrap raises it), so C++ saw a successful future holding no
+        # tensors, and DDP's reducer crashed on it (SIGSEGV in parseCppCommHookResult: a survivor
+        # under plain torchrun whose peer died). A continuation that raises is a real error.
+        self._outcome: torch.futures.Future = _future_for(result)
+        self.future: torch.futures.Future = self._outcome.then(_unwrap_outcome)
         self.done = threading.Event()
         self.error: Optional[BaseException] = None
         self.abort_seq = 0  # the group's abort count when the op was launched
@@ -307,15 +314,19 @@ class _Op:
     def complete(self, error: Optional[BaseException] = None) -> None:
         self.error = error
         if error is None:
-            self.future.set_result(self.result)
+            self._outcome.set_result(self.result)
         else:
-            self.future.set_exception(error)
+            self._outcome.set_exception(error)
         self.done.set()
         if self.clocked:
             self.clocked = False
             COMM_CLOCK.end()
         self.keep = []
         self.native = []
+
+
+def _unwrap_outcome(outcome: torch.futures.Future) -> Any:
+    return outcome.wait()  # the result, or raises the operation's error (the continuation's error)
 
 
 def _future_for(result: list) -> torch.futures.Future:

@@ -202,6 +202,16 @@ class Detection:
             self._publish(pids)
         return findings
 
+    def publish_progress(self, pids: dict[int, int], now: float | None = None) -> None:
+        """Only read and publish the records (at most every ``publish_interval``), judging
+        nothing: a job without standbys, whose restarts the leader measures from them."""
+        now = time.monotonic() if now is None else now
+        if not self.settings.progress_dir or now < self._next_publish:
+            return
+        self._next_publish = now + self.settings.publish_interval
+        self._read(pids, now)
+        self._publish(pids)
+
     def retry(self, rank: int) -> None:
         """A migration asked for ``rank`` was refused (no warm standby yet): ask again later."""
         seen = self._seen.get(rank)

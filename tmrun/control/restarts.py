@@ -54,9 +54,13 @@ class Restarted:
         if self.seconds is None:
             return (f"epoch {self.new_epoch}: the group restart was not measured (its workers write no "
                     "progress: the script does not use the worker API)")
-        where = ("back at step " + str(self.high_water + 1) if self.back is not None and self.high_water is not None
-                 else "back to work" if self.back is not None else "the group never got back before the end")
-        line = f"epoch {self.new_epoch}: the group restart cost {self.seconds:.3f}s (failure to {where})"
+        if self.back is None:
+            line = f"epoch {self.new_epoch}: the group restart cost {self.seconds:.3f}s (until the end: the group did not get back)"
+        elif self.high_water is None:
+            line = f"epoch {self.new_epoch}: the group restart cost {self.seconds:.3f}s (failure to its first step)"
+        else:
+            line = (f"epoch {self.new_epoch}: the group restart cost {self.seconds:.3f}s "
+                    f"(failure to back at step {self.high_water + 1})")
         if self.steps_recomputed is not None:
             line += (f", resumed at step {self.resumed} after step {self.high_water} had completed: "
                      f"{self.steps_recomputed} steps recomputed")

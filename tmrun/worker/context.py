@@ -14,6 +14,7 @@ is a generation.
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from dataclasses import replace
@@ -98,7 +99,9 @@ class Context:
         self.loss_noticed: float | None = None  # Unix time a collective lost a peer (the change under way)
         self.first_step_due: proto.RecoveryTiming | None = None  # published when healed; first_step follows
         self.drills = DrillRunner.from_environ(-1 if standby else self.rank, promoted=False)
-        self.progress = ProgressWriter(env.progress_dir if env.mode is not Mode.PLAIN else "")
+        # (a plain worker too where its agent asked: a job without standbys, whose group restarts
+        # the leader measures from these records; under torchrun there is no directory)
+        self.progress = ProgressWriter(env.progress_dir)
 
     @property
     def role(self) -> Role:
@@ -132,6 +135,8 @@ class Context:
         if env.mode is Mode.PLAIN:
             group.init_plain()
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+            # a drill fires once per job: in the first start of the group (no store to claim it in)
+            self.drills.claim = lambda index: os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
             return
         tcp = open_job_store(env, timeout=60)
         store = self.store = dist.PrefixStore(env.store_prefix, tcp)

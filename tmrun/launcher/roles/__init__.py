@@ -34,7 +34,7 @@ def choose_role(agent: TmrunAgent, settings: AgentSettings) -> AgentRole:
         return LocalStandbyRole(agent, settings, handler)
     if settings.standby_nodes and handler is not None:
         return NodeRole(agent, settings, handler)
-    return PlainRole(agent)
+    return PlainRole(agent, settings, handler)
 
 
 __all__ = ["AgentRole", "choose_role"]
