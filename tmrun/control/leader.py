@@ -7,6 +7,7 @@ which a standby takes the failed node's group rank.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -47,6 +48,7 @@ class LeaderConfig:
 
 
 START_WINDOW = 120.0  # s: a worker failure this soon after its epoch's start, before tmrun.init(), is "at start"
+_OWN_ERROR = re.compile(r"exit code -?\d+: ")  # a report that carries the worker's own error (launcher.worker_errors)
 FAILED_STARTS = 2  # starts in a row that failed at start: the job ends (a crash loop, not bad luck)
 
 
@@ -329,9 +331,9 @@ class Leader:
         causes = "; ".join(f"node {r.node_id}: {r.detail}" for r in pending.reports if r.node_id in culprits)
         if self._failed_at_start(pending):
             self._event("failure", causes)
+            where = "" if _OWN_ERROR.search(causes) else "; its own error is in the workers' output"
             self._fail(f"the script fails at start: {self._failed_starts} starts in a row ended within "
-                       f"{START_WINDOW:g} s, before any rank reached tmrun.init() ({causes}; its own error is "
-                       "in the workers' output); not restarted again")
+                       f"{START_WINDOW:g} s, before any rank reached tmrun.init() ({causes}{where}); not restarted again")
             return
         if decision is Decision.FALLBACK:
             self._event("fallback", f"{why}: the group restarts (as torchrun)")

@@ -30,6 +30,7 @@ from tmrun.console import say
 from tmrun.control.detection import DetectionSettings
 from tmrun.launcher.roles import AgentRole, choose_role
 from tmrun.launcher.stop_signals import announce_stop, reinstall_stop_signals
+from tmrun.launcher.worker_errors import error_line
 from tmrun.protocol.messages import WorkersInfo
 from tmrun.rendezvous.handler import TmrunRendezvousHandler
 
@@ -182,9 +183,11 @@ class TmrunAgent(LocalElasticAgent):
             f.exitcode is not None and f.exitcode < 0 and -f.exitcode != signal.SIGABRT for f in failures.values()
         )
         parts = []
+        stderrs = getattr(self._pcontext, "stderrs", None) or {}
         for rank, failure in sorted(failures.items()):
             how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
-            parts.append(f"rank {rank} (pid {failure.pid}) {how}")
+            own = error_line(failure, stderrs.get(failure.local_rank))  # the script's own error, where readable
+            parts.append(f"rank {rank} (pid {failure.pid}) {how}" + (f": {own}" if own else ""))
         detail = ", ".join(parts) or result.state.name.lower()
         say(f"worker failure on this node: {detail}")
         self.failures_reported += 1
