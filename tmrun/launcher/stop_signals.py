@@ -80,6 +80,7 @@ def announce_stop(handler: _Membership | None, sigval: signal.Signals) -> None:
         return
     _stop_signals.announced = True
     if handler is not None and handler.is_standing_by():
-        say(f"received {sigval.name} while standing by; this standby leaves, the job goes on")
+        # (no claim that the job goes on: a scancel or the time limit signals every node at once)
+        say(f"received {sigval.name} while standing by; this standby leaves")
     else:
         say(f"received {sigval.name}; stopping the workers")

@@ -1,5 +1,7 @@
 // Python bindings of the TCP communicator (bind_comm is called from module.cpp).
 #include <pybind11/pybind11.h>
+
+#include "tmrun/nogil.h"
 #include <pybind11/stl.h>
 
 #include <cstring>
@@ -132,14 +134,14 @@ struct Work {
   Work(const Work&) = delete;
   ~Work() {
     if (st && !st->done()) {
-      py::gil_scoped_release r;
+      tmrun::NoGil r;
       st->wait(-1);
     }
   }
   bool wait(std::optional<double> timeout) {
     bool ok;
     {
-      py::gil_scoped_release r;
+      tmrun::NoGil r;
       ok = st->wait(timeout ? *timeout : -1.0);
     }
     if (!ok) return false;
@@ -331,7 +333,7 @@ a Work. Operations run in submission order on the communicator's worker thread.)
       .def_property_readonly("job_id", &Comm::job_id)
       .def_property_readonly("ring_peers", &Comm::ring_peers)
       .def_property_readonly("options", &Comm::options)
-      .def("connect", &Comm::connect, py::arg("addresses"), py::call_guard<py::gil_scoped_release>(),
+      .def("connect", &Comm::connect, py::arg("addresses"), py::call_guard<tmrun::NoGil>(),
            "Build the links of this epoch (addresses[r] = 'host:port' of rank r). Joiners call this too.")
       // ---- collectives and point to point: each sync form is its *_async form, waited for
       .def("allreduce_async", &allreduce_async, py::arg("buf"), py::arg("op") = ReduceOp::kSum,
@@ -368,7 +370,7 @@ a Work. Operations run in submission order on the communicator's worker thread.)
                for (int r : replaced)
                  if (r >= 0 && size_t(r) < lst.size()) addrs[r] = lst[size_t(r)];
              }
-             py::gil_scoped_release rel;
+             tmrun::NoGil rel;
              c.prepare(replaced, addrs, new_epoch);
            },
            py::arg("replaced_ranks"), py::arg("new_addresses"), py::arg("new_epoch"),
@@ -377,7 +379,7 @@ a Work. Operations run in submission order on the communicator's worker thread.)
       .def("prepare_done", &Comm::prepare_done, "True once prepare's background connections finished.")
       .def("cancel_prepare",
            [](Comm& c) {
-             py::gil_scoped_release rel;
+             tmrun::NoGil rel;
              return c.cancel_prepare();
            },
            "End the pending prepare's dials and waits now if its links are not ready (any thread): a commit "
@@ -439,7 +441,7 @@ a Work. Operations run in submission order on the communicator's worker thread.)
             tmrun::tcp::FailureInfo info;
             bool found;
             {
-              py::gil_scoped_release r;
+              tmrun::NoGil r;
               found = c.wait_failure(timeout, ignore_epoch, &info);
             }
             if (!found) return py::none();
@@ -448,18 +450,18 @@ a Work. Operations run in submission order on the communicator's worker thread.)
           py::arg("timeout"), py::arg("ignore_epoch") = -1,
           "Waits up to timeout s for a failure recorded in an epoch other than ignore_epoch (-1: any): "
           "(epoch, lost rank or -1, protocol error, message), or None (timeout, closed).")
-      .def("close", &Comm::close, py::call_guard<py::gil_scoped_release>())
+      .def("close", &Comm::close, py::call_guard<tmrun::NoGil>())
       .def("__enter__", [](py::object self) { return self; })
       .def("__exit__", [](Comm& c, py::args) {
-        py::gil_scoped_release r;
+        tmrun::NoGil r;
         c.close();
       })
-      .def("_debug_vanish", &Comm::debug_vanish, py::call_guard<py::gil_scoped_release>(),
+      .def("_debug_vanish", &Comm::debug_vanish, py::call_guard<tmrun::NoGil>(),
            "Test hook: close without the goodbye, as a killed process ends its connections.")
       .def("_debug_send_raw",
            [](Comm& c, int peer, py::bytes data) {
              std::string s = data;
-             py::gil_scoped_release r;
+             tmrun::NoGil r;
              c.debug_send_raw(peer, s);
            },
            "Test hook: write raw bytes on the link to `peer`, bypassing framing.");

@@ -1,6 +1,8 @@
 // Python bindings of the tmrun native library.
 #include <pybind11/pybind11.h>
 
+#include "tmrun/nogil.h"
+
 #include "tmrun/auth.h"
 #include "tmrun/checksum.h"
 
@@ -13,6 +15,7 @@ void bind_peer_memory(py::module_& m);  // peer_memory.cpp: same-host reads of a
 PYBIND11_MODULE(tmrun_native, m) {
   m.doc() = "tmrun native communicator and helpers";
   m.attr("__version__") = "0.1.0";
+  tmrun::main_thread_ident = py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>();
   m.def(
       "crc32c",
       [](py::buffer data, uint32_t crc) {
@@ -21,7 +24,7 @@ PYBIND11_MODULE(tmrun_native, m) {
           throw py::value_error("crc32c needs a C-contiguous buffer");
         }
         const size_t nbytes = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
-        py::gil_scoped_release release;
+        tmrun::NoGil release;
         return tmrun::crc32c(crc, info.ptr, nbytes);
       },
       py::arg("data"), py::arg("crc") = 0u,

@@ -4,6 +4,8 @@
 // cuda_driver_info(). With TMRUN_HAVE_NCCL: the dlopen loader, unique ids and
 // NcclCommunicator; without it those raise NcclUnavailableError.
 #include <pybind11/pybind11.h>
+
+#include "tmrun/nogil.h"
 #include <pybind11/stl.h>
 
 #include "tmrun/nccl_loader.h"
@@ -172,7 +174,7 @@ void bind_nccl(py::module_& m) {
     ncclUniqueId id;
     ncclResult_t r;
     {
-      py::gil_scoped_release nogil;
+      tmrun::NoGil nogil;
       r = lib->GetUniqueId(&id);
     }
     if (r != ncclSuccess) throw Error("ncclGetUniqueId failed: " + lib->error_string(r), r);
@@ -188,7 +190,7 @@ void bind_nccl(py::module_& m) {
              std::string id = uid;
              auto lib = lib_for(library);
              auto opts = make_opts(timeout, revoke_on_error, shrink_share, name);
-             py::gil_scoped_release nogil;
+             tmrun::NoGil nogil;
              return C::init(id, world_size, rank, device, std::move(rank_map), opts, wait, lib);
            }),
            py::arg("unique_id"), py::arg("world_size"), py::arg("rank"), py::arg("device"),
@@ -203,7 +205,7 @@ void bind_nccl(py::module_& m) {
              std::string id = uid;
              auto lib = lib_for(library);
              auto opts = make_opts(timeout, revoke_on_error, shrink_share, name);
-             py::gil_scoped_release nogil;
+             tmrun::NoGil nogil;
              return C::grow_join(id, world_size, rank, device, std::move(rank_map), opts, wait, lib);
            },
            py::arg("unique_id"), py::arg("world_size"), py::arg("rank"), py::arg("device"), py::arg("rank_map"),
@@ -219,35 +221,35 @@ void bind_nccl(py::module_& m) {
       .def_property_readonly("has_pending", &C::has_pending)
       .def_property_readonly("nccl_version", [](const C& c) { return c.lib().version; })
       .def("stats", &C::stats)
-      .def("wait_ready", &C::wait_ready, py::arg("timeout") = -1.0, py::call_guard<py::gil_scoped_release>())
-      .def("poll_ready", &C::poll_ready, py::call_guard<py::gil_scoped_release>())
-      .def("check", &C::check, py::call_guard<py::gil_scoped_release>())
+      .def("wait_ready", &C::wait_ready, py::arg("timeout") = -1.0, py::call_guard<tmrun::NoGil>())
+      .def("poll_ready", &C::poll_ready, py::call_guard<tmrun::NoGil>())
+      .def("check", &C::check, py::call_guard<tmrun::NoGil>())
       .def("allreduce", &C::allreduce, py::arg("send"), py::arg("recv"), py::arg("count"), py::arg("dtype"),
-           py::arg("op") = "sum", py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
+           py::arg("op") = "sum", py::arg("stream") = 0, py::call_guard<tmrun::NoGil>())
       .def("broadcast", &C::broadcast, py::arg("send"), py::arg("recv"), py::arg("count"), py::arg("dtype"),
-           py::arg("root"), py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
+           py::arg("root"), py::arg("stream") = 0, py::call_guard<tmrun::NoGil>())
       .def("allgather", &C::allgather, py::arg("send"), py::arg("recv"), py::arg("count"), py::arg("dtype"),
-           py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
+           py::arg("stream") = 0, py::call_guard<tmrun::NoGil>())
       .def("reduce_scatter", &C::reduce_scatter, py::arg("send"), py::arg("recv"), py::arg("recv_count"),
-           py::arg("dtype"), py::arg("op") = "sum", py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
+           py::arg("dtype"), py::arg("op") = "sum", py::arg("stream") = 0, py::call_guard<tmrun::NoGil>())
       .def("send", &C::send, py::arg("buf"), py::arg("count"), py::arg("dtype"), py::arg("peer"),
-           py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
+           py::arg("stream") = 0, py::call_guard<tmrun::NoGil>())
       .def("recv", &C::recv, py::arg("buf"), py::arg("count"), py::arg("dtype"), py::arg("peer"),
-           py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
+           py::arg("stream") = 0, py::call_guard<tmrun::NoGil>())
       .def("sendrecv", &C::sendrecv, py::arg("send_buf"), py::arg("send_count"), py::arg("send_peer"),
            py::arg("recv_buf"), py::arg("recv_count"), py::arg("recv_peer"), py::arg("dtype"),
-           py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
+           py::arg("stream") = 0, py::call_guard<tmrun::NoGil>())
       .def("synchronize", &C::synchronize, py::arg("stream") = 0, py::arg("timeout") = -1.0,
-           py::call_guard<py::gil_scoped_release>())
-      .def("revoke", &C::revoke, py::arg("timeout") = -1.0, py::call_guard<py::gil_scoped_release>())
-      .def("abort", &C::abort, py::call_guard<py::gil_scoped_release>())
-      .def("close", &C::close, py::arg("timeout") = -1.0, py::call_guard<py::gil_scoped_release>())
+           py::call_guard<tmrun::NoGil>())
+      .def("revoke", &C::revoke, py::arg("timeout") = -1.0, py::call_guard<tmrun::NoGil>())
+      .def("abort", &C::abort, py::call_guard<tmrun::NoGil>())
+      .def("close", &C::close, py::arg("timeout") = -1.0, py::call_guard<tmrun::NoGil>())
       .def("shrink", &C::shrink, py::arg("exclude"), py::arg("abort") = false, py::arg("timeout") = -1.0,
-           py::call_guard<py::gil_scoped_release>())
+           py::call_guard<tmrun::NoGil>())
       .def("grow_unique_id", [](C& c) {
              std::string s;
              {
-               py::gil_scoped_release nogil;
+               tmrun::NoGil nogil;
                s = c.grow_unique_id();
              }
              return py::bytes(s);
@@ -255,17 +257,17 @@ void bind_nccl(py::module_& m) {
       .def("grow_begin", [](C& c, const std::vector<int>& joiners, py::object uid) {
              std::string id;
              if (!uid.is_none()) id = py::cast<std::string>(py::bytes(uid));
-             py::gil_scoped_release nogil;
+             tmrun::NoGil nogil;
              c.grow_begin(joiners, id);
            }, py::arg("joiners"), py::arg("unique_id") = py::none())
       .def("reinit_begin", [](C& c, py::bytes uid, int world_size, std::vector<int> rank_map) {
              std::string id = uid;
-             py::gil_scoped_release nogil;
+             tmrun::NoGil nogil;
              c.reinit_begin(id, world_size, std::move(rank_map));
            }, py::arg("unique_id"), py::arg("world_size"), py::arg("rank_map") = std::vector<int>{})
-      .def("pending_ready", &C::pending_ready, py::call_guard<py::gil_scoped_release>())
-      .def("commit", &C::commit, py::arg("timeout") = -1.0, py::call_guard<py::gil_scoped_release>())
-      .def("cancel_pending", &C::cancel_pending, py::call_guard<py::gil_scoped_release>());
+      .def("pending_ready", &C::pending_ready, py::call_guard<tmrun::NoGil>())
+      .def("commit", &C::commit, py::arg("timeout") = -1.0, py::call_guard<tmrun::NoGil>())
+      .def("cancel_pending", &C::cancel_pending, py::call_guard<tmrun::NoGil>());
 #else
   m.def("nccl_load", [](const std::string&, const std::vector<std::string>&) -> py::dict { not_compiled(); },
         py::arg("path") = "", py::arg("search_dirs") = std::vector<std::string>{});

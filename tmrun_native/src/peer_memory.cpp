@@ -3,6 +3,8 @@
 // protocol. A migration's joiner uses it to take the leaver's state when both run on one
 // host, the way MPI libraries move large intra-node messages (CMA).
 #include <pybind11/pybind11.h>
+
+#include "tmrun/nogil.h"
 #include <pybind11/stl.h>
 
 #include <cerrno>
@@ -81,7 +83,7 @@ void bind_peer_memory(py::module_& m) {
         size_t done = 0;
         int error = 0;
         {
-          py::gil_scoped_release release;
+          tmrun::NoGil release;
           error = read_spans(static_cast<pid_t>(pid), spans, done);
         }
         if (error != 0) {
