@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 from typing import Protocol
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from tmrun.console import say
+from tmrun.control.events import record_event
 
 _DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 
@@ -81,6 +83,33 @@ def announce_stop(handler: _Membership | None, sigval: signal.Signals) -> None:
     _stop_signals.announced = True
     if handler is not None and handler.is_standing_by():
         # (no claim that the job goes on: a scancel or the time limit signals every node at once)
-        say(f"received {sigval.name} while standing by; this standby leaves")
+        line = f"received {sigval.name} while standing by; this standby leaves"
     else:
-        say(f"received {sigval.name}; stopping the workers")
+        line = f"received {sigval.name}; stopping the workers"
+    say(line)
+    if handler is not None:
+        record_stop(handler, line)  # the event log gets it too (bounded)
+
+
+STOP_EVENT_WAIT = 1.0  # s: the longest an agent's stop waits for its event to reach the store
+
+
+def record_stop(handler: object, line: str) -> None:
+    """Put this agent's stop line in the job's event log too (a ``stop`` event): under SLURM a
+    step's output may lose an agent's last lines. Bounded: the store's host may be stopping too
+    (a scancel signals every node), so the stop never waits more than STOP_EVENT_WAIT for it."""
+    store, node = getattr(handler, "store", None), getattr(handler, "node_id", None)
+    if store is None or node is None or getattr(handler, "store_lost", False):
+        return
+    epoch = int(getattr(handler, "epoch", 0))
+    detail = f"node {node} ({socket.gethostname()}): {line}"
+
+    def record() -> None:
+        try:
+            record_event(store, "stop", epoch, detail, nodes=[node])
+        except Exception:  # noqa: BLE001 - the store is gone: the line is in the output only
+            pass
+
+    writer = threading.Thread(target=record, name="tmrun-stop-event", daemon=True)
+    writer.start()
+    writer.join(STOP_EVENT_WAIT)

@@ -20,6 +20,7 @@ as its longest scenario.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -153,14 +154,19 @@ def _stopped(slurm: SlurmCluster, work: Path) -> dict[str, tuple[str, str]]:
     slurm.wait_idle(STOP)
     body = f"srun --no-kill tmrun --nproc-per-node 1 --standby 1 {TRAIN} --steps 1000 --step-time 0.3"
     outs = {name: work / f"{name}.out" for name in ("cancel", "timeout")}
-    jobs = {name: slurm.sbatch(_batch(body, out, STOP, "--ntasks-per-node=1", "--no-kill", "-t 10"), work, _env())
+    states = {name: work / f"state-{name}" for name in outs}  # each job's event log under its own
+    jobs = {name: slurm.sbatch(_batch(body, out, STOP, "--ntasks-per-node=1", "--no-kill", "-t 10"), work,
+                               {**_env(), "TMRUN_STATE_DIR": str(states[name])})
             for name, out in outs.items()}
     try:
         for out in outs.values():
             _warm(out)
         slurm.scontrol("update", f"JobId={jobs['timeout']}", "TimeLimit=0")
         slurm.scancel(jobs["cancel"])
-        return {name: _finish(slurm, jobs[name], outs[name], STOP) for name in jobs}
+        ended = {name: _finish(slurm, jobs[name], outs[name], STOP) for name in jobs}
+        return {name: (*ended[name], [json.loads(line) for path in states[name].rglob("*.events.jsonl")
+                                      for line in path.read_text().splitlines()])
+                for name in jobs}
     finally:
         slurm.cancel(list(jobs.values()))
 
@@ -305,10 +311,17 @@ def test_scancel_and_time_limit_stop_every_node_cleanly(background: dict[str, Ba
     process of either job is left (checked when each job ended)."""
     results = background["stop"].join()
     for (name, reason, final) in (("cancel", "CANCELLED", "CANCELLED"), ("timeout", "DUE TO TIME LIMIT", "TIMEOUT")):
-        state, log = results[name]
+        state, log, events = results[name]
         text = _tmrun_lines(log)
         assert state == final, text
         assert reason in text, text
         for node in STOP:
             assert re.search(rf"\[tmrun@{node} [\d:.]+\] received SIGTERM", text), (name, node, text)
+        assert "the job goes on" not in text, text  # the standby no longer says so as the job ends
         _check_clean(log)
+        # the event log has every agent's stop line too (a "stop" event per node), and the end
+        stops = [e for e in events if e["kind"] == "stop"]
+        assert sorted(n for e in stops for n in e["nodes"]) == [0, 1, 2], (name, events)
+        assert sum("while standing by; this standby leaves" in e["detail"] for e in stops) == 1, (name, stops)
+        closed = [e for e in events if e["kind"] == "closed"]
+        assert len(closed) == 1 and "received SIGTERM" in closed[0]["detail"], (name, events)
