@@ -49,8 +49,23 @@ def test_a_migration_s_downtime_counts_from_its_switch() -> None:
     assert got["overlap"] == pytest.approx(2.9) and got["connect"] == pytest.approx(0.06)
     assert phases.downtime(at, recovered=52.2, seconds=3.2) == pytest.approx(0.2)
     failure = phases.marks([_t(0, 10.2, 10.3, noticed=9.9)], 1, seen=10.0, published=10.1)
-    assert failure["switch"] is None and phases.downtime(failure, 10.4, 0.4) == 0.4  # a failure: unchanged
+    # a failure: from its earliest evidence, a survivor's collective that lost the peer at 9.9,
+    # before the controller saw it at 10.0 (it counted from 10.0: 0.4)
+    assert failure["switch"] is None and phases.downtime(failure, 10.4, 0.4) == pytest.approx(0.5)
     assert "overlap" not in phases.phases(failure, 10.4, 0.4)
+
+
+def test_a_failure_counts_from_its_earliest_evidence() -> None:
+    """A lost node's last heartbeat (the report's evidence) comes before anything the survivors or
+    the controller saw: the downtime starts there; a migration's request ignores it."""
+    at = phases.marks([_t(0, 20.2, 20.3, noticed=19.5)], 1, seen=20.0, published=20.1, evidence=17.0)
+    assert at["failed"] == 17.0 and at["seen"] == 20.0
+    assert phases.downtime(at, recovered=20.5, seconds=0.5) == pytest.approx(3.5)
+    assert phases.phases(at, 20.5, 3.5)["detect"] == pytest.approx(3.0)
+    later = phases.marks([_t(0, 20.2, 20.3, noticed=19.5)], 1, seen=20.0, published=20.1, evidence=30.0)
+    assert later["failed"] == 19.5  # evidence later than a survivor's notice changes nothing
+    planned = phases.marks([_t(0, 20.2, 20.3)], 1, seen=20.0, published=20.1, asked=19.0, evidence=17.0)
+    assert planned["failed"] == 19.0
 
 
 def test_skewed_clocks_are_clamped_into_order() -> None:

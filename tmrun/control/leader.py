@@ -314,7 +314,7 @@ class Leader:
         node_fallback = "; ".join(dict.fromkeys(r.node_fallback for r in pending.reports
                                                 if r.node_fallback and r.node_id in culprits))
         decision, swapped, why = self._inplace.decide(self._membership, culprits, dead, pending.first_seen,
-                                                      node_fallback=node_fallback)
+                                                      node_fallback=node_fallback, evidence=_earliest(pending))
         if decision is Decision.WAIT:
             return
         self._pending = None

@@ -5,7 +5,9 @@ its own, the ranks' come from their :class:`~tmrun.protocol.messages.RecoveryTim
 The timeline of one recovery, each instant no earlier than the one before it:
 
 * ``failed``: the first sign of the change: the earliest of a survivor's collective losing its
-  peer, the controller seeing the failure, and (a migration) the request's time;
+  peer (its socket closed by the kernel as the process exited), a lost node's last heartbeat,
+  the controller seeing the failure, and (a migration) the request's time; a failure's
+  downtime (the event's ``seconds``) counts from here;
 * ``seen``: the controller saw the failure (or took the migration request);
 * ``published``: the plan of the new generation was in the store;
 * ``switch`` (a migration only): the first rank stopped at the switch step; training went on
@@ -19,7 +21,7 @@ The timeline of one recovery, each instant no earlier than the one before it:
 Phases are the gaps: ``detect`` = seen - failed, ``plan`` = published - seen, ``connect`` =
 connected - published, ``transfer`` = healed - connected, ``first_step`` = first_step - healed.
 ``recover`` = recovered - published (the controller's view: connect + transfer + its polling)
-and ``total`` (the event's ``seconds``) are kept as before. Instants of different hosts are
+and ``total`` (the event's ``seconds``: failed -> every rank recovered) are kept as before. Instants of different hosts are
 compared as they are (their clocks' skew is in the phases); one read earlier than the instant
 before it is clamped to it, so every phase is >= 0.
 """
@@ -42,14 +44,16 @@ def _latest(values: Iterable[float | None]) -> float | None:
 
 
 def marks(timings: list[RecoveryTiming], world_size: int, seen: float, published: float,
-          asked: float | None = None) -> dict[str, float | None]:
+          asked: float | None = None, evidence: float | None = None) -> dict[str, float | None]:
     """The recovery's instants (see the module's docstring), ordered; None where unknown.
-    ``first_step`` is known only when every one of ``world_size`` ranks reported it."""
+    ``first_step`` is known only when every one of ``world_size`` ranks reported it.
+    ``evidence``: the earliest evidence of a failure the controller's reports carry (a lost
+    node's last heartbeat, a worker's exit as its agent saw it)."""
     noticed = [t.noticed for t in timings if t.noticed is not None]
     if asked:  # a migration: a rank's "noticed" is when it stopped at the switch step
         failed, switch = min(seen, asked), (min(noticed) if noticed else None)
     else:
-        failed, switch = min([seen, *noticed]), None
+        failed, switch = min([seen, *noticed, *([evidence] if evidence else [])]), None
     firsts = [t.first_step for t in timings if t.first_step is not None]
     raw: dict[str, float | None] = {
         "failed": failed,
@@ -71,11 +75,18 @@ def marks(timings: list[RecoveryTiming], world_size: int, seen: float, published
     return ordered
 
 
-def downtime(at: dict[str, float | None], recovered: float, seconds: float) -> float:
-    """The recovery's downtime: ``seconds`` (failure seen -> every rank recovered), except for a
-    migration whose switch is known: switch -> every rank recovered (training went on before)."""
-    switch = at.get("switch")
-    return round(max(0.0, recovered - switch), 6) if switch is not None else seconds
+def downtime(at: dict[str, float | None], recovered: float, seconds: float, planned: bool = False) -> float:
+    """The recovery's downtime: from the earliest evidence of the failure (``failed``: a
+    survivor's collective losing the peer, a lost node's last heartbeat, the controller seeing
+    it, whichever came first) to every rank recovered; for a migration whose switch is known:
+    switch -> every rank recovered (training went on before); else ``seconds`` (from the
+    failure seen, or the request)."""
+    switch, failed = at.get("switch"), at.get("failed")
+    if switch is not None:
+        return round(max(0.0, recovered - switch), 6)
+    if failed is not None and not planned:
+        return round(max(seconds, recovered - failed), 6)
+    return seconds
 
 
 def phases(at: dict[str, float | None], recovered: float, seconds: float) -> dict[str, Any]:

@@ -178,6 +178,7 @@ class _Recovery:
     seen: float  # the same instant in Unix time
     published: float  # Unix time: the plan was in the store
     asked: float | None  # Unix time of a migration's request
+    evidence: float | None = None  # Unix time: the earliest evidence of the failure known to the controller
     seconds: float | None = None  # once every rank recovered: started -> then
     recovered_at: float = 0.0  # Unix time, idem
     recovered_mono: float = 0.0
@@ -208,12 +209,15 @@ class Recoveries:
         self._finishing: list[_Recovery] = []
         self._first_step_wait = first_step_wait
 
-    def begin(self, store: Store, gen: int, world_size: int, started: float, asked: float | None = None) -> None:
+    def begin(self, store: Store, gen: int, world_size: int, started: float, asked: float | None = None,
+              evidence: float | None = None) -> None:
         """Generation ``gen`` was just published; ``started`` (monotonic) is when the failure was
-        seen or the migration request taken, ``asked`` (Unix time) when a migration was asked."""
+        seen or the migration request taken, ``asked`` (Unix time) when a migration was asked,
+        ``evidence`` (Unix time) the earliest evidence of the failure the reports carry (a worker's
+        exit as its agent saw it, a lost node's last heartbeat)."""
         now = time.time()
         seen = now - max(0.0, time.monotonic() - started)
-        self._awaiting.append(_Recovery(store, gen, world_size, started, seen, now, asked or None))
+        self._awaiting.append(_Recovery(store, gen, world_size, started, seen, now, asked or None, evidence or None))
 
     def __bool__(self) -> bool:
         """True while a published generation's ranks are still recovering."""
@@ -261,8 +265,10 @@ class Recoveries:
                     timings.append(proto.RecoveryTiming.decode(key, recovery.store.get(key)))
             except proto.ProtocolMessageError as exc:
                 say(f"ignored a malformed recovery timing: {exc}")
-        at = recovery_phases.marks(timings, recovery.world_size, recovery.seen, recovery.published, recovery.asked)
-        seconds = recovery_phases.downtime(at, recovery.recovered_at, recovery.seconds or 0.0)
+        at = recovery_phases.marks(timings, recovery.world_size, recovery.seen, recovery.published, recovery.asked,
+                                   evidence=recovery.evidence)
+        seconds = recovery_phases.downtime(at, recovery.recovered_at, recovery.seconds or 0.0,
+                                           planned=recovery.asked is not None)
         return Recovered(recovery.gen, recovery.world_size, seconds,
                          recovery_phases.phases(at, recovery.recovered_at, seconds), at)
 

@@ -91,7 +91,8 @@ class NodeReplacement:
         return self._epoch_store(membership.epoch).check([keys.API])
 
     def decide(self, membership: Membership, culprits: list[int], dead: set[int],
-               first_seen: float, node_fallback: str = "") -> tuple[Decision, Membership | None, str]:
+               first_seen: float, node_fallback: str = "", evidence: float | None = None,
+               ) -> tuple[Decision, Membership | None, str]:
         """What to do about ``culprits`` (active nodes that failed; ``dead`` ones are gone).
         Returns the decision, the new membership (in place) and a line for the event log.
         ``node_fallback``: a culprit's own in-place controller (one node, ``--standby N``: its
@@ -133,12 +134,12 @@ class NodeReplacement:
             generations.abandon(why)
             return Decision.FALLBACK, None, why
         swapped, why = self._publish(store, membership, ranks, dict(zip(failed, (n for n, _ in standby))),
-                                     dict(standby), dead, planned=False, started=first_seen)
+                                     dict(standby), dead, planned=False, started=first_seen, evidence=evidence)
         return Decision.IN_PLACE, swapped, why
 
     def _publish(self, store: Store, membership: Membership, ranks: list[list[int]], moves: dict[int, int],
                  standby_ids: dict[int, list[int]], dead: set[int], planned: bool,
-                 started: float, asked: float = 0.0) -> tuple[Membership, str]:
+                 started: float, asked: float = 0.0, evidence: float | None = None) -> tuple[Membership, str]:
         """Generation gen+1 of the epoch: each node in ``moves`` is replaced by its standby node."""
         world_size = sum(len(r) for r in ranks)
         replaced: dict[int, int] = {}
@@ -148,7 +149,7 @@ class NodeReplacement:
             store.set(keys.node_ranks(group_rank), proto.NodeRanks(node_id, ranks[group_rank]).encode())
         swapped = planner.replace_in_place(membership, moves, dead)
         gen = core.Generations(store).publish(world_size, replaced, swapped.reason, planned)
-        self._recoveries.begin(store, gen, world_size, started, asked=asked)
+        self._recoveries.begin(store, gen, world_size, started, asked=asked, evidence=evidence)
         ranks_moved = ", ".join(f"{rank}->standby {sid}" for rank, sid in sorted(replaced.items()))
         return swapped, f"generation {gen}: {swapped.reason} (ranks {ranks_moved})"
 
