@@ -129,6 +129,22 @@ def test_gpu_health_is_off_without_nvml(tmp_path: Path, capsys: pytest.CaptureFi
     assert GpuHealth(None).poll(0.0) == []
 
 
+def test_a_machine_without_the_nvml_library_says_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    """No NVIDIA driver (a CPU machine): nothing to watch, and no line in every CPU job's output
+    (the quick start printed 'GPU health monitor off: NVML could not start (NVMLError_LibraryNotFound ...)')."""
+
+    class NVMLError_LibraryNotFound(Exception):  # noqa: N801 - pynvml's name
+        pass
+
+    class NoLibrary:
+        def nvmlInit(self) -> None:  # noqa: N802 - NVML's name
+            raise NVMLError_LibraryNotFound("NVML Shared Library Not Found")
+
+    assert not GpuHealth(NoLibrary()).enabled
+    out = capsys.readouterr()
+    assert "GPU health" not in out.out + out.err
+
+
 def test_real_pynvml_starts_or_is_off_in_one_line() -> None:
     pynvml = pytest.importorskip("pynvml")
     health = GpuHealth(pynvml)

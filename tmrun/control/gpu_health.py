@@ -137,7 +137,10 @@ class GpuHealth:
             nvml.nvmlInit()
             self._handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
         except Exception as exc:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded, ...
-            say(f"GPU health monitor off: NVML could not start ({type(exc).__name__}: {exc})")
+            if type(exc).__name__ != "NVMLError_LibraryNotFound":
+                say(f"GPU health monitor off: NVML could not start ({type(exc).__name__}: {exc})")
+            # (no NVIDIA driver's NVML library at all: a machine without GPUs, nothing to watch,
+            # and no line in every CPU job's output)
             return
         if not self._handles:
             say("GPU health monitor off: NVML sees no GPU")
