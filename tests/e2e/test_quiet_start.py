@@ -14,11 +14,12 @@ WARNING = "Failed to initialize NumPy"
 
 
 def _without_numpy(tmp_path: Path) -> dict[str, str]:
-    """An environment in which ``import numpy`` fails, as in a venv without it."""
+    """An environment in which ``import numpy`` fails, as in a venv without it, and with no warning
+    filter inherited (a test that ran tmrun's main() in this process set tmrun's own filter here)."""
     stub = tmp_path / "no_numpy" / "numpy"
     stub.mkdir(parents=True)
     (stub / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'numpy'\", name='numpy')\n")
-    return {"PYTHONPATH": str(stub.parent)}
+    return {"PYTHONPATH": str(stub.parent), "PYTHONWARNINGS": ""}
 
 
 def test_the_environment_without_numpy_makes_torch_warn(tmp_path: Path) -> None:
