@@ -75,8 +75,10 @@ def test_token_reaches_workers_by_environment_only(tmp_path: Path) -> None:
     token_file.chmod(0o600)
     cmd = tmrun_cmd(
         "--standalone", "--nproc-per-node", "2", "--standby", "1", "--log-dir", str(logs),
-        "--inject-failure", "rank=1,step=10",
-        str(EXAMPLES / "train_inplace.py"), "--steps", "16", "--width", "48", "--batch", "16", "--step-time", "0.15",
+        # the failure well after the standby is warm (the listeners are probed then, every process
+        # alive): at step 10 of 0.15 s it came first under load, and the probe found workers closing
+        "--inject-failure", "rank=1,step=20",
+        str(EXAMPLES / "train_inplace.py"), "--steps", "24", "--width", "48", "--batch", "16", "--step-time", "0.3",
     )  # fmt: skip
     log = tmp_path / "agent.log"
     agent = start(cmd, log=log, env={"TMRUN_STATE_DIR": str(state), "TMRUN_JOB_TOKEN_FILE": str(token_file)})

@@ -52,8 +52,8 @@ class Restarted:
 
     def describe(self) -> str:
         if self.seconds is None:
-            return (f"epoch {self.new_epoch}: the group restart was not measured (its workers write no "
-                    "progress: the script does not use the worker API)")
+            return (f"epoch {self.new_epoch}: the group restart was not measured (no progress records: no rank "
+                    "ran a step of the worker API after it)")
         if self.back is None:
             line = f"epoch {self.new_epoch}: the group restart cost {self.seconds:.3f}s (until the end: the group did not get back)"
         elif self.high_water is None:
