@@ -10,11 +10,13 @@ from tmrun.protocol.messages import NodeProgress, RankProgress
 class _Store:
     def __init__(self) -> None:
         self.data: dict[str, str] = {}
+        self.gets: dict[str, int] = {}
 
     def check(self, names: list[str]) -> bool:
         return all(n in self.data for n in names)
 
     def get(self, name: str) -> bytes:
+        self.gets[name] = self.gets.get(name, 0) + 1
         return self.data[name].encode()
 
     def set(self, name: str, value: str) -> None:
@@ -54,6 +56,7 @@ def test_a_restart_from_a_checkpoint_counts_the_steps_done_again_and_the_time_un
     assert done.back == 1016.0 and done.seconds == 16.0 and done.failed == 1000.0
     assert "6 steps recomputed" in done.describe() and done.fields()["marks"] == {"failed": 1000.0, "back": 1016.0}
     assert _polled(accounts, clock) == [] and accounts.finish(2000.0) == []
+    assert store.gets[keys.final_progress(1, 0)] == 1  # an epoch's last records are written once: read once
 
 
 def test_a_restart_without_progress_records_is_not_measured() -> None:
@@ -90,6 +93,8 @@ def test_nothing_completed_before_the_failure_recomputes_nothing() -> None:
     store.set(keys.node_progress(0), _progress(0, 2, (0, 0, 13.0, 1.0, 0), (1, 0, 13.0, 1.0, 0)))
     [done] = accounts.poll(now=1.0)
     assert done.high_water is None and done.steps_recomputed == 0 and done.back == 13.0 and done.seconds == 3.0
+    assert done.describe() == ("epoch 2: the group restart cost 3.000s (failure to its first step), resumed at step 0 "
+                               "with no step completed before: 0 steps recomputed")
 
 
 def test_a_malformed_record_counts_as_none() -> None:

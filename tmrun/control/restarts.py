@@ -28,7 +28,7 @@ Pure over the store's keys: the leader calls :meth:`RestartAccounts.poll` from i
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tmrun.protocol import keys
@@ -55,15 +55,17 @@ class Restarted:
             return (f"epoch {self.new_epoch}: the group restart was not measured (no progress records: no rank "
                     "ran a step of the worker API after it)")
         if self.back is None:
-            line = f"epoch {self.new_epoch}: the group restart cost {self.seconds:.3f}s (until the end: the group did not get back)"
+            line = (f"epoch {self.new_epoch}: the group restart cost {self.seconds:.3f}s "
+                    "(until the end: the group did not get back)")
         elif self.high_water is None:
             line = f"epoch {self.new_epoch}: the group restart cost {self.seconds:.3f}s (failure to its first step)"
         else:
             line = (f"epoch {self.new_epoch}: the group restart cost {self.seconds:.3f}s "
                     f"(failure to back at step {self.high_water + 1})")
         if self.steps_recomputed is not None:
-            line += (f", resumed at step {self.resumed} after step {self.high_water} had completed: "
-                     f"{self.steps_recomputed} steps recomputed")
+            before = ("with no step completed before" if self.high_water is None
+                      else f"after step {self.high_water} had completed")
+            line += f", resumed at step {self.resumed} {before}: {self.steps_recomputed} steps recomputed"
         return line
 
     def fields(self) -> dict[str, Any]:
@@ -82,6 +84,7 @@ class _Open:
     high_water: int | None = None
     resumed: int | None = None
     furthest: int | None = None  # the new epoch's least advanced rank's step, last seen
+    finals_read: set[int] = field(default_factory=set)  # old group ranks whose last records were read (once)
 
 
 class RestartAccounts:
@@ -124,14 +127,17 @@ class RestartAccounts:
 
     def _look(self, account: _Open) -> float | None:
         """Read what is known of ``account`` now; the instant its group got back, if it did."""
-        finals = [r for p in self._read([keys.final_progress(account.old_epoch, g) for g in range(account.old_nodes)])
-                  for r in p.ranks if r.step >= 0]
-        if finals:
-            account.high_water = max(r.step for r in finals)
-        current = self._read([keys.node_progress(g) for g in range(account.new_nodes)])
-        ranks = [r for p in current if p.epoch == account.new_epoch for r in p.ranks]
-        if len([p for p in current if p.epoch == account.new_epoch and p.ranks]) < account.new_nodes:
+        unread = [g for g in range(account.old_nodes) if g not in account.finals_read]
+        for final in self._read([keys.final_progress(account.old_epoch, g) for g in unread]):
+            account.finals_read.add(final.node)  # written once: not read again
+            steps = [r.step for r in final.ranks if r.step >= 0]
+            if steps:
+                account.high_water = max(steps + ([account.high_water] if account.high_water is not None else []))
+        current = [p for p in self._read([keys.node_progress(g) for g in range(account.new_nodes)])
+                   if p.epoch == account.new_epoch and p.ranks]
+        if len(current) < account.new_nodes:
             return None  # a node of the new epoch has no record yet
+        ranks = [r for p in current for r in p.ranks]
         starts = [r.resumed for r in ranks if r.resumed >= 0]
         if starts:
             account.resumed = min(starts)
@@ -158,7 +164,9 @@ class RestartAccounts:
         measured = account.resumed is not None
         recomputed = None
         if measured and account.high_water is not None:
-            redone_to = account.high_water if back is not None else min(account.high_water, account.furthest if account.furthest is not None else -1)
+            # a group that never got back redid only the steps it reached again
+            reached = account.furthest if account.furthest is not None else -1
+            redone_to = account.high_water if back is not None else min(account.high_water, reached)
             recomputed = max(0, redone_to - account.resumed + 1)
         elif measured:
             recomputed = 0  # nothing had completed before the failure
