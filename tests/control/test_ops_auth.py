@@ -177,7 +177,7 @@ class _Polling:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.monitor.poll(0.02, lambda node, why: self.lost.append((node, why)))
+            self.monitor.poll(0.02, lambda node, why, _silent: self.lost.append((node, why)))
 
     def stop(self) -> None:
         self._stop.set()

@@ -84,17 +84,17 @@ def test_liveness_tells_departed_from_lost(etcd_server) -> None:  # type: ignore
         store.put(job + alive_key(node), "x", lease=lease)
     liveness = EtcdLiveness(store, run_id, ttl=30, check_interval=0)
     lost: dict[int, str] = {}
-    liveness.poll(0, lambda n, why: lost.__setitem__(n, why))
+    liveness.poll(0, lambda n, why, _silent: lost.__setitem__(n, why))
     assert lost == {} and liveness.take_departed() == []
     store.set(job + departed_key(1), "1")
     store.revoke_lease(leases[1])  # node 1 left
     store.revoke_lease(leases[2])  # node 2's lease expired
     liveness.expect([5])  # a node the membership names, with no key: lost
-    liveness.poll(0, lambda n, why: lost.__setitem__(n, why))
+    liveness.poll(0, lambda n, why, _silent: lost.__setitem__(n, why))
     assert sorted(lost) == [2, 5] and "lease expired" in lost[2]
     assert liveness.take_departed() == [1]
     lost.clear()
-    liveness.poll(0, lambda n, why: lost.__setitem__(n, why))
+    liveness.poll(0, lambda n, why, _silent: lost.__setitem__(n, why))
     assert lost == {}  # each loss once
 
 

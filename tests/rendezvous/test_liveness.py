@@ -11,7 +11,7 @@ from tmrun.rendezvous.liveness import LivenessBeacon, LivenessMonitor
 def _poll_until(monitor: LivenessMonitor, lost: list, done, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and not done():
-        monitor.poll(0.05, lambda node, why: lost.append((node, why)))
+        monitor.poll(0.05, lambda node, why, _silent: lost.append((node, why)))
 
 
 def test_goodbye_is_a_departure_not_a_loss() -> None:
@@ -61,4 +61,30 @@ def test_silent_and_foreign_connections_are_dropped_and_the_agent_stays(monkeypa
         for sock in noise:
             sock.close()
         agent.close()
+        monitor.close()
+
+
+def test_a_lost_node_says_how_long_it_was_silent() -> None:
+    """The leader dates a lost node's failure from its last heartbeat: a closed connection is
+    silent for 0 s, a heartbeat timeout for at least the timeout (measured, not the reason's text)."""
+    monitor = LivenessMonitor("run", heartbeat_timeout=0.5)
+    try:
+        closed = LivenessBeacon("127.0.0.1", monitor.port, "run", 6, interval=0.05)
+        quiet = LivenessBeacon("127.0.0.1", monitor.port, "run", 7, interval=0.05)
+        silences: dict[int, float] = {}
+
+        def poll_until(done) -> None:  # type: ignore[no-untyped-def]
+            deadline = time.monotonic() + 5.0
+            while time.monotonic() < deadline and not done():
+                monitor.poll(0.05, lambda node, why, silent: silences.__setitem__(node, silent))
+
+        poll_until(lambda: sum(p.node_id is not None for p in monitor._peers.values()) == 2)  # noqa: SLF001
+        closed._stop.set()  # noqa: SLF001 - dies without a goodbye
+        closed._sock.close()  # noqa: SLF001
+        quiet._stop.set()  # noqa: SLF001 - stops its heartbeats, its connection stays open
+        poll_until(lambda: len(silences) == 2)
+        assert silences[6] == 0.0
+        assert 0.5 < silences[7] < 3.0, silences
+    finally:
+        quiet._sock.close()  # noqa: SLF001
         monitor.close()

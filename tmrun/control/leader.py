@@ -71,7 +71,7 @@ class Liveness(Protocol):
 
     port: int
 
-    def poll(self, timeout: float, on_lost: Callable[[int, str], None]) -> None: ...
+    def poll(self, timeout: float, on_lost: Callable[[int, str, float], None]) -> None: ...
 
     def take_departed(self) -> list[int]: ...
 
@@ -194,11 +194,9 @@ class Leader:
         say(f"{kind}: {detail}")
         record_event(self._store, kind, self._membership.epoch, detail, **fields)
 
-    def _on_lost(self, node_id: int, why: str) -> None:
+    def _on_lost(self, node_id: int, why: str, silent_for: float) -> None:
         self._lost[node_id] = why
-        # the earliest evidence of the loss: a closed connection now; a heartbeat timeout, the
-        # last heartbeat (about the timeout ago)
-        self._lost_at[node_id] = time.time() - (self._config.heartbeat_timeout if "no heartbeat" in why else 0.0)
+        self._lost_at[node_id] = time.time() - silent_for  # the earliest evidence: when it was last heard from
 
     def _restarted(self, accounts: list[Restarted]) -> None:
         for account in accounts:
@@ -313,8 +311,9 @@ class Leader:
             return
         node_fallback = "; ".join(dict.fromkeys(r.node_fallback for r in pending.reports
                                                 if r.node_fallback and r.node_id in culprits))
+        evidence = _earliest(pending)
         decision, swapped, why = self._inplace.decide(self._membership, culprits, dead, pending.first_seen,
-                                                      node_fallback=node_fallback, evidence=_earliest(pending))
+                                                      node_fallback=node_fallback, evidence=evidence)
         if decision is Decision.WAIT:
             return
         self._pending = None
@@ -333,7 +332,8 @@ class Leader:
             self._event("failure", causes)
             where = "" if _OWN_ERROR.search(causes) else "; its own error is in the workers' output"
             self._fail(f"the script fails at start: {self._failed_starts} starts in a row ended within "
-                       f"{START_WINDOW:g} s, before any rank reached tmrun.init() ({causes}{where}); not restarted again")
+                       f"{START_WINDOW:g} s, before any rank reached tmrun.init() ({causes}{where}); "
+                       "not restarted again")
             return
         if decision is Decision.FALLBACK:
             self._event("fallback", f"{why}: the group restarts (as torchrun)")
@@ -344,8 +344,7 @@ class Leader:
         self._publish(plan)
         self._event("failure", causes)
         self._event("replace", f"epoch {plan.epoch}: {plan.reason}")
-        self._restarted(self._restarts.begin(old.epoch, plan.epoch, len(old.active), len(plan.active),
-                                             _earliest(pending)))
+        self._restarted(self._restarts.begin(old.epoch, plan.epoch, len(old.active), len(plan.active), evidence))
         if planner.HOLE in plan.active and self._hole_since is None:
             self._hole_since = time.monotonic()
 

@@ -190,7 +190,7 @@ class EtcdLiveness:
         departed, self._departed = self._departed, []
         return departed
 
-    def poll(self, timeout: float, on_lost: Callable[[int, str], None]) -> None:
+    def poll(self, timeout: float, on_lost: Callable[[int, str, float], None]) -> None:
         time.sleep(timeout)
         now = time.monotonic()
         if now < self._next_check:
@@ -207,7 +207,8 @@ class EtcdLiveness:
             if self._store.check([self._job + departed_key(node_id)]):
                 self._departed.append(node_id)
             else:
-                on_lost(node_id, f"its agent's etcd lease expired (no keep-alive within {self._ttl:g} s)")
+                # (its last keep-alive came about a lease's time before the lease expired)
+                on_lost(node_id, f"its agent's etcd lease expired (no keep-alive within {self._ttl:g} s)", self._ttl)
 
     def close(self) -> None:
         pass

@@ -84,8 +84,9 @@ class LivenessMonitor:
         departed, self._departed = self._departed, []
         return departed
 
-    def poll(self, timeout: float, on_lost: Callable[[int, str], None]) -> None:
-        """Wait up to ``timeout`` for activity; call ``on_lost(node_id, why)`` for each lost node."""
+    def poll(self, timeout: float, on_lost: Callable[[int, str, float], None]) -> None:
+        """Wait up to ``timeout`` for activity; call ``on_lost(node_id, why, silent_for)`` for each
+        lost node (``silent_for``: seconds since it was last heard from, 0 for a closed connection)."""
         for key, _ in self._selector.select(timeout):
             if key.data is None:
                 self._accept()
@@ -98,7 +99,7 @@ class LivenessMonitor:
                 continue
             if peer.node_id is not None and now - peer.last_seen > self._timeout:
                 self._drop(peer)
-                on_lost(peer.node_id, f"no heartbeat for {self._timeout:g} s")
+                on_lost(peer.node_id, f"no heartbeat for {self._timeout:g} s", now - peer.last_seen)
 
     def close(self) -> None:
         for peer in list(self._peers.values()):
@@ -123,7 +124,7 @@ class LivenessMonitor:
         self._peers[sock.fileno()] = peer
         self._selector.register(sock, selectors.EVENT_READ, peer)
 
-    def _read(self, peer: _Peer, on_lost: Callable[[int, str], None]) -> None:
+    def _read(self, peer: _Peer, on_lost: Callable[[int, str, float], None]) -> None:
         try:
             data = peer.sock.recv(4096)
         except BlockingIOError:
@@ -137,7 +138,7 @@ class LivenessMonitor:
         if not data:
             self._drop(peer)
             if peer.node_id is not None and not peer.leaving:
-                on_lost(peer.node_id, reason)
+                on_lost(peer.node_id, reason, 0.0)
             elif peer.node_id is not None:
                 self._departed.append(peer.node_id)
             return
