@@ -67,10 +67,10 @@ def main() -> None:
             grad.div_(args.dp)
         opt.step()  # skipped in a step a failure aborted
         opt.zero_grad()
-        if args.step_log and not tm.is_shadow and tm.committed_step == step:  # (a loss seen after the commit sets tm.aborted)
+        if args.step_log and not tm.is_shadow and tm.committed_step == step:  # its update was applied
             with open(args.step_log.replace("{rank}", str(tm.rank)), "a") as log:
                 log.write(f"{step} {time.time():.6f} {os.getpid()}\n")
-        if tm.rank == 0 and not tm.is_shadow and not tm.aborted:
+        if tm.rank == 0 and not tm.is_shadow and not tm.void:
             print(f"step {step} loss {loss.item():.4f}", flush=True)
 
     if args.final:

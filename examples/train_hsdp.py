@@ -158,15 +158,15 @@ def main() -> None:
         opt.zero_grad()
         if args.step_time:
             time.sleep(args.step_time)
-        if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0 and not tm.aborted:
+        if args.checkpoint_dir and (step + 1) % args.checkpoint_every == 0 and not tm.void:
             save_checkpoint(args.checkpoint_dir, step + 1, model, opt, sched, loader)
-        if step == args.migrate_at and tm.rank == args.migrate_rank and tm.in_place and not tm.aborted and not asked:
+        if step == args.migrate_at and tm.rank == args.migrate_rank and tm.in_place and not tm.void and not asked:
             tm.migrate(reason=f"--migrate-at {step}")  # the switch: a later step boundary
             asked = True
-        if args.step_log and not tm.is_shadow and tm.committed_step == step:  # (a loss seen after the commit sets tm.aborted)
+        if args.step_log and not tm.is_shadow and tm.committed_step == step:  # its update was applied
             with open(args.step_log.replace("{rank}", str(tm.rank)), "a") as log:
                 log.write(f"{step} {time.time():.6f} {os.getpid()}\n")
-        if tm.rank == 0 and not tm.is_shadow and not tm.aborted:
+        if tm.rank == 0 and not tm.is_shadow and not tm.void:
             print(f"step {step} loss {loss.item():.4f} lr {sched.get_last_lr()[0]:.2e}", flush=True)
 
     if args.final:

@@ -132,10 +132,10 @@ def main() -> None:
             time.sleep(args.step_time)
         if not tm.is_shadow:
             done.append((step, time.monotonic()))
-            if step == args.migrate_at and tm.rank == args.migrate_rank and not tm.aborted:
+            if step == args.migrate_at and tm.rank == args.migrate_rank and not tm.void:
                 tm.migrate(reason=f"--migrate-at {step}")
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and tm.rank == 0 \
-                and not tm.is_shadow and not tm.aborted:
+                and not tm.is_shadow and not tm.void:
             save(args.checkpoint, model.module, opt, step)
         if args.step_log and not tm.is_shadow:
             with open(args.step_log.replace("{rank}", str(tm.rank)), "a") as log:

@@ -158,6 +158,25 @@ def test_hsdp_rank_killed_at_a_random_moment_is_always_healed_in_place(tmp_path:
     assert _finals(work) == _long_reference(tmp_path), log[-6000:]
 
 
+def test_hsdp_rank_lost_during_the_commit_vote_is_healed_in_place(tmp_path: Path, reference: list[str]) -> None:
+    """The vote of step 2 reaches ranks 0 and 2 ("commit") but not rank 1, and rank 3 is lost:
+    the outcome of a rank killed *during* the vote's all-reduce (TMRUN_TEST_LOSE_VOTE makes rank
+    1's vote lose rank 3 after it went through; rank 3 dies at its optimizer step). Ranks 0 and 2
+    apply step 2; rank 1, which held the only other copy of rank 3's shard, used to skip it, so
+    that shard had no holder at step 2 and the job fell back to its group restart. Rank 1 now
+    learns from the survivors' records that the step was committed and applies it too: healed
+    in place, with torchrun's bits."""
+    work = tmp_path / "vote"
+    log = _tmrun(work, "--standby", "1", "--inject-failure", "rank=3,step=2,at=optimizer",
+                 env={"TMRUN_TEST_LOSE_VOTE": "1:2:3"})
+    assert "rank 1: the commit vote of step 2 lost a peer, and another survivor committed the step" in log, log[-6000:]
+    assert "falling back" not in log and "no live replica" not in log, log[-6000:]
+    assert "in-place replacement, generation 1: rank 3" in log, log[-6000:]
+    assert _finals(work) == reference, log[-6000:]
+    for rank in (0, 1, 2):  # every survivor committed step 2 once, in its own process
+        _check_committed(_steps(work, rank), processes=1, rank=rank, failed=frozenset())
+
+
 def _long_reference(tmp_path: Path) -> list[str]:
     """The RANDOM_STEPS-step run under torchrun (shared by the random-moment tests of one session)."""
     if not _LONG_REFERENCE:

@@ -50,14 +50,16 @@ def _run(work: Path, launcher: str, *script_args: str, tmrun_args: tuple[str, ..
                        "aborted": aborted}
 
 
-def _check_aborted_contract(runs: list[tuple[int, int, int]]) -> None:
-    """``tm.aborted`` and ``steps()`` agree (one rank's process, in order: step, aborted at the
-    body's end, committed): a step flagged before it committed is yielded again; one flagged
-    after it committed (a collective after ``opt.step()`` lost the peer: its values void) is not,
-    and neither is any step that was not flagged."""
-    for index, (step, aborted, committed) in enumerate(runs):
-        later = [s for s, _, _ in runs[index + 1:]]
-        if aborted and not committed:
+def _check_aborted_contract(runs: list[tuple[int, int, int, int]]) -> None:
+    """``tm.aborted`` and ``steps()`` agree (one rank's process, in order: step, aborted, committed
+    and void at the body's end): a step flagged aborted was not committed and is yielded again;
+    a step not flagged aborted is never yielded again, whether void (a collective after
+    ``opt.step()`` lost the peer) or not; aborted implies void."""
+    for index, (step, aborted, committed, void) in enumerate(runs):
+        later = [s for s, _, _, _ in runs[index + 1:]]
+        assert not (aborted and committed), (step, runs)
+        assert void or not aborted, (step, runs)
+        if aborted:
             assert later and later[0] == step, (step, runs)
         else:
             assert step not in later, (step, runs)
@@ -92,7 +94,7 @@ def _check_in_place(code: int, log: str, got: dict, reference: dict, killed: int
     assert got["swallowed"] == [], "a standby's exit was swallowed by the script's catch-all"
     _check_aborted_contract(got["aborted"][1 - killed])
     if expect_aborted:
-        assert any(aborted for _, aborted, _ in got["aborted"][1 - killed]), "the survivor saw no aborted step"
+        assert any(aborted for _, aborted, _, _ in got["aborted"][1 - killed]), "the survivor saw no aborted step"
     assert "Traceback" not in log, log
 
 
@@ -128,15 +130,17 @@ def test_a_rank_killed_after_the_commit_vote_leaves_the_step_committed_and_flagg
         tmp_path: Path, torchrun_reference: dict) -> None:
     """Rank 1 dies inside its optimizer step (the "optimizer" drill: after every rank voted to
     commit): rank 0 applies the step, then its metrics all-reduce after ``opt.step()`` loses the
-    peer. ``tm.aborted`` is true for the rest of that step (the metric is void) and the step is
-    not redone (it committed everywhere it could: the joiner is healed to it)."""
+    peer. ``tm.void`` is true for the rest of that step (the metric is void, and a line says
+    so), ``tm.aborted`` is not, and the step is not redone (it committed everywhere it could:
+    the joiner is healed to it)."""
     code, log, got = _run(tmp_path / "optimizer", "tmrun",
                           tmrun_args=("--inject-failure", "rank=1,step=4,at=optimizer"))
     assert code == 0, log
     assert got["finals"] == torchrun_reference["finals"], log
     survivor = got["aborted"][0]
-    assert (4, 1, 1) in survivor, survivor  # flagged after its commit
-    assert [s for s, _, _ in survivor] == list(range(STEPS)), survivor  # nothing redone
+    assert (4, 0, 1, 1) in survivor, survivor  # void after its commit, not aborted
+    assert [s for s, _, _, _ in survivor] == list(range(STEPS)), survivor  # nothing redone
+    assert re.search(r"rank 0: step 4 committed and then lost a peer: .* void \(tm.void\); the step is not redone", log), log
     _check_aborted_contract(survivor)
     assert re.search(r"resume at step 5 ", log), log
 

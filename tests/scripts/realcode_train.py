@@ -164,7 +164,7 @@ def main() -> None:
     parser.add_argument("--kill-at", default="", help="STEP:SECONDS: --kill-rank is SIGKILLed that long into STEP")
     parser.add_argument("--kill-rank", type=int, default=1)
     parser.add_argument("--step-log", default="", help="per rank ({rank}): 'step pid' per completed step")
-    parser.add_argument("--aborted-log", default="", help="per rank ({rank}): 'step aborted committed' per step run")
+    parser.add_argument("--aborted-log", default="", help="per rank ({rank}): 'step aborted committed void' per step run")
     parser.add_argument("--corrupt-on-heal", action="store_true",
                         help="a tracked object's load_state_dict changes a weight (a buggy state hook)")
     args = parser.parse_args()
@@ -233,8 +233,8 @@ def train(args: argparse.Namespace) -> None:
         dist.all_reduce(step_loss)  # a metrics all-reduce after the optimizer step
         if args.aborted_log and not tm.is_shadow:
             with open(args.aborted_log.format(rank=tm.rank), "a") as log:
-                log.write(f"{step} {int(tm.aborted)} {int(tm.committed_step >= step)}\n")
-        if args.step_log and not tm.is_shadow and not tm.aborted:
+                log.write(f"{step} {int(tm.aborted)} {int(tm.committed_step >= step)} {int(tm.void)}\n")
+        if args.step_log and not tm.is_shadow and not tm.aborted:  # committed (void perhaps)
             with open(args.step_log.format(rank=tm.rank), "a") as log:
                 log.write(f"{step} {os.getpid()}\n")
     if tm.rank == 0 and not tm.is_standby:

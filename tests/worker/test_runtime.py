@@ -38,6 +38,15 @@ SCRIPT = textwrap.dedent("""
         assert tm.committed_step == step
         tm.values["seen"] += 1
     assert tm.values["seen"] == 3 and tm.committed_step == 2
+    # tm.aborted (the step is yielded again) and tm.void (its collectives' values are void)
+    ctx = tm._ctx
+    ctx.current_step, ctx.aborted_by = 3, 1  # a loss before step 3's update: redone, void
+    assert tm.aborted and tm.void
+    ctx.committed_step = 3  # a loss after step 3's update: committed, void, not redone
+    assert tm.void and not tm.aborted
+    ctx.aborted_by = None
+    assert not tm.void and not tm.aborted
+    ctx.committed_step = 2
     try:
         tm.migrate()
     except RuntimeError as exc:

@@ -25,8 +25,9 @@ What :class:`TmrunTrainer` changes in torchtitan's ``Trainer``:
 * The loop is ``tm.steps(training.steps, start=<the step torchtitan resumed at>)``: torchtitan's
   1-based ``self.step`` is the yielded index + 1. A standby or joiner does not load torchtitan's
   checkpoint (it is healed from the ranks).
-* Checkpoint saving, validation and metrics logging are skipped in an aborted step
-  (``tm.aborted``) and in a standby's shadow steps (``tm.is_shadow``).
+* Checkpoint saving, validation and metrics logging are skipped in a step whose collectives
+  lost a peer (``tm.void``: aborted, or committed before the loss) and in a standby's shadow
+  steps (``tm.is_shadow``).
 * A joiner does not initialise its parameters (zeros; it is healed from the replicas): torchtitan's
   initialisation of sharded parameters runs collectives the survivors never join.
 * ``lm_head``'s FSDP2 unit reshards after forward from the first step on (torchtitan's chunked
@@ -151,9 +152,9 @@ class TmrunTrainer(Trainer):
 
     @property
     def _quiet(self) -> bool:
-        """True where a step's side effects must not happen: an aborted step (it will be redone,
-        its values are void) or a standby's shadow step."""
-        return bool(self.tm.aborted or self.tm.is_shadow)
+        """True where a step's side effects must not happen: a step whose collectives lost a peer
+        (its values are void; redone if aborted) or a standby's shadow step."""
+        return bool(self.tm.void or self.tm.is_shadow)
 
     def _is_healed(self) -> bool:
         """A standby (sandbox) or a promoted standby that still has to be healed."""
@@ -172,8 +173,8 @@ class TmrunTrainer(Trainer):
     def train_step(self, data_iterator: Any) -> None:
         try:
             super().train_step(data_iterator)
-        except RuntimeError as error:  # an aborted step's loss all-reduce is void, its check too
-            if not (self.tm.aborted and "Loss is not finite" in str(error)):
+        except RuntimeError as error:  # a void step's loss all-reduce is void, its check too
+            if not (self.tm.void and "Loss is not finite" in str(error)):
                 raise
 
     # -- tracking and the loop ------------------------------------------------------------------

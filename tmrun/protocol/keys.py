@@ -169,6 +169,23 @@ def heal_crc(gen: int, donor: int, needy: int) -> str:
     return f"heal-crc/{gen}/{donor}/{needy}"
 
 
+def commit_record(gen: int, rank: int) -> str:
+    """``rank``'s last committed step (decimal) as it left the steps of ``gen``: written when it
+    starts recovering, or at once by a rank whose commit vote lost a peer; such a rank applies
+    its step's update if any surviving member committed it (tmrun.worker.vote)."""
+    return f"commit/{gen}/{rank}"
+
+
+def commit_records(gen: int) -> str:
+    """Counter: ``commit_record`` writes of ``gen`` (a rank whose vote lost a peer polls it)."""
+    return f"commits/{gen}"
+
+
+def committed_at(gen: int, step: int) -> str:
+    """Counter: ``commit_record`` writes of ``gen`` whose value is ``step``."""
+    return f"committed-at/{gen}/{step}"
+
+
 def recovered(gen: int) -> str:
     """Counter: members that finished recovery into ``gen``."""
     return f"recovered/{gen}"

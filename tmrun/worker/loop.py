@@ -14,18 +14,26 @@ from __future__ import annotations
 
 import os
 import pickle
+import time
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
 from tmrun.protocol import environment, keys, orphan_guard
-from tmrun.worker import group, rng, subgroups
+from tmrun.worker import group, rng, subgroups, vote
 from tmrun.worker.context import Context, Rejoin, log
 from tmrun.worker.migration import Migration
 from tmrun.worker.recovery import Recovery, settle_heal
 from tmrun.worker.roles import Role
 from tmrun.worker.standby import Standby
+
+
+def _lose_vote(spec: str) -> tuple[tuple[int, int] | None, int]:
+    if not spec:
+        return None, -1
+    rank, step, lost = (int(part) for part in spec.split(":"))
+    return (rank, step), lost
 
 
 class StepLoop:
@@ -44,6 +52,15 @@ class StepLoop:
         self._provisional_ok = True  # the script leaves its per-rank state alone after opt.step()
         self._voted_for = -1  # the step whose commit vote this rank took part in
         self._vote = environment.commit_vote(os.environ)  # checked by the CLI at start
+        # the vote lost a peer on this rank but another survivor committed: apply the update
+        self._late_commit = False
+        self._ops_at_vote = 0  # the collectives this process had issued when the step's vote ended
+        # Test only (tests/e2e/test_mesh.py): TMRUN_TEST_LOSE_VOTE="RANK:STEP:LOST" makes rank
+        # RANK treat its commit vote of step STEP as having lost rank LOST, after the vote went
+        # through everywhere, while LOST is killed at its optimizer step (a drill): the outcome
+        # of a rank lost *during* the vote that reached some members and not others, which no
+        # kill from outside hits on purpose.
+        self._lose_vote_at, self._lose_vote_of = _lose_vote(os.environ.get("TMRUN_TEST_LOSE_VOTE", ""))
 
     def steps(self, total: int, start: int = 0) -> Iterator[int]:
         ctx = self._ctx
@@ -75,6 +92,8 @@ class StepLoop:
                         after_body = ctx.tracked.snapshot_per_rank()
                         ctx.tracked.restore_per_rank(self._per_rank_at_start)
                 else:  # this rank's step went through: the boundary into the next one is here
+                    log(f"rank {ctx.rank}: step {step} committed and then lost a peer: what the script's collectives "
+                        "returned after the loss is void (tm.void); the step is not redone")
                     self._fire_at_boundary(step + 1)
                 step = self._recover()
                 if after_body is not None and step == aborted + 1:
@@ -132,6 +151,7 @@ class StepLoop:
             raise SystemExit(1)
         ctx.current_step = step
         self._voted_for = -1  # a redone step votes again
+        self._late_commit = False
         if ctx.in_place and not ctx.life.is_(Role.STANDBY):
             # the script made its groups by now: each gets the failure handler and a loss watcher,
             # and the standbys learn whether to wait in tmrun.init() (docs/mesh.md, section 1)
@@ -219,20 +239,71 @@ class StepLoop:
         brings the others forward from a replica, or, where a shard has no holder at the step,
         the job falls back to its group restart in one line."""
         ctx = self._ctx
-        if self._vote and ctx.aborted_by is None and ctx.in_place and ctx.life.is_(Role.ACTIVE) \
-                and self._voted_for != ctx.current_step:
-            self._voted_for = ctx.current_step
-            self._commit_vote()
-        return ctx.aborted_by is not None
+        if self._vote and ctx.in_place and ctx.life.is_(Role.ACTIVE):
+            if self._voted_for != ctx.current_step:
+                if ctx.aborted_by is None:
+                    self._voted_for = ctx.current_step
+                    self._commit_vote()
+                    self._ops_at_vote = subgroups.operations()
+            elif ctx.aborted_by is not None and ctx.committed_step == ctx.current_step:
+                self._check_later_update()
+                return False
+        return ctx.aborted_by is not None and not self._late_commit
+
+    def _check_later_update(self) -> None:
+        """Another optimizer step of a step that committed (one optimizer after another), after a
+        peer was lost. Stepped back to back, it applies gradients computed before the vote: it
+        is applied. With collectives run since the vote (a second model's backward: a GAN's
+        generator after its discriminator), its gradients are void, and the step cannot be redone
+        either (the first update is applied): every member says so in one line and the job
+        falls back to its group restart (its checkpoint), never trains on half a step."""
+        ctx = self._ctx
+        if subgroups.operations() == self._ops_at_vote:
+            return
+        why = (f"step {ctx.current_step} applied an optimizer step, then lost a peer in collectives before another "
+               "optimizer step of the same step: that update cannot be applied (its gradients are void) nor the "
+               "step redone (the first one is applied); falling back to the group restart")
+        try:
+            ctx.require_store().set(keys.UNHEALABLE, why)
+        except dist.DistError:
+            pass
+        log(f"rank {ctx.rank}: {why}")
+        raise SystemExit(1)
 
     def _commit_vote(self) -> None:
         """The commit vote (see :meth:`step_aborted`): a peer lost in it marks this step aborted
-        through the backend's failure handler; a peer that voted "aborted" marks it here."""
+        through the backend's failure handler; a peer that voted "aborted" marks it here. A
+        rank whose vote itself lost a peer applies its update if another survivor committed
+        the step (:mod:`tmrun.worker.vote`)."""
         flag = torch.zeros(1, dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group.process_group())
         ctx = self._ctx
-        if int(flag.item()) and ctx.aborted_by is None:
+        if self._lose_vote_at == (ctx.rank, ctx.current_step):  # test only: see __init__
+            self._recovery.mark_lost(self._lose_vote_of, "PeerLostError: (test) the commit vote lost a peer")
+        if ctx.aborted_by is not None:
+            self._late_commit = self._decide_after_lost_vote()
+        elif int(flag.item()):
             ctx.aborted_by = -1  # another rank's step lost a peer (it reported the loss)
+
+    def _decide_after_lost_vote(self) -> bool:
+        """This rank's vote lost a peer (its own step was clean: it voted). Whether to apply the
+        update: exactly when another survivor committed the step (tmrun.worker.vote)."""
+        ctx = self._ctx
+        store = ctx.require_store()
+        step = ctx.current_step
+        try:
+            vote.publish(store, ctx.gen, ctx.rank, ctx.committed_step)
+            committed = vote.others_committed(store, ctx.gen, ctx.rank, ctx.world_size, step,
+                                              lambda: ctx.newest_gen(), time.monotonic() + ctx.env.recovery_timeout)
+        except dist.DistError:  # the store's host is gone: the recovery says so
+            committed = None
+        if committed:
+            log(f"rank {ctx.rank}: the commit vote of step {step} lost a peer, and another survivor committed the "
+                "step: this rank applies its update too")
+        elif committed is None:
+            log(f"rank {ctx.rank}: the commit vote of step {step} lost a peer and the survivors' records did not "
+                "all arrive; the step is skipped here (healing brings this rank to the step the others reached)")
+        return bool(committed)
 
     def before_optimizer_step(self) -> None:
         self._record_next_per_rank()

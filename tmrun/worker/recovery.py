@@ -28,7 +28,7 @@ import torch.distributed as dist
 from tmrun.comm import native
 from tmrun.comm.backend import TmrunProcessGroup
 from tmrun.protocol import keys, messages as proto
-from tmrun.worker import cpu_budget, group, replica_check, rng, subgroups
+from tmrun.worker import cpu_budget, group, replica_check, rng, subgroups, vote
 from tmrun.worker.context import FAST_POLL, Context, GenerationFile, RecoveryError, Superseded, log
 from tmrun.worker.device_transfer import device_link
 from tmrun.worker.roles import Role
@@ -97,6 +97,12 @@ class Recovery:
             return  # a migration under way retires links on purpose; its boundary handles losses
         self._abort(lost, f"PeerLostError: {message}", gen=epoch)
 
+    def mark_lost(self, lost: int, detail: str) -> None:
+        """The step is aborted by ``lost`` as if a collective had lost it (every group aborted,
+        the loss reported); test hooks only (tmrun.worker.loop: TMRUN_TEST_LOSE_VOTE)."""
+        group.backend().abort_collectives()
+        self._abort(lost, detail, gen=None)
+
     def _abort(self, lost: int, detail: str, gen: int | None, skip: TmrunProcessGroup | None = None) -> None:
         """Mark the current step aborted by ``lost`` (once), abort every group of the process
         (``skip``: the one whose failure handler runs) and report it; ``gen``: only if the loss
@@ -110,7 +116,16 @@ class Recovery:
         # (outside _lock: a group's handler runs under that group's lock, and may call _abort)
         if ctx.life.is_(Role.ACTIVE) and subgroups.subgroups():
             subgroups.abort_all(skip=skip)
+        if ctx.life.is_(Role.ACTIVE):
+            self._publish_commit(ctx.gen, ctx.committed_step)
         self._report(max(lost, -1), detail)
+
+    def _publish_commit(self, gen: int, committed_step: int) -> None:
+        """This rank's record for a member whose commit vote lost a peer (tmrun.worker.vote)."""
+        try:
+            vote.publish(self._ctx.require_store(), gen, self._ctx.rank, committed_step)
+        except dist.DistError:
+            pass  # the store's host is gone: the wait for the plan says so
 
     def _report(self, lost: int, detail: str) -> None:
         ctx = self._ctx
@@ -176,6 +191,8 @@ class Recovery:
         ctx = self._ctx
         if not ctx.in_place:
             raise RecoveryError(f"a collective lost rank {ctx.aborted_by} and this job has no standby")
+        if ctx.life.is_(Role.ACTIVE):  # for a member whose commit vote lost a peer (tmrun.worker.vote)
+            self._publish_commit(ctx.gen, ctx.committed_step)
         ctx.life.to(Role.RECOVERING)
         started = time.monotonic()
         aborted_step = ctx.current_step

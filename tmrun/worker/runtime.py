@@ -99,8 +99,18 @@ class Runtime:
 
     @property
     def aborted(self) -> bool:
-        """True for the rest of a step whose collectives lost a peer: its results are void and
-        ``steps()`` will yield it again (skip logging metrics of such a step)."""
+        """True for the rest of a step that ``steps()`` will yield again: a collective of it lost
+        a peer before its update was applied (the update is skipped, the step redone). Its
+        values are void too (:attr:`void`)."""
+        ctx = self._ctx
+        return ctx.aborted_by is not None and ctx.committed_step < ctx.current_step
+
+    @property
+    def void(self) -> bool:
+        """True for the rest of a step in which a collective lost a peer, redone or not: what the
+        script's collectives returned since is void (skip logging, metrics and saving). A step
+        is void but not aborted when the loss came after its update was applied (a metrics
+        all-reduce after ``opt.step()``): it stays committed and is not yielded again."""
         return self._ctx.aborted_by is not None
 
     @property

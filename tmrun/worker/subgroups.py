@@ -34,6 +34,15 @@ def subgroups() -> list[TmrunProcessGroup]:
     return [pg for pg in tmrun_backend.created_groups() if pg is not default]
 
 
+def operations() -> int:
+    """Collectives issued so far on every tmrun group of this process (served or sent)."""
+    total = 0
+    for pg in tmrun_backend.created_groups():
+        stats = pg.stats()
+        total += stats["local_ops"] + stats["network_ops"]
+    return total
+
+
 def members(pg: TmrunProcessGroup | None) -> list[int]:
     """The global ranks of ``pg``'s members, by group rank."""
     if pg is None or pg is default_group():
