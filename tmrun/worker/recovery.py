@@ -50,6 +50,7 @@ class Recovery:
         # a plan that gives this rank to another process (a migration's leaver that lost a
         # member before its switch step, a fenced rank that came back): set by the migration
         self.on_replaced: Callable[[proto.ReplacementPlan], NoReturn] | None = None
+        self._published = (-1, -2)  # (generation, committed step) of this rank's last commit record
         self._subgroups = subgroups.SubgroupWatch(self.on_comm_failure, self.on_subgroup_loss)
 
     def adopt_groups(self) -> None:
@@ -121,9 +122,13 @@ class Recovery:
         self._report(max(lost, -1), detail)
 
     def _publish_commit(self, gen: int, committed_step: int) -> None:
-        """This rank's record for a member whose commit vote lost a peer (tmrun.worker.vote)."""
+        """This rank's record for a member whose commit vote lost a peer (tmrun.worker.vote); once
+        per generation and step (the loss, then the recovery's start: no second write)."""
+        if self._published == (gen, committed_step):
+            return
         try:
             vote.publish(self._ctx.require_store(), gen, self._ctx.rank, committed_step)
+            self._published = (gen, committed_step)
         except dist.DistError:
             pass  # the store's host is gone: the wait for the plan says so
 
