@@ -127,12 +127,14 @@ def test_ddp_layout_rank_killed_mid_step_is_replaced_in_place(tmp_path: Path, as
     _check_in_place(code, log, got, ddp_reference, killed=killed)
 
 
-@pytest.mark.parametrize("seed", [21])
-def test_ddp_layout_rank_killed_at_a_random_moment_is_replaced_in_place(tmp_path: Path, assets: Path,
-                                                                       ddp_reference: dict, seed: int) -> None:
+@pytest.mark.parametrize("layout, seed", [("ddp", 21), ("hsdp", 22), ("tp_dp", 23)])
+def test_rank_killed_at_a_random_moment_is_replaced_in_place(tmp_path: Path, assets: Path,
+                                                             references: Callable[[str], dict], layout: str,
+                                                             seed: int) -> None:
     """Rank 1 SIGKILLed from outside at a random moment of a step (after its third step): not at a
     fixed point of torchtitan's step (forward, the chunked loss's backward, the optimizer step,
-    its metrics all-reduce after the optimizer step can all be hit)."""
+    its metrics all-reduce after the optimizer step can all be hit), in the DDP-like, HSDP 2 x 2
+    and TP x DP layouts."""
     import random
     import signal
     import threading
@@ -157,10 +159,11 @@ def test_ddp_layout_rank_killed_at_a_random_moment_is_replaced_in_place(tmp_path
 
     killer = threading.Thread(target=kill_rank_1, daemon=True)
     killer.start()
-    code, log, got = _run(work, assets, "tmrun", "ddp")
+    reference = references(layout)
+    code, log, got = _run(work, assets, "tmrun", layout)
     killer.join(timeout=10)
     assert killed, log
-    _check_in_place(code, log, got, ddp_reference, killed=1)
+    _check_in_place(code, log, got, reference, killed=1)
 
 
 def test_hsdp_layout_rank_killed_mid_step_is_replaced_in_place(tmp_path: Path, assets: Path,
