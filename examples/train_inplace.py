@@ -26,10 +26,11 @@ import torch
 import tmrun
 
 
-def build_model(width: int, depth: int) -> torch.nn.Module:
+def build_model(width: int, depth: int, batchnorm: bool = False) -> torch.nn.Module:
     layers: list[torch.nn.Module] = []
     for _ in range(depth):
-        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+        layers += [torch.nn.Linear(width, width), *([torch.nn.BatchNorm1d(width)] if batchnorm else []),
+                   torch.nn.ReLU()]
     layers.append(torch.nn.Linear(width, 1))
     return torch.nn.Sequential(*layers)
 
@@ -105,6 +106,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (every process on cuda:LOCAL_RANK %% GPUs)")
     parser.add_argument("--checkpoint", default="", help="resume from PATH at start; rank 0 saves there")
     parser.add_argument("--checkpoint-every", type=int, default=0, metavar="K", help="save every K steps (0: never)")
+    parser.add_argument("--batchnorm", action="store_true",
+                        help="a BatchNorm1d after each hidden layer (running statistics: buffers a forward changes)")
     args = parser.parse_args()
 
     tm = tmrun.init()  # on a standby: runs in the sandbox until promoted
@@ -115,7 +118,7 @@ def main() -> None:
         device = torch.device("cuda", tm.local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     torch.manual_seed(0)
-    model = build_model(args.width, args.depth).to(device)
+    model = build_model(args.width, args.depth, args.batchnorm).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     start = resume(args.checkpoint, model, opt)
     model = tm.ddp(model)  # DistributedDataParallel over the resilient group

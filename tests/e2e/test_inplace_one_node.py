@@ -381,3 +381,31 @@ def test_joiner_killed_during_a_migration(tmp_path: Path, migration_reference: s
         assert sorted(set(done)) == list(range(MIGRATION_STEPS)), (rank, done)
         assert len(done) - len(set(done)) <= 1, (rank, done)
     assert len({pid for _, pid in by_rank[0]}) == 1, "rank 0 changed process"
+
+
+@pytest.fixture(scope="module")
+def batchnorm_reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The example with batch norm (``--batchnorm``) under plain torchrun, no failure."""
+    from tests.helpers import free_port, torchrun_cmd
+
+    work = tmp_path_factory.mktemp("batchnorm-torchrun")
+    cmd = torchrun_cmd(
+        "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+        str(EXAMPLES / "train_inplace.py"), "--steps", str(STEPS), "--width", "48", "--batch", "16", "--batchnorm",
+        "--final", str(work / "final"),
+    )  # fmt: skip
+    code, log = run_job(cmd, work / "torchrun.log", {}, JOB_TIMEOUT)
+    assert code == 0, log
+    return (work / "final").read_text().strip()
+
+
+@pytest.mark.parametrize("point", ["forward", "backward"])
+def test_batch_norm_statistics_of_an_aborted_step_are_put_back(tmp_path: Path, batchnorm_reference: str,
+                                                              point: str) -> None:
+    """A model with batch norm: the survivor's aborted forward moved the running statistics (in
+    place, without the tensors' version counters); its redo moves them again. Without putting the
+    step-start buffers back, the job ended "1 in-place recovery", exit 0, with other numbers than
+    torchrun's (the replica check leaves buffers out)."""
+    code, log, final, steps = _run(tmp_path, point, "--inject-failure", f"rank=1,step=4,at={point}",
+                                   script_args=("--batchnorm",))
+    _check(code, log, final, steps, batchnorm_reference, survivors=[0])

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from tmrun.protocol import environment, keys, orphan_guard
 from tmrun.worker import group, rng, subgroups, vote
+from tmrun.worker.buffers import BufferSnapshot, persistent_buffers
 from tmrun.worker.context import Context, Rejoin, log
 from tmrun.worker.migration import Migration
 from tmrun.worker.recovery import Recovery, settle_heal
@@ -45,6 +46,7 @@ class StepLoop:
         self._rng_published: dict[str, Any] | None = None
         self._rng_recorded_for = -1
         self._stateful_at_start: dict[str, Any] = {}  # tracked schedulers, scalers, loaders
+        self._buffers_at_start = BufferSnapshot()  # the tracked modules' persistent buffers
         self._per_rank_at_start: dict[str, Any] = {}  # tm.track_per_rank's objects
         # this rank's published per-rank records (tm.track_per_rank), by the step they start:
         # the current step's, and once it commits, the next one's (provisional, see below)
@@ -88,6 +90,7 @@ class StepLoop:
                 aborted, after_body = step, None
                 if ctx.committed_step < step:  # undo what the aborted step advanced
                     ctx.tracked.restore_stateful(self._stateful_at_start)
+                    self._buffers_at_start.restore()  # batch norm's statistics, moved by its forward
                     if ctx.tracked.per_rank:  # this rank's own, kept in case the others committed the step
                         after_body = ctx.tracked.snapshot_per_rank()
                         ctx.tracked.restore_per_rank(self._per_rank_at_start)
@@ -164,6 +167,7 @@ class StepLoop:
         ctx.step_rng = rng.capture()
         if ctx.in_place and not ctx.life.is_(Role.STANDBY):
             self._stateful_at_start = ctx.tracked.snapshot_stateful()
+            self._buffers_at_start.take([b for module in ctx.tracked.modules() for b in persistent_buffers(module)])
             if ctx.tracked.per_rank:
                 self._per_rank_at_start = ctx.tracked.snapshot_per_rank()
         if self._rng_recorded_for != step:

@@ -216,6 +216,10 @@ class TrackedState:
         return {id(param) for optimizer in self._optimizers().values()
                 for group in optimizer.param_groups for param in group["params"]}
 
+    def modules(self) -> list[torch.nn.Module]:
+        """The tracked modules (a DDP or FSDP2 wrapper as given)."""
+        return [obj for obj in self._objects.values() if isinstance(obj, torch.nn.Module)]
+
     def _stateful(self) -> dict[str, Any]:
         return {name: obj for name, obj in self._objects.items()
                 if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer))}

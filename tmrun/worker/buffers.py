@@ -1,0 +1,65 @@
+"""Module buffers as a step found them, put back when a failure aborts the step.
+
+A forward changes some buffers in place: batch norm's running statistics and its batch counter,
+an exponential moving average kept as a buffer. A survivor whose step is aborted ran part or all
+of that forward; its redo runs it again, so without this the statistics moved twice and the job
+ended with other numbers than torchrun's (silently: the replica check leaves buffers out, since
+they may differ by rank). Optimizer state needs no such copy (an aborted step never applies its
+update); parameters are never changed by a forward.
+
+The copy is of the *persistent* buffers of the tracked modules (what ``state_dict`` saves: the
+model's own state), into tensors kept from step to step (no allocation after the first step).
+Native batch norm updates its statistics without bumping the tensor's version counter, so a
+buffer cannot be skipped as unchanged: each is copied at every step's start. Non-persistent
+buffers (rotary tables, causal masks: caches the module can rebuild) are not copied.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tmrun.worker.tracked import local_shard
+
+
+def persistent_buffers(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The persistent buffers ``module`` holds (each once), as local tensors."""
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for sub in module.modules():
+        skip = getattr(sub, "_non_persistent_buffers_set", set())
+        for name, buffer in sub._buffers.items():
+            if isinstance(buffer, torch.Tensor) and name not in skip and id(buffer) not in seen:
+                seen.add(id(buffer))
+                found.append(local_shard(buffer))
+    return found
+
+
+class BufferSnapshot:
+    """:meth:`take` at a step's start, :meth:`restore` when that step is aborted."""
+
+    def __init__(self) -> None:
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (live buffer, its copy)
+
+    def take(self, buffers: list[torch.Tensor]) -> None:
+        kept = {id(live): copy for live, copy in self._pairs}
+        pairs = []
+        with torch.no_grad():
+            for live in buffers:
+                copy = kept.get(id(live))
+                if copy is None or copy.shape != live.shape or copy.dtype != live.dtype \
+                        or copy.device != live.device:
+                    copy = torch.empty_like(live)
+                copy.copy_(live)
+                pairs.append((live, copy))
+        self._pairs = pairs
+
+    def restore(self) -> int:
+        """Put every copied buffer back (in place: the module keeps its tensors); how many."""
+        with torch.no_grad():
+            for live, copy in self._pairs:
+                live.copy_(copy)
+        return len(self._pairs)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(copy.numel() * copy.element_size() for _, copy in self._pairs)
