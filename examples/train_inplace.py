@@ -108,6 +108,8 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=0, metavar="K", help="save every K steps (0: never)")
     parser.add_argument("--batchnorm", action="store_true",
                         help="a BatchNorm1d after each hidden layer (running statistics: buffers a forward changes)")
+    parser.add_argument("--no-broadcast-buffers", action="store_true",
+                        help="DDP's broadcast_buffers=False: each rank keeps its own buffers (per-rank state)")
     args = parser.parse_args()
 
     tm = tmrun.init()  # on a standby: runs in the sandbox until promoted
@@ -121,7 +123,7 @@ def main() -> None:
     model = build_model(args.width, args.depth, args.batchnorm).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     start = resume(args.checkpoint, model, opt)
-    model = tm.ddp(model)  # DistributedDataParallel over the resilient group
+    model = tm.ddp(model, **({"broadcast_buffers": False} if args.no_broadcast_buffers else {}))  # DDP over tmrun's group
     tm.track(model=model, optimizer=opt)  # what a joiner receives; step and RNG state included
     loss_fn = torch.nn.MSELoss()
     done: list[tuple[int, float]] = []  # (step, completion time) on this process

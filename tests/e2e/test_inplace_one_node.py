@@ -409,3 +409,16 @@ def test_batch_norm_statistics_of_an_aborted_step_are_put_back(tmp_path: Path, b
     code, log, final, steps = _run(tmp_path, point, "--inject-failure", f"rank=1,step=4,at={point}",
                                    script_args=("--batchnorm",))
     _check(code, log, final, steps, batchnorm_reference, survivors=[0])
+    assert "no collective synchronises" not in log, log  # DDP broadcasts its buffers: nothing is lost
+
+
+def test_buffers_kept_per_rank_are_flagged_when_their_rank_is_lost(tmp_path: Path) -> None:
+    """DDP with broadcast_buffers=False: each rank's batch-norm statistics are its own, and the lost
+    rank's go with its process. The joiner says so in one line (naming the buffers and its donor)
+    rather than end with other numbers than a run without the failure, unflagged."""
+    code, log, _, _ = _run(tmp_path, "per-rank", "--inject-failure", "rank=1,step=4,at=backward",
+                           script_args=("--batchnorm", "--no-broadcast-buffers"))
+    assert code == 0, log
+    assert re.search(r"rank 1: the tracked modules keep buffers that no collective synchronises \('1\.running_mean', "
+                     r"'1\.running_var', '1\.num_batches_tracked' and 3 more; .*continues from rank 0's",
+                     log), log

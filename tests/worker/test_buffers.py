@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tmrun.worker.buffers import BufferSnapshot, persistent_buffers
+from tmrun.worker.buffers import BufferSnapshot, persistent_buffers, unsynchronised_buffers
 
 
 class _Net(torch.nn.Module):
@@ -42,3 +42,9 @@ def test_the_copies_are_kept_from_step_to_step() -> None:
     net.norm(torch.randn(8, 4))
     snapshot.restore()
     assert snapshot.nbytes == 4 * 4 * 2 + 8
+
+
+def test_buffers_no_collective_keeps_alike_are_named() -> None:
+    net = _Net()
+    assert unsynchronised_buffers([net]) == ["norm.running_mean", "norm.running_var", "norm.num_batches_tracked"]
+    assert unsynchronised_buffers([torch.nn.Linear(2, 2)]) == []

@@ -12,6 +12,11 @@ model's own state), into tensors kept from step to step (no allocation after the
 Native batch norm updates its statistics without bumping the tensor's version counter, so a
 buffer cannot be skipped as unchanged: each is copied at every step's start. Non-persistent
 buffers (rotary tables, causal masks: caches the module can rebuild) are not copied.
+
+Buffers that no collective keeps alike (DDP with ``broadcast_buffers=False``, FSDP2, a module the
+script synchronises itself) are per-rank state: the lost rank's own are gone with its process,
+and its joiner continues from a donor's copy. :func:`unsynchronised_buffers` names them, so that
+the joiner says so in one line instead of ending with other numbers unflagged.
 """
 
 from __future__ import annotations
@@ -63,3 +68,15 @@ class BufferSnapshot:
     @property
     def nbytes(self) -> int:
         return sum(copy.numel() * copy.element_size() for _, copy in self._pairs)
+
+
+def unsynchronised_buffers(modules: list[torch.nn.Module]) -> list[str]:
+    """Names of the persistent buffers of ``modules`` (those no DDP broadcast keeps alike:
+    ``TrackedState.modules_with_own_buffers``)."""
+    names: list[str] = []
+    for module in modules:
+        for sub_name, sub in module.named_modules():
+            skip = getattr(sub, "_non_persistent_buffers_set", set())
+            names += [f"{sub_name}.{name}".lstrip(".") for name, buffer in sub._buffers.items()
+                      if isinstance(buffer, torch.Tensor) and name not in skip]
+    return names

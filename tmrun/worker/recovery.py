@@ -29,6 +29,7 @@ from tmrun.comm import native
 from tmrun.comm.backend import TmrunProcessGroup
 from tmrun.protocol import keys, messages as proto
 from tmrun.worker import cpu_budget, group, replica_check, rng, subgroups, vote
+from tmrun.worker.buffers import unsynchronised_buffers
 from tmrun.worker.context import FAST_POLL, Context, GenerationFile, RecoveryError, Superseded, log
 from tmrun.worker.device_transfer import device_link
 from tmrun.worker.roles import Role
@@ -293,6 +294,7 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float, repl
         ctx.interrupter.reset_models()
     resume = plan.target_step + 1
     if ctx.fresh:
+        _say_buffers_lost(ctx, plan.donors_of(comm.rank))
         _adopt_rng_of(ctx, ctx.rank, resume)
         if ctx.tracked.per_rank:
             _adopt_per_rank_of(ctx, ctx.rank, resume)
@@ -321,6 +323,17 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float, repl
         f"resume at step {resume} (donors {plan.donors}, healed {plan.needy}, {healed.describe()}{rest})"
     )
     return resume
+
+
+def _say_buffers_lost(ctx: Context, donors: list[int]) -> None:
+    """A joiner of a job whose buffers are per rank (tmrun.worker.buffers): one line."""
+    names = unsynchronised_buffers(ctx.tracked.modules_with_own_buffers())
+    if names:
+        shown = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        log(f"rank {ctx.rank}: the tracked modules keep buffers that no collective synchronises ({shown}; DDP with "
+            f"broadcast_buffers=False, FSDP2, or the script's own): the values the lost process held are gone with it, "
+            f"and this joiner continues from rank {donors[0] if donors else '?'}'s, so its numbers differ from a run "
+            "without the failure")
 
 
 def _check_replicas(ctx: Context, comm: native.Communicator, shard_key: int, deferred: bool) -> replica_check.Checked:

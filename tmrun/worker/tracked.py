@@ -111,6 +111,15 @@ def _apply_optimizer_rest(optimizer: torch.optim.Optimizer, rest: dict[str, Any]
             index += 1
 
 
+def _syncs_buffers(model: torch.nn.parallel.DistributedDataParallel) -> bool:
+    """Whether DDP broadcasts the module's buffers at every forward (torch 2.14 names it
+    ``forward_sync_buffers``; up to 2.13 ``broadcast_buffers``)."""
+    for attribute in ("forward_sync_buffers", "broadcast_buffers"):
+        if hasattr(model, attribute):
+            return bool(getattr(model, attribute))
+    return True
+
+
 def _unwrap(obj: Any) -> Any:
     """What is tracked of ``obj``: a DDP model's module, a guarded optimizer's optimizer."""
     if isinstance(obj, torch.nn.parallel.DistributedDataParallel):
@@ -127,11 +136,16 @@ class TrackedState:
         # state that differs by rank (a data loader keyed by data-parallel rank): never sent by a
         # donor; a joiner takes the record its rank published (tmrun.worker.rank_state)
         self._per_rank: dict[str, Any] = {}
+        # ids of the tracked modules a DDP wrapper given to tm.track keeps the buffers of alike
+        # (it broadcasts them at every forward: torch's default)
+        self._buffers_synced: set[int] = set()
 
     def track(self, **objects: Any) -> None:
         for name, obj in objects.items():
             if name in self._per_rank:
                 raise TrackError(f"tm.track({name}=...): {name!r} is tracked per rank already")
+            if isinstance(obj, torch.nn.parallel.DistributedDataParallel) and _syncs_buffers(obj):
+                self._buffers_synced.add(id(obj.module))
             obj = _unwrap(obj)
             if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)) or (
                 hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")
@@ -217,8 +231,12 @@ class TrackedState:
                 for group in optimizer.param_groups for param in group["params"]}
 
     def modules(self) -> list[torch.nn.Module]:
-        """The tracked modules (a DDP or FSDP2 wrapper as given)."""
+        """The tracked modules (a DDP model's inner module)."""
         return [obj for obj in self._objects.values() if isinstance(obj, torch.nn.Module)]
+
+    def modules_with_own_buffers(self) -> list[torch.nn.Module]:
+        """The tracked modules whose buffers no DDP broadcast keeps alike across ranks."""
+        return [module for module in self.modules() if id(module) not in self._buffers_synced]
 
     def _stateful(self) -> dict[str, Any]:
         return {name: obj for name, obj in self._objects.items()
