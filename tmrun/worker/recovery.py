@@ -332,8 +332,8 @@ def _say_buffers_lost(ctx: Context, donors: list[int]) -> None:
         shown = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         log(f"rank {ctx.rank}: the tracked modules keep buffers that no collective synchronises ({shown}; DDP with "
             f"broadcast_buffers=False, FSDP2, or the script's own): the values the lost process held are gone with it, "
-            f"and this joiner continues from rank {donors[0] if donors else '?'}'s, so its numbers differ from a run "
-            "without the failure")
+            f"and this joiner continues from rank {donors[0] if donors else '?'}'s (a run without the failure gives "
+            "the same numbers only if these buffers never differ by rank)")
 
 
 def _check_replicas(ctx: Context, comm: native.Communicator, shard_key: int, deferred: bool) -> replica_check.Checked:
