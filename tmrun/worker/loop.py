@@ -238,10 +238,10 @@ class StepLoop:
         the same failure could not: under HSDP the shard of the rank that could not then had
         no holder at the step the others reached, and the job lost its in-place path (1 kill in
         9 at random moments); under DDP that rank was healed past a step it had seen aborted
-        (``tm.aborted`` true, and the step not redone). A rank lost *during* the vote can still
-        leave ranks on both sides (a tree all-reduce whose result reached some): healing then
-        brings the others forward from a replica, or, where a shard has no holder at the step,
-        the job falls back to its group restart in one line."""
+        (``tm.aborted`` true, and the step not redone). A rank lost *during* the vote can leave
+        ranks on both sides (an all-reduce whose result reached some): a rank whose vote lost the
+        peer applies its update when another survivor committed (:mod:`tmrun.worker.vote`).
+        A later optimizer step of the same step is checked by :meth:`_check_later_update`."""
         ctx = self._ctx
         if self._vote and ctx.in_place and ctx.life.is_(Role.ACTIVE):
             if self._voted_for != ctx.current_step:
