@@ -143,3 +143,37 @@ def test_per_rank_refuses_modules_duplicates_and_objects_without_state() -> None
     state.track_per_rank(loader=Position())
     with pytest.raises(TrackError, match="already"):
         state.track(loader=Position())
+
+
+def test_an_lr_scheduler_left_untracked_is_found() -> None:
+    """A tracked optimizer that an LR scheduler steps, the scheduler itself not tracked: named
+    (an aborted step would advance it twice); tracked, or absent: nothing to say. Schedulers
+    made before and after the guard are both seen."""
+    from tmrun.worker.optimizer import guard_in_place
+
+    class Gate:
+        def step_aborted(self) -> bool:
+            return False
+
+        def before_optimizer_step(self) -> None:
+            pass
+
+        def after_optimizer_step(self) -> None:
+            pass
+
+    for scheduler_first in (True, False):
+        model = torch.nn.Linear(2, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        state = TrackedState()
+        state.track(model=model, optimizer=opt)
+        assert state.untracked_schedules() == []
+        if scheduler_first:
+            sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+            guard_in_place(opt, Gate())
+        else:
+            guard_in_place(opt, Gate())
+            sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+        assert state.untracked_schedules() == ["optimizer"], scheduler_first
+        container = type("Container", (), {"schedulers": [sched], "state_dict": dict, "load_state_dict": print})()
+        state.track(schedulers=container)  # torchtitan's container of schedulers
+        assert state.untracked_schedules() == []

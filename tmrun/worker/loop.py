@@ -47,6 +47,7 @@ class StepLoop:
         self._rng_recorded_for = -1
         self._stateful_at_start: dict[str, Any] = {}  # tracked schedulers, scalers, loaders
         self._buffers_at_start = BufferSnapshot()  # the tracked modules' persistent buffers
+        self._schedules_checked = False  # the untracked LR schedulers were looked for (once)
         self._per_rank_at_start: dict[str, Any] = {}  # tm.track_per_rank's objects
         # this rank's published per-rank records (tm.track_per_rank), by the step they start:
         # the current step's, and once it commits, the next one's (provisional, see below)
@@ -166,12 +167,24 @@ class StepLoop:
         ctx.fire("step")
         ctx.step_rng = rng.capture()
         if ctx.in_place and not ctx.life.is_(Role.STANDBY):
+            if not self._schedules_checked:
+                self._schedules_checked = True
+                self._say_untracked_schedules()
             self._stateful_at_start = ctx.tracked.snapshot_stateful()
             self._buffers_at_start.take([b for module in ctx.tracked.modules() for b in persistent_buffers(module)])
             if ctx.tracked.per_rank:
                 self._per_rank_at_start = ctx.tracked.snapshot_per_rank()
         if self._rng_recorded_for != step:
             self._record_rng(step)
+
+    def _say_untracked_schedules(self) -> None:
+        """One line (rank 0) per tracked optimizer that an untracked LR scheduler steps."""
+        if self._ctx.rank != 0:
+            return
+        for name in self._ctx.tracked.untracked_schedules():
+            log(f"warning: an LR scheduler steps the tracked optimizer {name!r} but is not tracked: a step that a "
+                "failure aborts would advance it twice, and every learning rate after it would be off by one step; "
+                "give it to tm.track")
 
     def _progress(self, step: int) -> None:
         """The node's agent sees this step completed (a memory write, see worker.progress)."""

@@ -191,3 +191,14 @@ def guard_in_place(optimizer: torch.optim.Optimizer, gate: StepGate) -> GuardedO
     if not guarded_in_place(optimizer):
         optimizer.step = types.MethodType(_step_through_guard, optimizer)  # type: ignore[method-assign]
     return found
+
+
+def scheduled(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether an LR scheduler was made for ``optimizer``: torch's ``LRScheduler`` marks the step
+    it wraps with ``_wrapped_by_lr_sched`` (on the optimizer's ``step``, or under the guard when
+    the scheduler came first)."""
+    steps: list[Any] = [optimizer.__dict__.get("step")]
+    found = _guards.get(optimizer)
+    if found is not None:
+        steps.append(found._inner_step)
+    return any(step is not None and hasattr(step, "_wrapped_by_lr_sched") for step in steps)

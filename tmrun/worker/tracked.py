@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from tmrun.worker.optimizer import unwrap as _unwrap_optimizer
+from tmrun.worker.optimizer import scheduled, unwrap as _unwrap_optimizer
 
 
 class TrackError(ValueError):
@@ -229,6 +229,17 @@ class TrackedState:
         """The ids of the parameters the tracked optimizers step."""
         return {id(param) for optimizer in self._optimizers().values()
                 for group in optimizer.param_groups for param in group["params"]}
+
+    def untracked_schedules(self) -> list[str]:
+        """Names of the tracked optimizers that an LR scheduler steps while no tracked object is
+        a scheduler of theirs: a step a failure aborts would advance that scheduler twice."""
+        kinds = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+        followed: set[int] = set()
+        for obj in self._objects.values():  # a scheduler, or a container of some (torchtitan's, SequentialLR)
+            for candidate in [obj, *(getattr(obj, "schedulers", None) or []), *(getattr(obj, "_schedulers", None) or [])]:
+                if isinstance(candidate, kinds):
+                    followed.add(id(getattr(candidate, "optimizer", None)))
+        return [name for name, opt in self._optimizers().items() if id(opt) not in followed and scheduled(opt)]
 
     def modules(self) -> list[torch.nn.Module]:
         """The tracked modules (a DDP model's inner module)."""
