@@ -133,8 +133,10 @@ class RestartAccounts:
             steps = [r.step for r in final.ranks if r.step >= 0]
             if steps:
                 account.high_water = max(steps + ([account.high_water] if account.high_water is not None else []))
-        current = [p for p in self._read([keys.node_progress(g) for g in range(account.new_nodes)])
-                   if p.epoch == account.new_epoch and p.ranks]
+        names = [keys.node_progress(g) for g in range(account.new_nodes)]
+        if not self._store.check(names):
+            return None  # a node has no record at all yet: one round trip, not one per node
+        current = [p for p in self._read(names, checked=True) if p.epoch == account.new_epoch and p.ranks]
         if len(current) < account.new_nodes:
             return None  # a node of the new epoch has no record yet
         ranks = [r for p in current for r in p.ranks]
@@ -149,11 +151,12 @@ class RestartAccounts:
             return None
         return max(max(_completed_at(r, target) for r in ranks), account.failed)
 
-    def _read(self, names: list[str]) -> list[NodeProgress]:
+    def _read(self, names: list[str], checked: bool = False) -> list[NodeProgress]:
+        """The records of ``names`` that exist (``checked``: all do, no check per key)."""
         found = []
         for name in names:
             try:
-                if self._store.check([name]):
+                if checked or self._store.check([name]):
                     found.append(NodeProgress.decode(name, self._store.get(name)))
             except ProtocolMessageError:
                 continue  # a malformed record counts as none
