@@ -14,6 +14,8 @@ import pytest
 
 pytest.importorskip("tmrun_native")
 
+pytestmark = pytest.mark.e2e  # an interpreter per case, its teardown timed in seconds: not in the unit subset
+
 # A daemon thread waits in a native call for 1 s; the module teardown (after the finalizing flag)
 # takes 2 s, so the call returns in the middle of it.
 SCRIPT = textwrap.dedent('''
