@@ -26,17 +26,22 @@ import torch
 from tmrun.worker.tracked import local_shard
 
 
-def persistent_buffers(module: torch.nn.Module) -> list[torch.Tensor]:
-    """The persistent buffers ``module`` holds (each once), as local tensors."""
-    found: list[torch.Tensor] = []
+def _persistent(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(name, buffer)`` of every persistent buffer ``module`` holds, each tensor once."""
+    found: list[tuple[str, torch.Tensor]] = []
     seen: set[int] = set()
-    for sub in module.modules():
+    for sub_name, sub in module.named_modules():
         skip = getattr(sub, "_non_persistent_buffers_set", set())
         for name, buffer in sub._buffers.items():
             if isinstance(buffer, torch.Tensor) and name not in skip and id(buffer) not in seen:
                 seen.add(id(buffer))
-                found.append(local_shard(buffer))
+                found.append((f"{sub_name}.{name}".lstrip("."), buffer))
     return found
+
+
+def persistent_buffers(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The persistent buffers ``module`` holds (each once), as local tensors."""
+    return [local_shard(buffer) for _, buffer in _persistent(module)]
 
 
 class BufferSnapshot:
@@ -73,10 +78,4 @@ class BufferSnapshot:
 def unsynchronised_buffers(modules: list[torch.nn.Module]) -> list[str]:
     """Names of the persistent buffers of ``modules`` (those no DDP broadcast keeps alike:
     ``TrackedState.modules_with_own_buffers``)."""
-    names: list[str] = []
-    for module in modules:
-        for sub_name, sub in module.named_modules():
-            skip = getattr(sub, "_non_persistent_buffers_set", set())
-            names += [f"{sub_name}.{name}".lstrip(".") for name, buffer in sub._buffers.items()
-                      if isinstance(buffer, torch.Tensor) and name not in skip]
-    return names
+    return [name for module in modules for name, _ in _persistent(module)]

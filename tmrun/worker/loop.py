@@ -308,8 +308,8 @@ class StepLoop:
         ctx = self._ctx
         store = ctx.require_store()
         step = ctx.current_step
+        self._recovery.publish_commit(ctx.gen, ctx.committed_step)  # written already where the loss was seen
         try:
-            vote.publish(store, ctx.gen, ctx.rank, ctx.committed_step)
             committed = vote.others_committed(store, ctx.gen, ctx.rank, ctx.world_size, step,
                                               lambda: ctx.newest_gen(), time.monotonic() + ctx.env.recovery_timeout)
         except dist.DistError:  # the store's host is gone: the recovery says so

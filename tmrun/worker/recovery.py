@@ -119,10 +119,10 @@ class Recovery:
         if ctx.life.is_(Role.ACTIVE) and subgroups.subgroups():
             subgroups.abort_all(skip=skip)
         if ctx.life.is_(Role.ACTIVE):
-            self._publish_commit(ctx.gen, ctx.committed_step)
+            self.publish_commit(ctx.gen, ctx.committed_step)
         self._report(max(lost, -1), detail)
 
-    def _publish_commit(self, gen: int, committed_step: int) -> None:
+    def publish_commit(self, gen: int, committed_step: int) -> None:
         """This rank's record for a member whose commit vote lost a peer (tmrun.worker.vote); once
         per generation and step (the loss, then the recovery's start: no second write)."""
         if self._published == (gen, committed_step):
@@ -198,7 +198,7 @@ class Recovery:
         if not ctx.in_place:
             raise RecoveryError(f"a collective lost rank {ctx.aborted_by} and this job has no standby")
         if ctx.life.is_(Role.ACTIVE):  # for a member whose commit vote lost a peer (tmrun.worker.vote)
-            self._publish_commit(ctx.gen, ctx.committed_step)
+            self.publish_commit(ctx.gen, ctx.committed_step)
         ctx.life.to(Role.RECOVERING)
         started = time.monotonic()
         aborted_step = ctx.current_step
