@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Every GPU check of tmrun in one command, for a GPU machine with torch already installed and no
 # network (the device machines lent to this project): builds the native module, then runs
-# bench/gpu_nccl.py (the NCCL device plane), bench/gpu_inplace.py (the host-staging path) and
+# bench/gpu_nccl.py (the NCCL device plane), bench/gpu_p2p.py (which send/recv paths work, torch's
+# own NCCL group beside tmrun's), bench/gpu_inplace.py (the host-staging path) and
 # tests/nccl/gpu_check.py (the native NCCL transport; it needs NCCL >= 2.32 and skips with 77 on
 # an older one). Writes its log, the JSON reports and the runs' logs (runs.tgz) to $OUT.
 #
 #     OUT=/tmp/gpu bash bench/gpu_all.sh [--quick]
 #
-# CHECKS: which to run (default "nccl inplace native").
+# CHECKS: which to run (default "nccl p2p inplace native"). NCCL_PARTS: gpu_nccl.py's parts
+# (default abcde). One call of the device tool has 10 minutes: on a 15-minute budget run
+# CHECKS="nccl p2p" first.
 # NCCL_INCLUDE_DIR: a folder with nccl.h for the native transport's build, where no nccl.h is
 # installed (tmrun_native/cmake/fetch_nccl_header.py fetches the pinned one where a network is).
 set -u
@@ -28,10 +31,14 @@ fi
 echo "built in $(( $(date +%s) - started )) s"
 keep=$(mktemp -d)
 status=0
-CHECKS=${CHECKS:-nccl inplace native}
+CHECKS=${CHECKS:-nccl p2p inplace native}
 if [[ " $CHECKS " == *" nccl "* ]]; then
-timeout ${NCCL_TIMEOUT:-420} $PY bench/gpu_nccl.py $QUICK --json "$OUT/gpu_nccl.json" --keep "$keep/nccl"; rc=$?
+timeout ${NCCL_TIMEOUT:-420} $PY bench/gpu_nccl.py $QUICK --parts "${NCCL_PARTS:-abcde}" --timeout 120 --json "$OUT/gpu_nccl.json" --keep "$keep/nccl"; rc=$?
 echo "gpu_nccl.py exit $rc"; [ $rc -eq 0 ] || status=1
+fi
+if [[ " $CHECKS " == *" p2p "* ]]; then
+timeout 240 $PY bench/gpu_p2p.py --timeout 25 --json "$OUT/gpu_p2p.json" --logs "$keep/p2p"; rc=$?
+echo "gpu_p2p.py exit $rc"; [ $rc -eq 0 ] || status=1
 fi
 if [[ " $CHECKS " == *" inplace "* ]]; then
 timeout 180 $PY bench/gpu_inplace.py --json "$OUT/gpu_inplace.json" --keep "$keep/inplace"; rc=$?

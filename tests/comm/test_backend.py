@@ -1028,16 +1028,42 @@ def test_an_nccl_error_at_the_launch_is_a_lost_peer_when_the_tcp_side_names_one(
     group = _failing_group(_FailingAtLaunch(error), lost)
     tensor = torch.ones(3)
     op = tb._Op("allreduce", [tensor])
-    work = tb.TmrunProcessGroup._run_on_plane(group, op, SimpleNamespace(epoch=0), "allreduce",
-                                              ([tensor], AllreduceOptions()))
+
+    def launch() -> Any:
+        return tb.TmrunProcessGroup._run_on_plane(group, op, SimpleNamespace(epoch=0), "allreduce",
+                                                  ([tensor], AllreduceOptions()))
+
     if lost_peer_named:
+        work = launch()
         assert work.wait(5) and work.is_success()
         assert len(group.handled) == 1 and "rank 1 lost" in str(group.handled[0])
         assert group._aborted and group._stats["absorbed_errors"] == 1
     else:
+        # raised at the launch, as torch raises it: a Work holding it let the script go on into
+        # NCCL's next communicator init, which hung (H200, a failed lazy P2P communicator)
         with pytest.raises(dist.DistBackendError, match="ncclRemoteError"):
-            work.wait(5)
+            launch()
+        assert op.done.is_set()
         assert not group.handled and group._stats["raised_errors"] == 1
+
+
+def test_wait_makes_the_callers_streams_wait_for_the_operation() -> None:
+    """TmrunWork.wait() returns only after the op's future was waited on: for CUDA tensors that
+    future carries the outputs' CUDA events and its wait() is what makes the caller's stream wait
+    for NCCL's. Without it, DDP's parameter check read its all_gather's output before NCCL wrote
+    it (H200: "value cannot be converted to type int without overflow")."""
+    op = tb._Op("allgather", [torch.zeros(2)])
+    waited: list = []
+    real = op.future
+
+    class Recording:
+        def wait(self) -> Any:
+            waited.append(True)
+            return real.wait()
+
+    op.future = Recording()  # type: ignore[assignment]
+    op.complete()
+    assert tb.TmrunWork(op).wait(1) and waited == [True]
 
 
 def test_torchs_refusal_of_the_arguments_at_the_launch_is_the_callers_at_once() -> None:

@@ -201,6 +201,11 @@ class TmrunWork(dist.Work):
             raise TimeoutError(f"tmrun {self._op.name}: not completed within {secs} s")
         if self._op.error is not None:
             raise self._op.error  # the operation's own error, its type kept
+        # The caller's CUDA streams wait for the operation: its future carries the CUDA events
+        # of its outputs (NCCL's, or the staging copies'). Without this a caller that reads an
+        # output right after wait() (DDP's parameter check reads its all_gather's sizes) raced
+        # the NCCL stream: garbage on the H200 ("value cannot be converted to type int").
+        self._op.future.wait()
         return True
 
     def get_future(self) -> torch.futures.Future:
@@ -818,6 +823,8 @@ class TmrunProcessGroup(dist.ProcessGroup):
                 # operation's own, handled as the TCP side names the lost peer, else the caller's
                 op.on_plane = True
                 self._plane_fail(op, exc)
+                if op.error is exc:  # no lost peer: the caller's error, at the launch as torch raises it
+                    raise exc        # (deferred to wait(), the script went on into NCCL's next init and hung)
                 return TmrunWork(op)
             if not gave_up:  # torch's own refusal of the arguments: the caller's, at once
                 op.complete(exc)

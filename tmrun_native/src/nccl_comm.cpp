@@ -21,7 +21,10 @@ static_assert(ncclFloat8e4m3 == 10 && ncclFloat8e5m2 == 11 && ncclNumTypes == 12
 static_assert(ncclSum == 0 && ncclProd == 1 && ncclMax == 2 && ncclMin == 3 && ncclAvg == 4 &&
                   ncclNumOps == 5,
               "op table");
-static_assert(ncclInProgress == 7 && ncclTimeout == 8, "result codes");
+static_assert(ncclInProgress == 7, "result codes");
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 30, 0)  // ncclTimeout is newer than 2.28 (the H200's torch build)
+static_assert(ncclTimeout == 8, "result codes");
+#endif
 static_assert(sizeof(ncclUniqueId) == NCCL_UNIQUE_ID_BYTES, "unique id size");
 
 namespace {
