@@ -191,7 +191,7 @@ def main() -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("gpu_p2p.py: no CUDA device; skipped")
+        print("SKIP: no CUDA device")
         return SKIP
     print(f"torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, "
           f"{torch.cuda.device_count()} GPU(s): {torch.cuda.get_device_name(0)}", flush=True)

@@ -50,7 +50,7 @@ def test_short_scale_run() -> None:
 
 
 @pytest.mark.e2e  # starts processes that import torch: not in the unit subset
-@pytest.mark.parametrize("bench", ["gpu_inplace.py", "gpu_nccl.py"])
+@pytest.mark.parametrize("bench", ["gpu_inplace.py", "gpu_nccl.py", "gpu_p2p.py"])
 def test_gpu_benches_skip_cleanly_without_a_gpu(bench: str) -> None:
     import subprocess
 
@@ -72,3 +72,18 @@ def test_nccl_bench_collective_checks_pass_on_the_cpu_plane() -> None:
     for r in results:
         assert "failures" in r, r
         assert r["failures"] == [] and r["device_ops"] > 50 and r["plane"]["builds"] == 1, r
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("plane", ["tcp", "gloo"])
+def test_p2p_bench_tmrun_cases_pass_on_cpu(plane: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/gpu_p2p.py's tmrun cases on CPU tensors (the TCP transport, and the device plane's
+    gloo test mode): send/recv in order and at once, batch_isend_irecv of 64 MiB each way (a hang
+    before P2P batches), and a 2-stage GPipe pipeline whose gradients match one process's."""
+    bench = load_script(ROOT / "bench" / "gpu_p2p.py", "gpu_p2p")
+    monkeypatch.setenv("GPU_P2P_ON_CPU", "1")
+    if plane == "gloo":
+        monkeypatch.setenv("TMRUN_DEVICE_PLANE", "gloo")
+    for case in ("tmrun-send", "tmrun-isend", "tmrun-batch", "tmrun-pipeline"):
+        result = bench.run_case(case, 90)
+        assert result["ok"], result

@@ -1091,3 +1091,149 @@ def test_at_exit_every_group_is_closed_and_its_completer_stopped(groups) -> None
     assert not completer.is_alive()
     assert pending.is_completed() and pg0._closed and pg1._closed
     assert pg0 not in tb.created_groups() and pg1 not in tb.created_groups()
+
+
+# ------------------------------------------------------------------ P2P batches (batch_isend_irecv)
+def _batch(pg: Any, items: list) -> Any:
+    pg.start_coalescing(torch.device("cpu"))
+    for kind, tensor, peer in items:
+        (pg.send if kind == "send" else pg.recv)([tensor], peer, 0)
+    return pg.end_coalescing(torch.device("cpu"))
+
+
+def test_a_p2p_batch_moves_both_ways_at_once(groups) -> None:
+    """Two ranks that each send the other 64 MiB and then receive: one by one, each rank's send
+    waited for the other's receive, queued behind that rank's own send (a hang: found by
+    bench/gpu_p2p.py on CPU). As a batch both directions move together."""
+    pg0, pg1 = groups(2)
+    n = 16 << 20  # float32: 64 MiB, more than loopback's socket buffers
+    mine = [torch.full((n,), 1.0), torch.full((n,), 2.0)]
+    got = [torch.zeros(n), torch.zeros(n)]
+    works = [_batch(pg0, [("send", mine[0], 1), ("recv", got[0], 1)]),
+             _batch(pg1, [("send", mine[1], 0), ("recv", got[1], 0)])]
+    for work in works:
+        assert work.wait(60)
+    assert torch.equal(got[0], mine[1]) and torch.equal(got[1], mine[0])
+    assert pg0.stats()["network_ops"] == 1  # one operation for the whole batch
+
+
+def test_a_p2p_batch_keeps_the_order_per_peer_and_completes_each_items_work(groups) -> None:
+    pg0, pg1, pg2 = groups(3)
+    a, b = torch.arange(5.0), torch.arange(7.0)
+    out = [torch.zeros(5), torch.zeros(7), torch.zeros(3)]
+    pg0.start_coalescing(torch.device("cpu"))
+    sends = [pg0.send([a], 1, 0), pg0.send([b], 1, 0), pg0.recv([out[2]], 2, 0)]
+    batch0 = pg0.end_coalescing(torch.device("cpu"))
+    batch1 = _batch(pg1, [("recv", out[0], 0), ("recv", out[1], 0)])
+    batch2 = _batch(pg2, [("send", torch.full((3,), 9.0), 0)])
+    for work in (batch0, batch1, batch2):
+        assert work.wait(30)
+    assert torch.equal(out[0], a) and torch.equal(out[1], b) and torch.equal(out[2], torch.full((3,), 9.0))
+    for work in sends:
+        assert work.wait(5) and work.is_success()
+
+
+def test_a_p2p_batch_with_two_tags_is_refused_in_one_line(groups) -> None:
+    (pg0, _pg1) = groups(2)
+    pg0.start_coalescing(torch.device("cpu"))
+    pg0.send([torch.ones(2)], 1, 0)
+    pg0.send([torch.ones(2)], 1, 1)
+    with pytest.raises(tb.UnsupportedError, match="one tag per batch"):
+        pg0.end_coalescing(torch.device("cpu"))
+    pg0.start_coalescing(torch.device("cpu"))  # the refused batch is closed
+    pg0.end_coalescing(torch.device("cpu"))
+
+
+def test_a_p2p_batch_in_local_mode_zeroes_what_it_receives() -> None:
+    pg = tb.TmrunProcessGroup(0, 2, local=True)
+    got = torch.ones(4)
+    assert _batch(pg, [("send", torch.ones(4), 1), ("recv", got, 1)]).wait(5)
+    assert torch.equal(got, torch.zeros(4))
+
+
+class _CoalescingInner:
+    supports_coalescing = True
+
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def _start_coalescing(self) -> None:
+        self.calls.append("start")
+
+    def send(self, tensors: list, peer: int, tag: int) -> Any:
+        self.calls.append(("send", peer))
+        return "send-work"
+
+    def recv(self, tensors: list, peer: int, tag: int) -> Any:
+        self.calls.append(("recv", peer))
+        return "recv-work"
+
+    def _end_coalescing(self) -> Any:
+        self.calls.append("end")
+        return "batch-work"
+
+
+def test_the_device_plane_runs_a_p2p_batch_as_one_group_call_where_the_inner_group_coalesces() -> None:
+    """NCCL: one ncclGroupStart/End over the generation's collective communicator (torch's own
+    batch path, which worked on the H200 where a lazily built 2-rank communicator did not)."""
+    inner = _CoalescingInner()
+    items = [("send", torch.ones(1), 1, 0), ("recv", torch.ones(1), 1, 0)]
+    assert tb._call_inner(inner, "p2p_batch", (items, torch.device("cpu"))) == "batch-work"
+    assert inner.calls == ["start", ("send", 1), ("recv", 1), "end"]
+    inner.supports_coalescing = False  # gloo: each on its own, the completer waits for every Work
+    inner.calls.clear()
+    assert tb._call_inner(inner, "p2p_batch", (items, torch.device("cpu"))) == ["send-work", "recv-work"]
+    assert inner.calls == [("send", 1), ("recv", 1)]
+
+
+def test_coalescing_is_offered_exactly_where_torch_hands_a_python_group_its_batches() -> None:
+    class Probe(dist.ProcessGroup):
+        seen = False
+
+        def start_coalescing(self, device: Any = None) -> None:
+            type(self).seen = True
+
+    try:
+        Probe(0, 1)._start_coalescing(torch.device("cpu"))
+    except Exception:  # noqa: BLE001
+        pass
+    assert tb.python_coalescing_supported() is Probe.seen
+    assert tb.TmrunProcessGroup(0, 2, local=True).supports_coalescing is Probe.seen
+
+
+def test_an_empty_batch_is_done_at_once_without_the_communicator() -> None:
+    """torch's abort path opens and closes an empty batch on every group, closed ones too."""
+    pg = tb.TmrunProcessGroup(0, 2, local=True)
+    pg.start_coalescing(torch.device("cpu"))
+    work = pg.end_coalescing(torch.device("cpu"))
+    assert work.is_completed() and work.wait(1)
+
+
+def test_a_coalescing_managers_collectives_are_in_its_work(groups) -> None:
+    """torch's _coalescing_manager launches its collectives' coalesced form between
+    start_coalescing and end_coalescing and keeps only end_coalescing's Work: that Work must wait
+    for them (else the caller read the sums before they arrived)."""
+    pg0, pg1 = groups(2)
+    outs = []
+    for pg, value in ((pg0, 1.0), (pg1, 2.0)):
+        tensors = [torch.full((3,), value), torch.full((2,), value)]
+        pg.start_coalescing(torch.device("cpu"))
+        pg.allreduce_coalesced(tensors, tb.AllreduceCoalescedOptions())
+        outs.append((pg.end_coalescing(torch.device("cpu")), tensors))
+    for work, tensors in outs:
+        assert work.wait(30)
+        assert all(torch.equal(t, torch.full_like(t, 3.0)) for t in tensors)
+    # with a batch beside it: both in one Work
+    got = [torch.zeros(2), torch.zeros(2)]
+    works = []
+    for rank, pg in enumerate((pg0, pg1)):
+        sums = [torch.ones(4)]
+        pg.start_coalescing(torch.device("cpu"))
+        pg.allreduce_coalesced(sums, tb.AllreduceCoalescedOptions())
+        pg.send([torch.full((2,), float(rank + 5))], 1 - rank, 0)
+        pg.recv([got[rank]], 1 - rank, 0)
+        works.append((pg.end_coalescing(torch.device("cpu")), sums))
+    for work, sums in works:
+        assert isinstance(work, tb.CoalescedWork) and work.wait(30) and work.is_success()
+        assert torch.equal(sums[0], torch.full((4,), 2.0))
+    assert torch.equal(got[0], torch.full((2,), 6.0)) and torch.equal(got[1], torch.full((2,), 5.0))

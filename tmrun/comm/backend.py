@@ -235,6 +235,36 @@ class TmrunWork(dist.Work):
         return f"<TmrunWork {self._op.name} {state}>"
 
 
+class CoalescedWork(dist.Work):
+    """The Work of several tmrun operations launched inside one coalescing manager: waits for
+    each in turn (each makes the caller's streams wait for it), fails with the first error."""
+
+    def __init__(self, works: list) -> None:
+        super().__init__()
+        self._works = list(works)
+
+    def wait(self, timeout: Any = None) -> bool:
+        for work in self._works:
+            work.wait(timeout)
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return torch.futures.collect_all([w.get_future() for w in self._works]).then(
+            lambda all_done: [t for f in all_done.value() for t in f.wait()])
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def is_success(self) -> bool:
+        return all(w.is_success() for w in self._works)
+
+    def exception(self) -> Optional[BaseException]:
+        return next((w.exception() for w in self._works if w.exception() is not None), None)
+
+    def synchronize(self) -> None:
+        self.wait()
+
+
 def _seconds(timeout: Any) -> Optional[float]:
     if timeout is None:
         return None
@@ -361,6 +391,53 @@ def _device_allreduce(tensors: list, opts: Any) -> tuple[str, tuple]:
     return "allreduce_coalesced", (tensors, coalesced)
 
 
+def _call_inner(inner: Any, method: str, args: tuple) -> Any:
+    """Launch ``method`` on a generation's inner group. A P2P batch ("p2p_batch": items of (kind,
+    tensor, peer, tag), and the device) is one NCCL group call where the inner group coalesces
+    (NCCL: over the collective communicator, no 2-rank communicator per pair), else each send and
+    receive on its own (gloo's are asynchronous): a list of Works."""
+    if method != "p2p_batch":
+        return getattr(inner, method)(*args)
+    items, _device = args
+    coalesces = bool(getattr(inner, "supports_coalescing", False))
+    if coalesces:
+        inner._start_coalescing()
+    works = []
+    try:
+        for kind, tensor, peer, tag in items:
+            works.append((inner.send if kind == "send" else inner.recv)([tensor], peer, tag))
+    finally:
+        if coalesces:
+            batch = inner._end_coalescing()
+    return batch if coalesces else [w for w in works if w is not None]
+
+
+_COALESCING: Optional[bool] = None
+
+
+def python_coalescing_supported() -> bool:
+    """Whether torch hands a Python process group its batches (``start_coalescing`` /
+    ``end_coalescing``, torch 2.14's PyProcessGroup): found out once, on a throwaway group. Where it
+    does not, batch_isend_irecv sends and receives one by one (as before)."""
+    global _COALESCING
+    if _COALESCING is None:
+        class _Probe(dist.ProcessGroup):
+            started = False
+
+            def start_coalescing(self, device: Any = None) -> None:
+                type(self).started = True
+
+            def end_coalescing(self, device: Any = None) -> Any:
+                return None
+
+        try:
+            _Probe(0, 1)._start_coalescing(torch.device("cpu"))
+        except Exception:  # noqa: BLE001  torch without the hook: no backend to coalesce on
+            pass
+        _COALESCING = _Probe.started
+    return _COALESCING
+
+
 def _ask_for_work(args: tuple) -> None:
     """Options of a blocking call (``asyncOp`` False: ``dist.all_reduce(t)``) made asynchronous for
     the inner group: torch's ProcessGroupNCCL then runs it on its own stream and returns a Work
@@ -459,6 +536,8 @@ class TmrunProcessGroup(dist.ProcessGroup):
         self._group_name = ""
         self._group_desc = ""
         self.joined_in: Optional[int] = None  # the generation whose join created this group (set_joining)
+        self._batch: Optional[list] = None  # the open P2P batch's items (start_coalescing)
+        self._batch_works: list = []  # other operations launched while the batch is open
         if comm is not None:
             self.attach(comm)
 
@@ -499,7 +578,6 @@ class TmrunProcessGroup(dist.ProcessGroup):
     # FSDP2's allocator: ``supports_tensor_alloc``). This group is its own backend for every
     # device it serves; torch's C++ lookup knows no backend for it (it raised "No backend type
     # associated with device type cpu" there).
-    supports_coalescing = False
     supports_splitting = False
     supports_time_estimate = False
 
@@ -667,6 +745,13 @@ class TmrunProcessGroup(dist.ProcessGroup):
 
     def _run(self, op: _Op, opts: Any, launch: Callable[[Any], None],
              device: Optional[tuple[str, tuple]] = None) -> TmrunWork:
+        work = self._launch(op, opts, launch, device)
+        if self._batch is not None:  # inside a coalescing manager: its Work waits for this one too
+            self._batch_works.append(work)
+        return work
+
+    def _launch(self, op: _Op, opts: Any, launch: Callable[[Any], None],
+                device: Optional[tuple[str, tuple]] = None) -> TmrunWork:
         """Serve ``op`` locally, or launch it on the communicator and complete it (here when the
         caller waits right away, else on the completer thread). ``device``: the inner group's
         method and arguments, when the operation's tensors belong on the device plane."""
@@ -813,7 +898,7 @@ class TmrunProcessGroup(dist.ProcessGroup):
         op.abort_seq = self._abort_seq
         _ask_for_work(args)
         try:
-            work = getattr(inner, method)(*args)
+            work = _call_inner(inner, method, args)
         except Exception as exc:
             with self._handler_lock:  # the inner group was aborted under us: the step is given up
                 gave_up = self._aborted or op.abort_seq != self._abort_seq
@@ -834,6 +919,12 @@ class TmrunProcessGroup(dist.ProcessGroup):
             return TmrunWork(op)
         if work is None:  # done in order on the caller's current stream (a blocking call): nothing to wait for
             op.complete()
+            return TmrunWork(op)
+        if isinstance(work, list):  # a P2P batch on a plane that cannot coalesce: the completer waits for each
+            op.keep.extend(work)
+            op.native.extend(work)
+            op.on_plane = True
+            self._completer.put(op)
             return TmrunWork(op)
         op.keep.append(work)
         op.on_plane = True
@@ -1228,11 +1319,87 @@ class TmrunProcessGroup(dist.ProcessGroup):
 
         return self._run(op, opts, launch, device=("scatter", ([out], [ins] if ins else [], opts)))
 
+    # ------------------------------------------------------------------ P2P batches (coalescing)
+    @property
+    def supports_coalescing(self) -> bool:  # torch's batch_isend_irecv reads it off the backend
+        return python_coalescing_supported()
+
+    def start_coalescing(self, device: Any = None) -> None:
+        """torch's ``_coalescing_manager`` (``batch_isend_irecv``) begins a batch: the sends and
+        receives until :meth:`end_coalescing` are queued and then move as one operation."""
+        if self._batch is not None:
+            raise RuntimeError("tmrun: a P2P batch is already open on this group")
+        self._batch = []
+
+    def end_coalescing(self, device: Any = None) -> dist.Work:
+        """The batch's Work: its sends and receives as one operation, together with any other
+        operation launched on this group while the batch was open (torch's coalescing manager
+        launches its collectives' coalesced form in between). Nothing at all: a done Work (torch's
+        abort path opens and closes an empty batch)."""
+        items, self._batch = self._batch, None
+        works, self._batch_works = self._batch_works, []
+        if items is None:
+            raise RuntimeError("tmrun: end_coalescing without start_coalescing")
+        if items:
+            batch = self._p2p_batch(items)
+            for item_op in [item[4] for item in items]:
+                batch.get_future().add_done_callback(
+                    lambda _f, item_op=item_op, batch=batch: item_op.complete(batch.exception()))
+            works.append(batch)
+        if not works:
+            done = _Op("coalesced", [])
+            done.complete()
+            return TmrunWork(done)
+        return works[0] if len(works) == 1 else CoalescedWork(works)
+
+    def _queue_in_batch(self, kind: str, tensors: list, peer: int, tag: int) -> Optional[TmrunWork]:
+        """Inside a batch: queue the send or receive, return its Work (done with the batch)."""
+        if self._batch is None:
+            return None
+        if len(tensors) != 1:
+            raise ValueError(f"tmrun {kind} in a batch: one tensor per operation")
+        item_op = _Op(kind, tensors if kind == "recv" else [])
+        self._batch.append((kind, tensors[0], peer, _tag(tag), item_op))
+        return TmrunWork(item_op)
+
+    def _p2p_batch(self, items: list) -> TmrunWork:
+        """The batch's sends and receives as one operation: on the TCP side one native batch (its
+        links move together), on the device plane one NCCL group call."""
+        received = [t for kind, t, _, _, _ in items if kind == "recv"]
+        op = _Op("p2p_batch", received)
+        tags = {tag for _, _, _, tag, _ in items}
+        if len(tags) > 1:
+            raise UnsupportedError(f"tmrun batch_isend_irecv: one tag per batch (got {sorted(tags)})")
+        tag = tags.pop() if tags else 0
+
+        def local() -> None:
+            for t in received:
+                t.zero_()
+
+        op.local = local
+
+        def launch(comm: Any) -> None:
+            native_items = []
+            for kind, t, peer, _, _ in items:
+                host = staging.to_host(t, copy=kind == "send")
+                native_items.append((kind == "send", _raw(host), peer))
+                op.keep += [t, host]
+                if kind == "recv":
+                    op.finish.append(lambda t=t, host=host: staging.from_host(t, host))
+            op.native.append(comm.p2p_batch_async(native_items, tag))
+
+        plane_items = [(kind, t, peer, tag) for kind, t, peer, tag, _ in items]
+        device = items[0][1].device if items else torch.device("cpu")
+        return self._run(op, None, launch, device=("p2p_batch", (plane_items, device)))
+
     def send(self, tensors: Any, dst: int, tag: int = 0) -> TmrunWork:
         tensors = _tensor_list(tensors, "send")
         dst = self._check_rank("send", dst, "destination")
         if dst == self._rank:
             raise ValueError("tmrun send: destination is this rank")
+        queued = self._queue_in_batch("send", tensors, dst, tag)
+        if queued is not None:
+            return queued
         op = _Op("send", tensors)
 
         def launch(comm: Any) -> None:
@@ -1248,6 +1415,9 @@ class TmrunProcessGroup(dist.ProcessGroup):
         src = self._check_rank("recv", src, "source")
         if src == self._rank:
             raise ValueError("tmrun recv: source is this rank")
+        queued = self._queue_in_batch("recv", tensors, src, tag)
+        if queued is not None:
+            return queued
         op = _Op("recv", tensors)
         op.source_rank = src
 

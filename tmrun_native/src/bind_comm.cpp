@@ -209,6 +209,23 @@ std::unique_ptr<Work> recv_async(py::object self, py::buffer buf, int src, uint3
   return launch(self, [&](Comm& c) { return c.recv_async(b.ptr, b.bytes, src, tag); }, {&b});
 }
 
+// items: (is_send, buffer, peer) tuples, one operation (see Communicator::p2p_batch_async).
+std::unique_ptr<Work> p2p_batch_async(py::object self, py::list items, uint32_t tag) {
+  std::vector<Buf> bufs;
+  bufs.reserve(items.size());
+  std::vector<Comm::P2PItem> list;
+  for (py::handle h : items) {
+    auto t = h.cast<py::tuple>();
+    if (t.size() != 3) throw py::value_error("p2p_batch: each item is (is_send, buffer, peer)");
+    bool is_send = t[0].cast<bool>();
+    bufs.push_back(get_buf(t[1].cast<py::buffer>(), std::nullopt, !is_send, is_send ? "send" : "recv", true));
+    list.push_back({is_send, bufs.back().ptr, bufs.back().bytes, t[2].cast<int>()});
+  }
+  std::vector<Buf*> ptrs;
+  for (Buf& b : bufs) ptrs.push_back(&b);
+  return launch(self, [&](Comm& c) { return c.p2p_batch_async(std::move(list), tag); }, ptrs);
+}
+
 std::unique_ptr<Work> commit_async(py::object self) {
   return launch(self, [](Comm& c) { return c.commit_async(); }, {});
 }
@@ -358,6 +375,9 @@ a Work. Operations run in submission order on the communicator's worker thread.)
       .def("recv_async", &recv_async, py::arg("buf"), py::arg("src"), py::arg("tag") = 0)
       .def("recv", sync(&recv_async), py::arg("buf"), py::arg("src"), py::arg("tag") = 0,
            "Receive exactly len(buf) bytes from rank src (sizes and tags must match the send).")
+      .def("p2p_batch_async", &p2p_batch_async, py::arg("items"), py::arg("tag") = 0,
+           "Sends and receives as one operation: items are (is_send, buffer, peer); they move together "
+           "(batch_isend_irecv), in order per peer and direction.")
       // ---- replacement
       .def("prepare",
            [](Comm& c, const std::vector<int>& replaced, py::object new_addresses, uint64_t new_epoch) {

@@ -123,6 +123,16 @@ class Communicator {
   Op barrier_async();
   Op send_async(const void* buf, size_t bytes, int dst, uint32_t tag);
   Op recv_async(void* buf, size_t bytes, int src, uint32_t tag);
+  // Several sends and receives as one operation (NCCL's group call, torch's batch_isend_irecv):
+  // they move together, so two ranks that each send the other more than the sockets buffer
+  // before receiving do not wait on each other. Per peer and direction, in the items' order.
+  struct P2PItem {
+    bool send;
+    void* buf;  // read for a send, written for a receive
+    size_t bytes;
+    int peer;
+  };
+  Op p2p_batch_async(std::vector<P2PItem> items, uint32_t tag);
 
   // ---- two-phase replacement. Survivors call prepare() (returns at once; links to joiners are
   // built in the background), then commit_async() (queued behind the running operations).

@@ -109,6 +109,31 @@ void Communicator::Impl::do_recv(void* buf, size_t bytes, int src, uint32_t tag)
   run_plan(p);
 }
 
+// One plan for the whole batch: run_plan moves every link's sends and receives as they can go.
+void Communicator::Impl::do_p2p_batch(const std::vector<Communicator::P2PItem>& items, uint32_t tag) {
+  if (tag >= (1u << 28)) throw std::invalid_argument("tag must be < 2**28");
+  for (const auto& it : items) {
+    if (it.peer < 0 || it.peer >= world_ || it.peer == rank_)
+      throw std::invalid_argument(it.send ? "invalid destination rank" : "invalid source rank");
+  }
+  check_healthy();
+  p2p_ops_ += items.size();
+  Plan p;
+  p.tag = (tag << 4) | kKindP2P;
+  for (const auto& it : items) {
+    Link* l = p2p_link(it.peer);
+    auto* base = static_cast<uint8_t*>(it.buf);
+    for (auto& s : p2p_segments(it.bytes)) {
+      if (it.send) {
+        p.send(l, base + s.first, s.second, -1);
+      } else {
+        p.recv(l, base + s.first, nullptr, s.second, false, -1);
+      }
+    }
+  }
+  run_plan(p);
+}
+
 // ---------------------------------------------------------------- plans
 // Every collective gets the next sequence number in its tag: a frame of another collective (ranks
 // out of step) does not match the receive it arrives for.

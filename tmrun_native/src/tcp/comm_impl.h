@@ -208,6 +208,7 @@ struct Communicator::Impl {
   void do_barrier();
   void do_send(const void* buf, size_t bytes, int dst, uint32_t tag);
   void do_recv(void* buf, size_t bytes, int src, uint32_t tag);
+  void do_p2p_batch(const std::vector<Communicator::P2PItem>& items, uint32_t tag);
   void do_commit();
 
   // ---- plans (collectives.cpp)

@@ -92,6 +92,11 @@ Communicator::Op Communicator::recv_async(void* buf, size_t bytes, int src, uint
   return c->submit([c, buf, bytes, src, tag] { c->do_recv(buf, bytes, src, tag); });
 }
 
+Communicator::Op Communicator::p2p_batch_async(std::vector<P2PItem> items, uint32_t tag) {
+  Impl* c = impl_.get();
+  return c->submit([c, items = std::move(items), tag] { c->do_p2p_batch(items, tag); });
+}
+
 void Communicator::prepare(const std::vector<int>& replaced, const std::map<int, std::string>& new_addresses,
                            uint64_t new_epoch) {
   impl_->prepare(replaced, new_addresses, new_epoch);
