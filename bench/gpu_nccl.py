@@ -114,12 +114,9 @@ def rank_collectives(rank: int, world: int, port: int, on_cpu: bool = False) -> 
                 # ranks posing as hosts on one GPU: torch 2.11's lazy 2-rank P2P communicator
                 # fails to bootstrap when both ranks send at once, on torch's own NCCL group too
                 # (bench/gpu_p2p.py, torch-unbound-isend); in rank order it works
-                if rank == 0:
-                    dist.send(mine, right)
-                    dist.recv(buf, left)
-                else:
-                    dist.recv(buf, left)
-                    dist.send(mine, right)
+                from gpu_p2p import exchange_in_rank_order
+
+                exchange_in_rank_order(rank, mine, buf, right, left)
             else:
                 ops = [dist.P2POp(dist.isend, mine, right), dist.P2POp(dist.irecv, buf, left)]
                 for work in dist.batch_isend_irecv(ops):

@@ -45,6 +45,19 @@ BASELINE = {"tmrun-send": "torch-unbound-send", "tmrun-isend": "torch-unbound-is
             "tmrun-batch": "torch-bound-batch", "tmrun-pipeline": "torch-bound-batch"}
 
 
+def exchange_in_rank_order(rank: int, mine, got, to: int, source: int) -> None:  # type: ignore[no-untyped-def]
+    """Blocking send and receive around a ring, rank 0 sending first: no two ranks send to each
+    other at once (which fails on one shared GPU, bench/gpu_nccl.py uses it there)."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        dist.send(mine, to)
+        dist.recv(got, source)
+    else:
+        dist.recv(got, source)
+        dist.send(mine, to)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -92,12 +105,8 @@ def _rank(case: str, rank: int, port: int) -> None:
                 ops = [dist.P2POp(dist.isend, mine, peer), dist.P2POp(dist.irecv, got, peer)]
                 for work in dist.batch_isend_irecv(ops):
                     work.wait()
-            elif rank == 0:
-                dist.send(mine, peer)
-                dist.recv(got, peer)
             else:
-                dist.recv(got, peer)
-                dist.send(mine, peer)
+                exchange_in_rank_order(rank, mine, got, peer, peer)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             if not torch.equal(got.cpu(), torch.full((size,), float(peer + 1))):
