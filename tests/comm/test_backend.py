@@ -1237,3 +1237,13 @@ def test_a_coalescing_managers_collectives_are_in_its_work(groups) -> None:
         assert isinstance(work, tb.CoalescedWork) and work.wait(30) and work.is_success()
         assert torch.equal(sums[0], torch.full((4,), 2.0))
     assert torch.equal(got[0], torch.full((2,), 6.0)) and torch.equal(got[1], torch.full((2,), 5.0))
+
+
+def test_a_local_receive_fills_a_buffer_that_requires_grad() -> None:
+    """torch.distributed.pipelining receives activations into leaves that require grad; a group
+    serving a doomed step locally zeroed them in place, which autograd refuses (the survivor of
+    a lost pipeline neighbour raised instead of finishing its step)."""
+    pg = tb.TmrunProcessGroup(0, 2, local=True)
+    buffer = torch.ones(3, requires_grad=True)
+    assert pg.recv([buffer], 1, 0).wait(1)
+    assert torch.equal(buffer.detach(), torch.zeros(3)) and buffer.requires_grad

@@ -766,7 +766,8 @@ class TmrunProcessGroup(dist.ProcessGroup):
                 self._on_plane(device[1])  # a sandbox learns whether its groups will need the plane
             self._stats["local_ops"] += 1
             if op.local is not None:
-                op.local()
+                with torch.no_grad():  # a pipeline's receive buffer is a leaf that requires grad
+                    op.local()
             op.complete()
             return TmrunWork(op)
         comm = self._comm_or_raise()

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from tmrun.comm import native
 from tmrun.comm.backend import TmrunProcessGroup
 from tmrun.protocol import keys, messages as proto
-from tmrun.worker import cpu_budget, group, replica_check, rng, subgroups, vote
+from tmrun.worker import cpu_budget, group, pipeline, replica_check, rng, subgroups, vote
 from tmrun.worker.buffers import unsynchronised_buffers
 from tmrun.worker.context import FAST_POLL, Context, GenerationFile, RecoveryError, Superseded, log
 from tmrun.worker.device_transfer import device_link
@@ -292,6 +292,11 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float, repl
     checked = _check_replicas(ctx, comm, shard_key, plan.defer)
     if plan.reset_models:  # every member alike: DDP rebuilds its buckets on all of them in one step
         ctx.interrupter.reset_models()
+    if ctx.tracked.pipelines and not ctx.fresh:  # a joiner's pipeline starts again with it
+        joined = set(plan.needy)
+        if pipeline.restart_where_joined(ctx.tracked.pipelines, joined):
+            log(f"rank {ctx.rank}: the pipeline of rank(s) {sorted(joined)} runs torch's start-up again at the next "
+                "step, with the joiner (its P2P warm-up and shape inference)")
     resume = plan.target_step + 1
     if ctx.fresh:
         _say_buffers_lost(ctx, plan.donors_of(comm.rank))

@@ -31,7 +31,7 @@ import torch
 from tmrun.comm import ddp as tmrun_ddp
 from tmrun.protocol import messages as proto, orphan_guard
 from tmrun.protocol.environment import LaunchEnv
-from tmrun.worker import drills, group, optimizer as guarded
+from tmrun.worker import drills, group, optimizer as guarded, pipeline
 from tmrun.worker.context import Context, RecoveryError, log
 from tmrun.worker.loop import StepLoop
 from tmrun.worker.loss_watch import LossWatcher
@@ -151,12 +151,24 @@ class Runtime:
         for obj in objects.values():
             if isinstance(obj, torch.nn.parallel.DistributedDataParallel):
                 self._adopt_ddp(obj)  # wrapped by the script itself rather than by tm.ddp
+            elif self._ctx.in_place and pipeline.is_schedule(obj) and id(obj) not in self._hooked:
+                self._hooked.add(id(obj))
+                for stage in pipeline.stages_of(obj):  # the "forward" and "backward" drills of its stages
+                    if not drills.is_sharded(stage.submod):  # (a sharded stage has them from tm.track)
+                        drills.install_sharded_hooks(stage.submod, self._ctx.fire)
             elif self._ctx.in_place and drills.is_sharded(obj) and id(obj) not in self._hooked:
                 self._hooked.add(id(obj))
                 drills.install_sharded_hooks(obj, self._ctx.fire)  # the "forward" and "backward" drills
                 self._ctx.interrupter.install_sharded(obj)  # a doomed step stops at the next layer
             if isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, guarded.GuardedOptimizer):
                 guarded.guard_in_place(obj, self._loop)
+
+    def set_shard(self, label: Any) -> None:
+        """Which part of the model this rank holds where no DTensor says so: a pipeline stage's
+        index (``tm.set_shard(stage_index)``). Only ranks with equal labels (and equal DTensor
+        shards) are replicas: a lost rank is healed from one of them, and the replica check
+        compares them alone. Without it a pipeline's stages look like replicas of each other."""
+        self._ctx.tracked.set_shard(label)
 
     def track_per_rank(self, **objects: Any) -> None:
         """State that differs by rank (objects with ``state_dict`` / ``load_state_dict``: a data

@@ -13,10 +13,11 @@ import hashlib
 import io
 import pickle
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
+from tmrun.worker import pipeline
 from tmrun.worker.optimizer import scheduled, unwrap as _unwrap_optimizer
 
 
@@ -139,11 +140,34 @@ class TrackedState:
         # ids of the tracked modules a DDP wrapper given to tm.track keeps the buffers of alike
         # (it broadcasts them at every forward: torch's default)
         self._buffers_synced: set[int] = set()
+        # the part of the job's state this rank holds where no DTensor says so (a pipeline
+        # stage): tm.set_shard; part of shard_key
+        self.shard_label: Optional[str] = None
+        # pipeline schedules (tm.track(schedule=...)): no state of their own to heal; their
+        # start-up runs again where a joiner enters their pipeline (tmrun.worker.pipeline)
+        self.pipelines: list = []
+
+    def set_shard(self, label: Any) -> None:
+        """This rank holds part ``label`` of the tracked state (a pipeline stage's index): only
+        ranks with equal labels (and equal DTensor shards) are replicas of each other."""
+        try:
+            text = repr(label)
+            hash(label)
+        except Exception as exc:  # noqa: BLE001
+            raise TrackError(f"tm.set_shard({label!r}): the label must be hashable and printable ({exc})") from None
+        if self.shard_label is not None and self.shard_label != text:
+            raise TrackError(f"tm.set_shard({label!r}): this rank's shard is {self.shard_label} already")
+        self.shard_label = text
 
     def track(self, **objects: Any) -> None:
         for name, obj in objects.items():
             if name in self._per_rank:
                 raise TrackError(f"tm.track({name}=...): {name!r} is tracked per rank already")
+            if pipeline.is_schedule(obj):
+                pipeline.check_supported(obj)
+                if all(obj is not known for known in self.pipelines):
+                    self.pipelines.append(obj)
+                continue
             if isinstance(obj, torch.nn.parallel.DistributedDataParallel) and _syncs_buffers(obj):
                 self._buffers_synced.add(id(obj.module))
             obj = _unwrap(obj)
@@ -308,9 +332,10 @@ class TrackedState:
         """Which shard of the model this member holds, as a 63-bit digest: for every tracked
         module tensor that is a DTensor, its name and its mesh coordinate along each dimension
         where it is sharded (``Shard``) or partial; ``Replicate`` dimensions (HSDP's
-        "replicate") do not count. Members with equal keys are replicas and can heal each other;
-        0 when nothing is sharded (DDP: every member is a replica). docs/mesh.md."""
-        sharded = []
+        "replicate") do not count; and the label of :meth:`set_shard` (a pipeline stage). Members
+        with equal keys are replicas and can heal each other; 0 when nothing is sharded (DDP:
+        every member is a replica). docs/mesh.md."""
+        sharded: list = [("tm.set_shard", self.shard_label)] if self.shard_label is not None else []
         for name, obj in self._objects.items():
             if not isinstance(obj, torch.nn.Module):
                 continue

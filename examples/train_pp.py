@@ -1,0 +1,94 @@
+"""Pipeline parallelism x data parallelism with torch's own APIs under the tmrun worker API: a
+stack of linear layers cut into pipeline stages (``torch.distributed.pipelining``: GPipe or 1F1B
+over the "pp" dimension of a 2-D device mesh), each stage replicated over "dp" (its gradients
+averaged over its replicas), AdamW, all tracked.
+
+    tmrun --standalone --nproc-per-node 4 --standby 1 examples/train_pp.py --final 'out/final-{rank}'
+    torchrun --standalone --nproc-per-node 4 examples/train_pp.py --final 'out/final-{rank}'
+
+--final PATH writes the SHA-256 of this rank's stage (parameters and optimizer state); ``{rank}``
+is replaced by the rank. Replicas of a stage (the same "pp" position) must agree, and runs under
+tmrun and torchrun must give the same bits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import tmrun  # noqa: E402
+from train_inplace import digest  # noqa: E402
+
+
+def build_stage(stage: int, stages: int, width: int, depth: int) -> torch.nn.Module:
+    """This stage's share of the layers (every rank builds the whole stack from one seed and keeps
+    its own layers: the same weights whatever the cut)."""
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.Tanh()]
+    per = len(layers) // stages
+    mine = layers[stage * per: len(layers) if stage == stages - 1 else (stage + 1) * per]
+    return torch.nn.Sequential(*mine)
+
+
+def batch_for(step: int, replica: int, width: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1_000_003 * step + replica)
+    x = torch.randn(batch, width, generator=generator)
+    return x, x.roll(1, dims=1).sin()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--stages", type=int, default=2, help='size of the "pp" dimension')
+    parser.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--final", default="")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    tm = tmrun.init()
+    mesh = init_device_mesh("cpu", (tm.world_size // args.stages, args.stages), mesh_dim_names=("dp", "pp"))
+    stage_index, replica = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    dp_group, pp_group = mesh["dp"].get_group(), mesh["pp"].get_group()
+    module = build_stage(stage_index, args.stages, args.width, args.depth)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    tm.set_shard(stage_index)  # replicas are the ranks of the same stage (no DTensor says so)
+    tm.track(model=module, optimizer=opt)
+    stage = PipelineStage(module, stage_index, args.stages, torch.device("cpu"), group=pp_group)
+    schedule_class = ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B
+    loss_fn = torch.nn.MSELoss(reduction="sum")
+    schedule = schedule_class(stage, n_microbatches=args.microbatches, loss_fn=loss_fn, scale_grads=False)
+    tm.track(schedule=schedule)  # a joiner's pipeline runs torch's start-up again, with it
+    last = stage_index == args.stages - 1
+    for step in tm.steps(args.steps):
+        x, y = batch_for(step, replica, args.width, args.batch)
+        if stage_index == 0:
+            schedule.step(x)
+        elif last:
+            schedule.step(target=y)
+        else:
+            schedule.step()
+        for p in module.parameters():  # data parallel: each stage's gradients averaged over its replicas
+            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=dp_group)
+        opt.step()
+        opt.zero_grad()
+    if args.final:
+        with open(args.final.replace("{rank}", str(tm.rank)), "w") as out:
+            out.write(digest(module, opt) + "\n")
+
+
+if __name__ == "__main__":
+    main()

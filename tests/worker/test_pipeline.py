@@ -1,0 +1,81 @@
+"""tm.set_shard and pipeline schedules given to tm.track (tmrun.worker.pipeline): which ranks are
+replicas, and which pipelines run torch's start-up again after a rank joined."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+from tmrun.worker import pipeline
+from tmrun.worker.tracked import TrackError, TrackedState
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 4)
+
+
+def test_the_shard_label_makes_same_shaped_stages_different_shards() -> None:
+    """Two pipeline stages of equal shapes looked like replicas: a lost rank of one stage was
+    healed from the other stage (the replica check then stopped the job)."""
+    stage0, stage1, replica = TrackedState(), TrackedState(), TrackedState()
+    for state, label in ((stage0, 0), (stage1, 1), (replica, 0)):
+        state.track(model=_model())
+        state.set_shard(label)
+    unlabelled = TrackedState()
+    unlabelled.track(model=_model())
+    assert unlabelled.shard_key() == 0  # nothing sharded: every member a replica (DDP)
+    assert stage0.shard_key() == replica.shard_key() != 0
+    assert stage0.shard_key() != stage1.shard_key()
+
+
+def test_a_second_different_shard_label_and_an_unhashable_one_are_refused() -> None:
+    state = TrackedState()
+    state.set_shard("stage-0")
+    state.set_shard("stage-0")  # the same again: fine
+    with pytest.raises(TrackError, match="shard is 'stage-0' already"):
+        state.set_shard("stage-1")
+    with pytest.raises(TrackError, match="hashable"):
+        TrackedState().set_shard(["a", "list"])
+
+
+class _Schedule(_PipelineSchedule):
+    """A single-stage schedule's start-up flags, without a process group."""
+
+    def __init__(self, ranks: set[int]) -> None:  # noqa: D107  (no super().__init__: no stage, no group)
+        self.ranks = ranks
+        self._stage_forward_initialized = True
+        self._stage_backward_initialized = True
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError
+
+    def _step_microbatches(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError
+
+
+def test_only_the_pipelines_with_a_joiner_start_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pipeline, "ranks_of", lambda schedule: schedule.ranks)
+    first, second = _Schedule({0, 1}), _Schedule({2, 3})  # two replicas' pipelines
+    assert pipeline.restart_where_joined([first, second], {3}) == 1
+    assert first._stage_forward_initialized and first._stage_backward_initialized
+    assert not second._stage_forward_initialized and not second._stage_backward_initialized
+    assert pipeline.restart_where_joined([first], {2}) == 0
+
+
+def test_tm_track_takes_a_schedule_as_a_pipeline_not_as_state() -> None:
+    state = TrackedState()
+    schedule = _Schedule({0, 1})
+    state.track(schedule=schedule)
+    state.track(again=schedule)
+    assert state.pipelines == [schedule] and not state.values and "schedule" not in state.names
+
+
+def test_a_schedule_without_the_known_start_up_flags_is_refused_when_tracked() -> None:
+    schedule = _Schedule({0, 1})
+    del schedule._stage_backward_initialized
+    with pytest.raises(TypeError, match="start-up state"):
+        TrackedState().track(schedule=schedule)

@@ -1,0 +1,60 @@
+"""Pipeline schedules (``torch.distributed.pipelining``) given to ``tm.track``: a joiner runs
+torch's one-time start-up of its pipeline (the neighbours' P2P warm-up and the stages' shape
+inference) at its first step, and the survivors of its pipeline must run it with it, or their
+next messages meet the joiner's handshake ("ranks called different collectives"). Only the
+pipelines with a joiner in a stage's group start again; the other replicas' pipelines go on."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+# the schedule's "already started" flags: single-stage schedules, multi-stage schedules
+_STARTED_FLAGS = (("_stage_forward_initialized", "_stage_backward_initialized"),
+                  ("_stages_forward_initialized", "_stages_backward_initialized"))
+
+
+def is_schedule(obj: Any) -> bool:
+    try:
+        from torch.distributed.pipelining.schedules import _PipelineSchedule
+    except ImportError:  # a torch without pipelining
+        return False
+    return isinstance(obj, _PipelineSchedule)
+
+
+def stages_of(schedule: Any) -> list:
+    stages = getattr(schedule, "_stages", None)
+    return list(stages) if stages is not None else [schedule._stage]
+
+
+def ranks_of(schedule: Any) -> set[int]:
+    """The global ranks of every stage group of ``schedule`` (its pipeline)."""
+    ranks: set[int] = set()
+    for stage in stages_of(schedule):
+        ranks.update(dist.get_process_group_ranks(stage.group))
+    return ranks
+
+
+def check_supported(schedule: Any) -> None:
+    """A schedule whose start-up flags this torch names otherwise cannot be started again: said
+    when it is tracked, not at a recovery."""
+    if not any(all(hasattr(schedule, flag) for flag in flags) for flags in _STARTED_FLAGS):
+        raise TypeError(f"tmrun: {type(schedule).__name__} keeps its start-up state in attributes this tmrun does "
+                        f"not know ({', '.join(f for flags in _STARTED_FLAGS for f in flags)} are missing): a rank "
+                        "replaced in place could not run the pipeline's start-up with its neighbours")
+
+
+def restart_where_joined(schedules: list, joined: set[int]) -> int:
+    """Mark every schedule whose pipeline has a rank in ``joined`` as not started, so that its
+    next step runs torch's start-up again, together with the joiner's first. Returns how many."""
+    restarted = 0
+    for schedule in schedules:
+        if not ranks_of(schedule) & joined:
+            continue
+        for flags in _STARTED_FLAGS:
+            for flag in flags:
+                if hasattr(schedule, flag):
+                    setattr(schedule, flag, False)
+        restarted += 1
+    return restarted
