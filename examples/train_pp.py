@@ -6,6 +6,11 @@ averaged over its replicas), AdamW, all tracked.
     tmrun --standalone --nproc-per-node 4 --standby 1 examples/train_pp.py --final 'out/final-{rank}'
     torchrun --standalone --nproc-per-node 4 examples/train_pp.py --final 'out/final-{rank}'
 
+A planned migration (rank 1 moved to the standby once it committed step 3, asked by the script
+itself with ``tm.migrate()``; ``tmrun-ctl migrate 1`` does the same from outside):
+
+    tmrun --standalone --nproc-per-node 4 --standby 1 examples/train_pp.py --migrate-at 3 --step-time 0.5
+
 --final PATH writes the SHA-256 of this rank's stage (parameters and optimizer state); ``{rank}``
 is replaced by the rank. Replicas of a stage (the same "pp" position) must agree, and runs under
 tmrun and torchrun must give the same bits.
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -56,6 +62,11 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--final", default="")
+    parser.add_argument("--migrate-at", type=int, default=-1,
+                        help="after this step, --migrate-rank asks to be moved to a warm standby (tm.migrate: a planned "
+                             "migration, nothing recomputed; ignored without a standby, e.g. under torchrun)")
+    parser.add_argument("--migrate-rank", type=int, default=1)
+    parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (a slower job)")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -85,6 +96,10 @@ def main() -> None:
             dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=dp_group)
         opt.step()
         opt.zero_grad()
+        if args.step_time:
+            time.sleep(args.step_time)
+        if step == args.migrate_at and tm.rank == args.migrate_rank and tm.in_place and not tm.is_shadow:
+            tm.migrate(reason=f"--migrate-at {step}")
     if args.final:
         with open(args.final.replace("{rank}", str(tm.rank)), "w") as out:
             out.write(digest(module, opt) + "\n")

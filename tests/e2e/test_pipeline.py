@@ -64,3 +64,22 @@ def test_a_lost_stage_rank_is_replaced_in_place_bitwise_equal_to_torchrun(
     others = set(range(RANKS)) - {lost, neighbour}
     assert not any(f"rank {r}: the pipeline of" in log for r in others), log[-4000:]
     assert finals == reference[schedule], (finals, reference[schedule])
+
+
+def test_a_planned_migration_of_a_stage_rank_recomputes_nothing(tmp_path: Path,
+                                                                 reference: dict[str, dict[int, str]]) -> None:
+    """tm.migrate() by rank 1 (the last stage of the first replica) after step 5: the joiner is
+    handed its state (not healed), and its pipeline still starts again with it; nothing is
+    recomputed and the bits are torchrun's."""
+    work = tmp_path / "tmrun"
+    work.mkdir()
+    cmd = tmrun_cmd("--standalone", "--nproc-per-node", str(RANKS), "--standby", "1", "--console", "plain",
+                    str(SCRIPT), "--steps", "8", "--schedule", "1f1b", "--final", str(work / "final-{rank}"),
+                    "--migrate-at", "5", "--migrate-rank", "1", "--step-time", "1.0")
+    code, log = run_job(cmd, work / "log", {"TMRUN_STATE_DIR": str(work / "state")}, JOB_TIMEOUT)
+    assert code == 0, log[-4000:]
+    assert "planned migration, generation 1: rank 1" in log, log[-4000:]
+    assert "1 in-place recoveries (1 planned), 0 steps recomputed" in log, log[-4000:]
+    assert "rank 0: the pipeline of rank(s) [1] runs torch's start-up again" in log, log[-4000:]
+    finals = {r: (work / f"final-{r}").read_text().strip() for r in range(RANKS)}
+    assert finals == reference["1f1b"]

@@ -293,7 +293,7 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float, repl
     if plan.reset_models:  # every member alike: DDP rebuilds its buckets on all of them in one step
         ctx.interrupter.reset_models()
     if ctx.tracked.pipelines and not ctx.fresh:  # a joiner's pipeline starts again with it
-        joined = set(plan.needy)
+        joined = set(replaced) | set(plan.needy)  # a migration's joiner is handed its state: not needy
         if pipeline.restart_where_joined(ctx.tracked.pipelines, joined):
             log(f"rank {ctx.rank}: the pipeline of rank(s) {sorted(joined)} runs torch's start-up again at the next "
                 "step, with the joiner (its P2P warm-up and shape inference)")
