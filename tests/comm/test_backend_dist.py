@@ -133,7 +133,11 @@ def test_peer_killed_during_allreduce(ranks) -> None:
     assert errors[0]["handler_calls"] == 0 and errors[1]["handler_calls"] == 1
     assert absorbed["t"] - t_kill < 5.0
     assert absorbed["handler_calls"] == 1 and "rank 3" in absorbed["handler_exc"][0]
-    assert absorbed["bytes_delta"] == 0  # later collectives never touched the network
+    # later collectives never touched the network: 20 rounds of 1 MiB allreduces and broadcasts
+    # would move tens of MiB; what may pass meanwhile is the links' own control traffic (a
+    # heartbeat, the abort notice, an exiting peer's goodbye: tens of bytes, timing-dependent;
+    # one such 56-byte frame failed the exact-zero check once in CI)
+    assert absorbed["bytes_delta"] < 1024, absorbed
     assert absorbed["later_s"] < 1.0  # 61 collectives, served at once
     assert absorbed["stats"]["absorbed_errors"] >= 1 and absorbed["stats"]["local_ops"] == 61
 
