@@ -106,6 +106,8 @@ ABORT = "abort"  # JSON AbortNotice: in-place replacement is over for this prefi
 SUBGROUPS = "subgroups"  # "1": the job's ranks made subgroups (a standby then waits in tmrun.init()), else "0"
 DIVERGED = "diverged"  # replicas disagree after a change (tmrun.worker.replica_check): the job ends failed, no restart
 UNHEALABLE = "unhealable"  # why a change cannot heal in place (no live replica of a shard): the controller falls back at once
+WARM_IMPORTS_SETUP = "warm_imports/setup"  # rank 0's module names at its first step (tmrun.worker.warm_imports)
+WARM_IMPORTS_STEADY = "warm_imports/steady"  # the same once its second step committed
 JOB_ID = "job_id"  # the communicator's job id (rank 0 writes it; joiners read it)
 
 

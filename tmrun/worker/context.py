@@ -165,12 +165,12 @@ class Context:
         raw = self.await_standby_key(keys.SUBGROUPS)
         return raw == b"1"
 
-    def await_standby_key(self, key: str) -> bytes:
+    def await_standby_key(self, key: str, idle: Callable[[], None] | None = None) -> bytes:
         """A standby waits for ``key`` as long as the job runs. If the controller abandons
         in-place replacement meanwhile (the group restarts with a new pool), this standby is not
         needed: it leaves with one line (exit 0), not a traceback."""
         try:
-            return self.await_key(key, float("inf"), poll=POLL / 2)
+            return self.await_key(key, float("inf"), poll=POLL / 2, idle=idle)
         except RecoveryError as gave_up:
             log(f"standby {self.env.standby_id} leaves: {gave_up}")
             exit_now(0)
@@ -202,11 +202,13 @@ class Context:
 
     # -- waiting for the controller ---------------------------------------------------------------
 
-    def await_key(self, key: str, deadline: float, poll: float = POLL) -> bytes:
+    def await_key(self, key: str, deadline: float, poll: float = POLL,
+                  idle: Callable[[], None] | None = None) -> bytes:
         """Wait for ``key`` (polled: a timed-out store wait would log a warning each time),
-        watching for the controller's abort, SIGTERM, the agent's death and ``deadline``."""
+        watching for the controller's abort, SIGTERM, the agent's death and ``deadline``;
+        ``idle`` (a standby's work while it waits) is called between looks, at POLL's pace."""
         try:
-            return self._await_key(key, deadline, poll)
+            return self._await_key(key, deadline, poll, idle)
         except dist.DistError as exc:  # the store's host (the leader's node) is gone
             if self.env.mode is Mode.STANDBY and self.life.is_(Role.STANDBY):
                 log(f"the job's store is gone ({type(exc).__name__}); this standby exits")
@@ -326,7 +328,7 @@ class Context:
             exit_now(status)
         raise SystemExit(status)
 
-    def _await_key(self, key: str, deadline: float, poll: float) -> bytes:
+    def _await_key(self, key: str, deadline: float, poll: float, idle: Callable[[], None] | None) -> bytes:
         store = self.require_store()
         wake = GenerationFile(self.env.gen_file)
         if wake.usable:
@@ -340,6 +342,8 @@ class Context:
                 time.sleep(poll)
                 continue  # the other checks at POLL's pace
             self._check_waiting(deadline, key, missing="no replacement plan")
+            if idle is not None:
+                idle()
             time.sleep(poll)
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from tmrun.protocol import environment, keys, orphan_guard
-from tmrun.worker import group, rng, subgroups, vote
+from tmrun.worker import group, rng, subgroups, vote, warm_imports
 from tmrun.worker.buffers import BufferSnapshot, persistent_buffers
 from tmrun.worker.context import Context, Rejoin, log
 from tmrun.worker.migration import Migration
@@ -63,6 +63,7 @@ class StepLoop:
         # through everywhere, while LOST is killed at its optimizer step (a drill): the outcome
         # of a rank lost *during* the vote that reached some members and not others, which no
         # kill from outside hits on purpose.
+        self._warm_imports = warm_imports.Publisher()  # what a standby waiting in tmrun.init() imports ahead
         self._lose_vote_at, self._lose_vote_of = _lose_vote(os.environ.get("TMRUN_TEST_LOSE_VOTE", ""))
 
     def steps(self, total: int, start: int = 0) -> Iterator[int]:
@@ -106,6 +107,9 @@ class StepLoop:
                     ctx.tracked.restore_per_rank(after_body)
                 continue
             ctx.committed_step = step
+            if ctx.in_place and not ctx.life.is_(Role.STANDBY):
+                self._warm_imports.after_commit(ctx.require_store(), ctx.rank, step,
+                                                lambda: bool(subgroups.subgroups()))
             self._progress(step)
             if ctx.first_step_due is not None:
                 ctx.publish_first_step()  # the recovery's last phase (docs/events.md)
@@ -160,7 +164,9 @@ class StepLoop:
             # the script made its groups by now: each gets the failure handler and a loss watcher,
             # and the standbys learn whether to wait in tmrun.init() (docs/mesh.md, section 1)
             self._recovery.adopt_groups()
-            ctx.publish_subgroups(bool(subgroups.subgroups()))
+            has_subgroups = bool(subgroups.subgroups())
+            self._warm_imports.at_step_start(ctx.require_store(), ctx.rank, has_subgroups)
+            ctx.publish_subgroups(has_subgroups)
         if ctx.progress.enabled and not ctx.life.is_(Role.STANDBY):
             ctx.progress.bind(ctx.rank, ctx.gen, ctx.life.role.value)
         ctx.progress.begin_step()

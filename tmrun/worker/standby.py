@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from tmrun.comm import backend as tmrun_backend, native
 from tmrun.protocol import keys, messages as proto
-from tmrun.worker import drills, group, subgroups
+from tmrun.worker import drills, group, subgroups, warm_imports
 from tmrun.worker.context import Context, Rejoin, Superseded, log
 from tmrun.worker.leave import exit_now
 from tmrun.worker.migration import Migration
@@ -131,7 +131,8 @@ class Standby:
         log(f"standby {ctx.env.standby_id} warm in tmrun.init() (the job has subgroups: the script runs "
             f"once this process has a rank); waiting")
         key = keys.standby_assign(ctx.env.standby_id)
-        assignment = proto.Assignment.decode(key, ctx.await_standby_key(key))
+        importer = warm_imports.Importer(store, log)  # meanwhile: the modules the ranks' set-up imported
+        assignment = proto.Assignment.decode(key, ctx.await_standby_key(key, idle=importer.poll))
         started = time.monotonic()
         if assignment.stop:
             exit_now(0)  # the job ends (or needs no standby): nothing may swallow this exit
