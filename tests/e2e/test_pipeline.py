@@ -3,11 +3,14 @@
 step's start, in forward or in backward, is replaced in place, healed from its own stage's
 replica (tm.set_shard), its pipeline runs torch's start-up again with the joiner (the other
 replica's pipeline goes on), and every rank ends bitwise equal to the same script under plain
-torchrun."""
+torchrun. Also: a joiner lost during that recovery, a stage lost in every replica (the group
+restart), and examples/train_3d.py (PP x TP x DP on 8 ranks)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import re
 
 import pytest
 
@@ -20,7 +23,8 @@ RANKS = 4
 JOB_TIMEOUT = 240
 
 
-def _run(work: Path, launcher: str, schedule: str, *launcher_args: str) -> tuple[int, str, dict[int, str]]:
+def _run(work: Path, launcher: str, schedule: str, *launcher_args: str,
+         env: dict[str, str] | None = None) -> tuple[int, str, dict[int, str]]:
     work.mkdir()
     args = [str(SCRIPT), "--steps", "8", "--schedule", schedule, "--final", str(work / "final-{rank}")]
     if launcher == "torchrun":
@@ -28,7 +32,7 @@ def _run(work: Path, launcher: str, schedule: str, *launcher_args: str) -> tuple
     else:
         cmd = tmrun_cmd("--standalone", "--nproc-per-node", str(RANKS), "--standby", "1", "--console", "plain",
                         "--standby-wait", "60", *launcher_args, *args)
-    code, log = run_job(cmd, work / "log", {"TMRUN_STATE_DIR": str(work / "state")}, JOB_TIMEOUT)
+    code, log = run_job(cmd, work / "log", {"TMRUN_STATE_DIR": str(work / "state"), **(env or {})}, JOB_TIMEOUT)
     finals = {r: (work / f"final-{r}").read_text().strip() for r in range(RANKS) if (work / f"final-{r}").exists()}
     return code, log, finals
 
@@ -83,3 +87,64 @@ def test_a_planned_migration_of_a_stage_rank_recomputes_nothing(tmp_path: Path,
     assert "rank 0: the pipeline of rank(s) [1] runs torch's start-up again" in log, log[-4000:]
     finals = {r: (work / f"final-{r}").read_text().strip() for r in range(RANKS)}
     assert finals == reference["1f1b"]
+
+
+def test_a_joiner_lost_during_the_recovery_is_replaced_too(tmp_path: Path,
+                                                           reference: dict[str, dict[int, str]]) -> None:
+    """Rank 1 (the last stage) killed at step 3's start, then its joiner killed as soon as it was
+    promoted (before it built its groups and stage): the survivors give up that generation when
+    the next is published, the second standby takes rank 1, its pipeline starts again with it,
+    and the bits are torchrun's."""
+    code, log, finals = _run(tmp_path / "tmrun", "tmrun", "1f1b", "--inject-failure", "rank=1,step=3",
+                             "--inject-failure", "rank=1,who=joiner")
+    assert code == 0, log[-4000:]
+    assert "in-place replacement, generation 2: rank 1" in log, log[-4000:]
+    assert "promoted to rank 1 (generation 2) in tmrun.init()" in log, log[-4000:]
+    assert "rank 0: the pipeline of rank(s) [1] runs torch's start-up again" in log, log[-4000:]
+    assert "group restart" not in log and "Traceback" not in log, log[-4000:]
+    assert finals == reference["1f1b"], (finals, reference["1f1b"])
+
+
+def test_a_stage_lost_in_every_replica_falls_back_to_the_group_restart(
+        tmp_path: Path, reference: dict[str, dict[int, str]]) -> None:
+    """Ranks 1 and 3 hold the last stage in both replicas; both killed at step 2's start, nobody
+    holds that stage any more: one line per survivor, the group restart at once (the script
+    starts again from step 0; the drills do not fire again), torchrun's bits at the end."""
+    # both standbys say they are warm 4 s after the ranks' first step (tests only): both losses
+    # are in the first plan (as in tests/e2e/test_mesh.py's HSDP case)
+    code, log, finals = _run(tmp_path / "tmrun", "tmrun", "1f1b", "--inject-failure", "rank=1,step=2",
+                             "--inject-failure", "rank=3,step=2", "--standby", "2",
+                             env={"TMRUN_TEST_STANDBY_DELAY": "0:4,1:4"})
+    assert code == 0, log[-4000:]
+    line = "no live replica holds the shard of ranks 1, 3"
+    assert re.search(rf"rank [02]: {line}", log), log[-4000:]
+    assert re.search(rf"{line} .*falling back to restarting the worker group", log), log[-4000:]
+    assert "Traceback" not in log, log[-4000:]
+    assert finals == reference["1f1b"], (finals, reference["1f1b"])
+
+
+THREE_D = ROOT / "examples" / "train_3d.py"
+
+
+@pytest.mark.parametrize("failure", ["rank=5,step=3,at=backward"])
+def test_pp_tp_dp_lost_rank_is_replaced_in_place_bitwise_equal_to_torchrun(tmp_path: Path, failure: str) -> None:
+    """examples/train_3d.py on a (2, 2, 2) ("dp", "pp", "tp") mesh: rank 5 (dp 1, first stage,
+    tp 1) killed in 1F1B's backward is healed from rank 1 (dp 0, the same stage and tp shard);
+    its TP peers' pipelines run the start-up again with it (its own alone hung), every rank ends
+    with torchrun's bits."""
+    finals: dict[str, dict[int, str]] = {}
+    for launcher in ("torchrun", "tmrun"):
+        work = tmp_path / launcher
+        work.mkdir()
+        args = [str(THREE_D), "--steps", "6", "--final", str(work / "final-{rank}")]
+        cmd = (torchrun_cmd("--standalone", "--nproc-per-node", "8", *args) if launcher == "torchrun" else
+               tmrun_cmd("--standalone", "--nproc-per-node", "8", "--standby", "1", "--console", "plain",
+                         "--inject-failure", failure, *args))
+        code, log = run_job(cmd, work / "log", {"TMRUN_STATE_DIR": str(work / "state")}, JOB_TIMEOUT)
+        assert code == 0, log[-4000:]
+        finals[launcher] = {r: (work / f"final-{r}").read_text().strip() for r in range(8)}
+    assert all(finals["torchrun"][r] == finals["torchrun"][r + 4] for r in range(4))  # replicas agree
+    assert "1 in-place recoveries" in log and "group restart" not in log, log[-4000:]
+    assert "rank 5: recovered" in log and "from 1 donor" in log, log[-4000:]
+    assert "rank 4: every pipeline (its stages are tensor parallel) runs torch's start-up again" in log, log[-4000:]
+    assert finals["tmrun"] == finals["torchrun"]

@@ -47,6 +47,7 @@ class _Schedule(_PipelineSchedule):
 
     def __init__(self, ranks: set[int]) -> None:  # noqa: D107  (no super().__init__: no stage, no group)
         self.ranks = ranks
+        self._stage = None  # no stage: tensor_parallel() finds no module
         self._stage_forward_initialized = True
         self._stage_backward_initialized = True
 
@@ -64,6 +65,27 @@ def test_only_the_pipelines_with_a_joiner_start_again(monkeypatch: pytest.Monkey
     assert first._stage_forward_initialized and first._stage_backward_initialized
     assert not second._stage_forward_initialized and not second._stage_backward_initialized
     assert pipeline.restart_where_joined([first], {2}) == 0
+
+
+def test_every_pipeline_starts_again_where_the_stages_are_tensor_parallel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PP x TP x DP: the joiner's shape inference runs TP collectives with its "tp" peers, whose
+    pipelines must run their start-up too (the joiner's pipeline alone hung)."""
+    monkeypatch.setattr(pipeline, "ranks_of", lambda schedule: schedule.ranks)
+    monkeypatch.setattr(pipeline, "tensor_parallel", lambda schedule: True)
+    first, second = _Schedule({0, 2}), _Schedule({4, 6})
+    assert pipeline.restart_where_joined([first, second], {5}) == 2
+    assert not first._stage_forward_initialized and not second._stage_forward_initialized
+
+
+def test_a_stage_of_plain_parameters_is_not_tensor_parallel() -> None:
+    """(A stage with DTensor parameters: tests/e2e/test_pipeline.py's PP x TP x DP job.)"""
+
+    class _Stage:
+        submod = _model()
+
+    schedule = _Schedule({0, 1})
+    schedule._stage = _Stage()
+    assert not pipeline.tensor_parallel(schedule)
 
 
 def test_tm_track_takes_a_schedule_as_a_pipeline_not_as_state() -> None:

@@ -2,12 +2,18 @@
 torch's one-time start-up of its pipeline (the neighbours' P2P warm-up and the stages' shape
 inference) at its first step, and the survivors of its pipeline must run it with it, or their
 next messages meet the joiner's handshake ("ranks called different collectives"). Only the
-pipelines with a joiner in a stage's group start again; the other replicas' pipelines go on."""
+pipelines with a joiner in a stage's group start again; the other replicas' pipelines go on.
+
+Where the stages are tensor parallel too (their parameters are DTensors: PP x TP x DP), the
+start-up's shape inference runs a stage's forward, whose TP collectives need the joiner's "tp"
+peers in their start-up too, and then their pipelines, and so on through the whole layer of the
+mesh: there every pipeline starts again (a joiner's own pipeline alone hung in the first step)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 # the schedule's "already started" flags: single-stage schedules, multi-stage schedules
@@ -45,12 +51,25 @@ def check_supported(schedule: Any) -> None:
                         "replaced in place could not run the pipeline's start-up with its neighbours")
 
 
+def tensor_parallel(schedule: Any) -> bool:
+    """Whether a stage of ``schedule`` holds DTensor parameters (a TP-sharded stage)."""
+    from torch.distributed.tensor import DTensor
+
+    for stage in stages_of(schedule):
+        module = getattr(stage, "submod", None)
+        if isinstance(module, torch.nn.Module) and any(isinstance(p, DTensor) for p in module.parameters()):
+            return True
+    return False
+
+
 def restart_where_joined(schedules: list, joined: set[int]) -> int:
-    """Mark every schedule whose pipeline has a rank in ``joined`` as not started, so that its
-    next step runs torch's start-up again, together with the joiner's first. Returns how many."""
+    """Mark every schedule whose pipeline has a rank in ``joined`` as not started (every schedule,
+    where the stages are tensor parallel), so that its next step runs torch's start-up again,
+    together with the joiner's first. Returns how many."""
     restarted = 0
+    everywhere = any(tensor_parallel(schedule) for schedule in schedules)
     for schedule in schedules:
-        if not ranks_of(schedule) & joined:
+        if not everywhere and not ranks_of(schedule) & joined:
             continue
         for flags in _STARTED_FLAGS:
             for flag in flags:

@@ -295,8 +295,11 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float, repl
     if ctx.tracked.pipelines and not ctx.fresh:  # a joiner's pipeline starts again with it
         joined = set(replaced) | set(plan.needy)  # a migration's joiner is handed its state: not needy
         if pipeline.restart_where_joined(ctx.tracked.pipelines, joined):
-            log(f"rank {ctx.rank}: the pipeline of rank(s) {sorted(joined)} runs torch's start-up again at the next "
-                "step, with the joiner (its P2P warm-up and shape inference)")
+            whose = ("every pipeline (its stages are tensor parallel) runs"
+                     if any(map(pipeline.tensor_parallel, ctx.tracked.pipelines))
+                     else f"the pipeline of rank(s) {sorted(joined)} runs")
+            log(f"rank {ctx.rank}: {whose} torch's start-up again at the next step, with the joiner "
+                "(its P2P warm-up and shape inference)")
     resume = plan.target_step + 1
     if ctx.fresh:
         _say_buffers_lost(ctx, plan.donors_of(comm.rank))
