@@ -246,7 +246,12 @@ class Watch:
             if code is not None:
                 return code
             if self.tmrun:
-                self.check_alive()
+                try:
+                    self.check_alive()
+                except Abort:
+                    if self.job.proc.poll() is not None:  # it ended just now (not "before the kill")
+                        return self.job.proc.returncode
+                    raise
         raise Abort(f"no finish within {timeout:.0f}s (hung)")
 
 

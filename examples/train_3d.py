@@ -74,6 +74,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (a slower job)")
     parser.add_argument("--final", default="")
+    parser.add_argument("--step-log", default="", help="one line per completed step (step time pid); {rank}: the rank")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -112,6 +113,9 @@ def main() -> None:
         opt.zero_grad()
         if args.step_time:
             time.sleep(args.step_time)
+        if args.step_log and not tm.is_shadow and tm.committed_step == step:  # its update was applied
+            with open(args.step_log.replace("{rank}", str(tm.rank)), "a") as log:
+                log.write(f"{step} {time.time():.6f} {os.getpid()}\n")
     if args.final:
         with open(args.final.replace("{rank}", str(tm.rank)), "w") as out:
             out.write(digest(module, opt) + "\n")

@@ -35,6 +35,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--dp", type=int, default=2, help='size of the "dp" dimension')
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--dim", type=int, default=32, help="model width (even: 2 attention heads)")
+    parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (a slower job)")
     parser.add_argument("--final", default="")
     parser.add_argument("--step-log", default="", help="one line per completed step (step time pid); {rank}: the rank")
     args = parser.parse_args()
@@ -42,7 +44,7 @@ def main() -> None:
 
     tm = tmrun.init()
     mesh = init_device_mesh("cpu", (args.dp, tm.world_size // args.dp), mesh_dim_names=("dp", "tp"))
-    cfg = GPTConfig(layers=args.layers)
+    cfg = GPTConfig(dim=args.dim, layers=args.layers)
     torch.manual_seed(0)
     model = GPT(cfg)
     # src_data_rank=None: every rank shards its own copy (the same seed everywhere); the default
@@ -67,6 +69,8 @@ def main() -> None:
             grad.div_(args.dp)
         opt.step()  # skipped in a step a failure aborted
         opt.zero_grad()
+        if args.step_time:
+            time.sleep(args.step_time)
         if args.step_log and not tm.is_shadow and tm.committed_step == step:  # its update was applied
             with open(args.step_log.replace("{rank}", str(tm.rank)), "a") as log:
                 log.write(f"{step} {time.time():.6f} {os.getpid()}\n")

@@ -62,6 +62,7 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--final", default="")
+    parser.add_argument("--step-log", default="", help="one line per completed step (step time pid); {rank}: the rank")
     parser.add_argument("--migrate-at", type=int, default=-1,
                         help="after this step, --migrate-rank asks to be moved to a warm standby (tm.migrate: a planned "
                              "migration, nothing recomputed; ignored without a standby, e.g. under torchrun)")
@@ -98,6 +99,9 @@ def main() -> None:
         opt.zero_grad()
         if args.step_time:
             time.sleep(args.step_time)
+        if args.step_log and not tm.is_shadow and tm.committed_step == step:  # its update was applied
+            with open(args.step_log.replace("{rank}", str(tm.rank)), "a") as log:
+                log.write(f"{step} {time.time():.6f} {os.getpid()}\n")
         if step == args.migrate_at and tm.rank == args.migrate_rank and tm.in_place and not tm.is_shadow:
             tm.migrate(reason=f"--migrate-at {step}")
     if args.final:

@@ -1136,10 +1136,13 @@ def test_a_p2p_batch_keeps_the_order_per_peer_and_completes_each_items_work(grou
 def test_a_p2p_batch_with_two_tags_is_refused_in_one_line(groups) -> None:
     (pg0, _pg1) = groups(2)
     pg0.start_coalescing(torch.device("cpu"))
-    pg0.send([torch.ones(2)], 1, 0)
-    pg0.send([torch.ones(2)], 1, 1)
+    items = [pg0.send([torch.ones(2)], 1, 0), pg0.send([torch.ones(2)], 1, 1)]
     with pytest.raises(tb.UnsupportedError, match="one tag per batch"):
         pg0.end_coalescing(torch.device("cpu"))
+    for work in items:  # each item's Work fails with the batch: a caller waiting on one does not hang
+        assert work.is_completed() and not work.is_success()
+        with pytest.raises(tb.UnsupportedError, match="one tag per batch"):
+            work.wait(1)
     pg0.start_coalescing(torch.device("cpu"))  # the refused batch is closed
     pg0.end_coalescing(torch.device("cpu"))
 

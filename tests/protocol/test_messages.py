@@ -172,3 +172,19 @@ def test_a_migration_request_carries_when_it_was_asked() -> None:
     assert proto.MigrateRequest.decode("m", '{"rank": 1}').time == 0.0  # an older writer
     with pytest.raises(proto.ProtocolMessageError, match="time"):
         proto.MigrateRequest.decode("m", '{"rank": 1, "time": -3}')
+
+
+def test_a_forward_drill_whose_step_passed_without_a_hook_says_so_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """A model without tmrun's hooks never fires "forward": the drill's step passing says so
+    (before, the run went on without its failure, silently)."""
+    runner = DrillRunner([Drill.parse("rank=1,step=2,at=forward")], rank=1, promoted=False)
+    runner.fire("step", 2)
+    assert capsys.readouterr().err == ""  # its step is under way: the hook may still fire
+    runner.fire("step", 3)
+    err = capsys.readouterr().err
+    assert "rank 1: --inject-failure rank=1,at=forward" in err and "never fired" in err and err.count("\n") == 1
+    runner.fire("step", 4)
+    assert capsys.readouterr().err == ""  # once
+    joiner = DrillRunner([Drill.parse("rank=1,step=2,at=forward")], rank=1, promoted=True)
+    joiner.fire("step", 3)  # an original's drill: not the joiner's to miss
+    assert capsys.readouterr().err == ""

@@ -42,12 +42,20 @@ def test_a_second_different_shard_label_and_an_unhashable_one_are_refused() -> N
         TrackedState().set_shard(["a", "list"])
 
 
+class _Stage:
+    """What tmrun reads of a torch 2.14 pipeline stage: its module and its group."""
+
+    def __init__(self) -> None:
+        self.submod = _model()
+        self.group = None
+
+
 class _Schedule(_PipelineSchedule):
     """A single-stage schedule's start-up flags, without a process group."""
 
     def __init__(self, ranks: set[int]) -> None:  # noqa: D107  (no super().__init__: no stage, no group)
         self.ranks = ranks
-        self._stage = None  # no stage: tensor_parallel() finds no module
+        self._stage = _Stage()
         self._stage_forward_initialized = True
         self._stage_backward_initialized = True
 
@@ -80,12 +88,7 @@ def test_every_pipeline_starts_again_where_the_stages_are_tensor_parallel(monkey
 def test_a_stage_of_plain_parameters_is_not_tensor_parallel() -> None:
     """(A stage with DTensor parameters: tests/e2e/test_pipeline.py's PP x TP x DP job.)"""
 
-    class _Stage:
-        submod = _model()
-
-    schedule = _Schedule({0, 1})
-    schedule._stage = _Stage()
-    assert not pipeline.tensor_parallel(schedule)
+    assert not pipeline.tensor_parallel(_Schedule({0, 1}))
 
 
 def test_tm_track_takes_a_schedule_as_a_pipeline_not_as_state() -> None:
@@ -100,4 +103,15 @@ def test_a_schedule_without_the_known_start_up_flags_is_refused_when_tracked() -
     schedule = _Schedule({0, 1})
     del schedule._stage_backward_initialized
     with pytest.raises(TypeError, match="start-up state"):
+        TrackedState().track(schedule=schedule)
+
+
+def test_a_schedule_whose_stage_names_its_module_otherwise_is_refused_when_tracked() -> None:
+    class _Stage:
+        module = _model()  # not torch 2.14's "submod"
+        group = None
+
+    schedule = _Schedule({0, 1})
+    schedule._stage = _Stage()
+    with pytest.raises(TypeError, match="submod, group"):
         TrackedState().track(schedule=schedule)

@@ -1342,7 +1342,12 @@ class TmrunProcessGroup(dist.ProcessGroup):
         if items is None:
             raise RuntimeError("tmrun: end_coalescing without start_coalescing")
         if items:
-            batch = self._p2p_batch(items)
+            try:
+                batch = self._p2p_batch(items)
+            except BaseException as refused:  # each item's Work fails with the batch (nobody waits forever)
+                for item in items:
+                    item[4].complete(refused)
+                raise
             for item_op in [item[4] for item in items]:
                 batch.get_future().add_done_callback(
                     lambda _f, item_op=item_op, batch=batch: item_op.complete(batch.exception()))

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Callable
@@ -151,11 +152,32 @@ class DrillRunner:
     def fire(self, point: str, step: int) -> None:
         if point == "step" and self._slow:
             self._slow_down(step)
+        if point == "step":
+            self._say_missed(step)
         for drill in list(self._drills):
             if drill.slow:
                 continue
             if self._matches(drill, point, step):
                 self._trigger(drill, f"{point} of step {step}")
+
+
+    def _say_missed(self, step: int) -> None:
+        """A "forward" or "backward" drill of this process whose step passed without that point
+        firing (the script's model has none of the hooks tmrun installs: a plain module without
+        DDP, FSDP2, TP or a tracked pipeline schedule): one line, instead of a test that silently
+        ran without its failure."""
+        for drill in list(self._drills):
+            if drill.at not in HOOKED_POINTS or drill.step < 0 or drill.step >= step or drill.seconds >= 0:
+                continue
+            if not self._targets(drill) or (drill.who == "joiner") != self._promoted:
+                continue
+            self._drills.remove(drill)
+            print(f"[tmrun drill] rank {self._rank}: --inject-failure {drill.encode()} never fired: no {drill.at} "
+                  f"hook ran in step {drill.step} (tmrun hooks DDP (tm.ddp), FSDP2 or tensor-parallel modules "
+                  "given to tm.track, and tracked pipeline schedules)", file=sys.stderr, flush=True)
+
+
+HOOKED_POINTS = ("forward", "backward")  # fired by the hooks tmrun installs on the script's model
 
 
 def install_hooks(module: torch.nn.Module, fire: Callable[[str], None]) -> None:

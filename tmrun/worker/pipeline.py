@@ -49,6 +49,11 @@ def check_supported(schedule: Any) -> None:
         raise TypeError(f"tmrun: {type(schedule).__name__} keeps its start-up state in attributes this tmrun does "
                         f"not know ({', '.join(f for flags in _STARTED_FLAGS for f in flags)} are missing): a rank "
                         "replaced in place could not run the pipeline's start-up with its neighbours")
+    for stage in stages_of(schedule):
+        if not isinstance(getattr(stage, "submod", None), torch.nn.Module) or not hasattr(stage, "group"):
+            raise TypeError(f"tmrun: {type(schedule).__name__}'s stage {type(stage).__name__} holds its module or its "
+                            "process group in attributes this tmrun does not know (submod, group): its failure "
+                            "drills and its pipeline's restart after a replacement could not find them")
 
 
 def tensor_parallel(schedule: Any) -> bool:

@@ -1,0 +1,267 @@
+"""In-place recovery by layout: DDP, HSDP, TP, PP and 3-D jobs of about the same size, one run.
+
+Every layout trains under ``tmrun --standalone --standby 1`` with torch's own APIs (the
+examples), on 4 ranks (3-D: 8, the smallest (2, 2, 2) mesh), ``OMP_NUM_THREADS=1``:
+
+* ``ddp``: examples/train_inplace.py, an MLP under DistributedDataParallel (the baseline: its
+  standby runs the script in its sandbox, warm);
+* ``hsdp``: examples/train_hsdp.py, a GPT under FSDP2 on a 2 x 2 ("replicate", "shard") mesh;
+* ``tp``: examples/train_dp_tp.py, a GPT whose MLPs are split over "tp" (2 x 2 "dp", "tp");
+* ``pp``: examples/train_pp.py, an MLP stack in 2 stages x 2 replicas (1F1B);
+* ``3d``: examples/train_3d.py, MLP blocks on a (2, 2, 2) ("dp", "pp", "tp") mesh.
+
+The sizes (``--params``, default 1.6M) are matched by the width of each model
+(:func:`layouts`: the parameter counts are printed). The standby of a job with subgroups waits in
+``tmrun.init()`` and builds its mesh and model once it has a rank (docs/mesh.md); the bench waits
+until it is warm (for those: until it imported ahead what rank 0 imported in its first steps,
+tmrun/worker/warm_imports.py), then SIGKILLs rank 1 right after it logged step S - 1 (the start of
+step S, ``--kill-step``), by the PID its step log names (checked to be this job's).
+
+Per run, from rank 0's step log with bench/random_kill.py's arithmetic: *downtime* = the largest
+gap between completed steps around the kill minus one steady step (the median of those before);
+and the controller's *tmrun recovery* ("all ranks recovered, X s after the change began"), hop by
+hop from the ``recovered`` event. The report gives min / median / max per layout and each
+layout's median downtime over DDP's (the issue's target: HSDP, TP and PP within 1.5x).
+
+    python bench/layout_recovery.py                      # --runs 2: about 6 minutes on 2 cores
+    python bench/layout_recovery.py --runs 1 --layouts ddp,pp
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers of the other benches
+from hsdp_failover import (  # noqa: E402
+    Abort,
+    OneLineParser,
+    Run,
+    Watch,
+    conclude,
+    gpt_parameters,
+    judge,
+    kill_logged_rank,
+    spread,
+    step_done,
+    wind_up,
+)
+from inplace_failover import LIVE_JOBS, Job, base_env, busy_cpu, cleanup_all, machine, read_steps  # noqa: E402
+from random_kill import PHASES, last_line, log_size  # noqa: E402
+
+BROKEN = "falling back to restarting"  # the group restart: in-place recovery broke
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+KILL_RANK = 1
+NAN = float("nan")
+POLL, FAST_POLL = 0.05, 0.005
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    script: str
+    ranks: int
+    size_args: tuple[str, ...]
+    parameters: int
+    subgroups: bool  # the standby waits in tmrun.init() (imports ahead) instead of a sandbox
+
+
+def mlp_parameters(width: int, depth: int) -> int:
+    """examples/train_inplace.py's MLP (depth x Linear(width, width), a Linear(width, 1) head) and
+    examples/train_pp.py's stack (the same without the head)."""
+    return depth * (width * width + width)
+
+
+def block_parameters(width: int, depth: int) -> int:
+    """examples/train_3d.py's blocks: Linear(width, 4 width) and Linear(4 width, width) each."""
+    return depth * (2 * 4 * width * width + 4 * width + width)
+
+
+def layouts(params: int) -> dict[str, Layout]:
+    """Each layout at about ``params`` parameters: the width that comes nearest at a fixed depth."""
+    mlp_depth, gpt_layers, block_depth = 24, 8, 12
+
+    def nearest(count, depth: int, step: int = 2) -> int:  # type: ignore[no-untyped-def]
+        return min(range(step, 4097, step), key=lambda w: abs(count(w, depth) - params))
+
+    mlp = nearest(mlp_parameters, mlp_depth, 8)
+    gpt = nearest(gpt_parameters, gpt_layers, 2)
+    block = nearest(block_parameters, block_depth, 8)
+    return {
+        "ddp": Layout("ddp", "train_inplace.py", 4, ("--width", str(mlp), "--depth", str(mlp_depth)),
+                      mlp_parameters(mlp, mlp_depth) + mlp + 1, False),
+        "hsdp": Layout("hsdp", "train_hsdp.py", 4, ("--dim", str(gpt), "--layers", str(gpt_layers)),
+                       gpt_parameters(gpt, gpt_layers), True),
+        "tp": Layout("tp", "train_dp_tp.py", 4, ("--dim", str(gpt), "--layers", str(gpt_layers)),
+                     gpt_parameters(gpt, gpt_layers), True),
+        "pp": Layout("pp", "train_pp.py", 4, ("--width", str(mlp), "--depth", str(mlp_depth)),
+                     mlp_parameters(mlp, mlp_depth), True),
+        "3d": Layout("3d", "train_3d.py", 8, ("--width", str(block), "--depth", str(block_depth)),
+                     block_parameters(block, block_depth), True),
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = OneLineParser(prog="layout_recovery.py", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=2, help="runs per layout, interleaved (default 2)")
+    parser.add_argument("--params", type=float, default=1.6e6, help="parameters per model (default 1.6e6)")
+    parser.add_argument("--layouts", default="ddp,hsdp,tp,pp,3d", help="which layouts (default all five)")
+    parser.add_argument("--steps", type=int, default=120, help="steps per run (default 120)")
+    parser.add_argument("--step-time", type=float, default=0.0,
+                        help="extra seconds per step, a sleep (default 0: survivors sleeping through a loss delay its recovery)")
+    parser.add_argument("--kill-step", type=int, default=8,
+                        help="rank 1 is killed at this step's start, or at the third after its standby is warm (default 8)")
+    parser.add_argument("--timeout", type=float, default=240, help="seconds one run may take (default 240)")
+    parser.add_argument("--keep", action="store_true", help="keep the logs (printed folder)")
+    args = parser.parse_args(argv)
+    args.layouts = [s.strip() for s in args.layouts.split(",") if s.strip()]
+    known = layouts(int(args.params)) if args.params >= 1e4 else {}
+    problems = [
+        (args.runs < 1, "--runs must be at least 1"),
+        (not 1e4 <= args.params <= 1e8, "--params must be between 1e4 and 1e8"),
+        (args.kill_step < 3, "--kill-step must be at least 3 (a steady step before the kill)"),
+        (args.steps < args.kill_step + 3, "--steps must be at least --kill-step + 3 (steps after the recovery)"),
+        (args.step_time < 0, "--step-time must not be negative"),
+        (not args.layouts, "--layouts names none"),
+        (args.timeout <= 0, "--timeout must be positive"),
+    ]
+    problems += [(name not in known, f"unknown layout {name!r} (ddp, hsdp, tp, pp, 3d)") for name in args.layouts]
+    for bad, message in problems:
+        if bad:
+            parser.error(message)
+    args.specs = [known[name] for name in args.layouts]
+    return args
+
+
+class LayoutWatch(Watch):
+    """A survivor may report the killed rank before the agent reaps it ("lost by rank N; stopping
+    it": the agent fences a process that is dying anyway), which the other benches' watch takes
+    for a broken recovery: here only a fallback to the group restart is."""
+
+    def check_alive(self) -> None:
+        if self.job.proc.poll() is not None:
+            raise Abort(f"the launcher exited (code {self.job.proc.returncode}) before the kill")
+        if BROKEN in self.log.read_text(errors="replace"):
+            raise Abort("in-place recovery broke: the job fell back to restarting the worker group")
+
+
+def warm_marker(layout: Layout) -> str:
+    """The agent log's line that says this layout's standby is warm for the kill."""
+    return "in its first steps" if layout.subgroups else "] standby 0 warm after"
+
+
+def one_run(args: argparse.Namespace, layout: Layout, index: int, work: Path) -> Run:
+    run = Run("tmrun", index)  # judge() checks what a tmrun run must show
+    log = work / "launcher.log"
+    rank0, rank1 = work / "steps-0.log", work / f"steps-{KILL_RANK}.log"
+    script = [str(EXAMPLES / layout.script), "--steps", str(args.steps), "--step-time", str(args.step_time),
+              *layout.size_args,
+              "--step-log", str(work / "steps-{rank}.log"), "--final", str(work / "final-{rank}")]
+    cmd = [sys.executable, "-m", "tmrun.cli.main", "--standalone", "--nproc-per-node", str(layout.ranks),
+           "--standby", "1", "--console", "plain", *script]
+    started = (time.monotonic(), *busy_cpu())
+    job = Job(cmd, log, dict(base_env(), TMRUN_STATE_DIR=str(work / "state")))
+    LIVE_JOBS.append(job)
+    watch = LayoutWatch(job, log, True, started[0] + args.timeout)
+    t_kill, code = NAN, None
+    try:
+        try:
+            marker = warm_marker(layout)
+            watch.wait_for("the standby to be warm", lambda: marker in log.read_text(errors="replace"))
+            now = last_line(rank1)
+            kill_step = max(args.kill_step, (int(now[0]) if len(now) >= 3 else 0) + 3)
+            if kill_step > args.steps - 3:
+                raise Abort(f"the standby was warm only at rank {KILL_RANK}'s step {now[0]}: too late (more --steps)")
+            watch.wait_for(f"rank {KILL_RANK}'s step {kill_step - 2}", lambda: step_done(rank1, kill_step - 2))
+            size = log_size(rank1)
+            watch.wait_for(f"rank {KILL_RANK}'s step {kill_step - 1}",
+                           lambda: log_size(rank1) != size and step_done(rank1, kill_step - 1), poll=FAST_POLL)
+            line = last_line(rank1)
+            t_kill = kill_logged_rank(job, line)
+            if int(line[0]) != kill_step - 1:
+                run.notes.append(f"killed after rank {KILL_RANK}'s step {line[0]}, not {kill_step - 1}")
+            code = watch.finish(args.timeout)
+        except Abort as exc:
+            run.notes.append(str(exc))
+    finally:
+        wind_up(job, run, started)
+    problems = judge(run, code, read_steps(rank0), t_kill, log.read_text(errors="replace"), args.steps - 1)
+    conclude(run, problems, [work / f"final-{rank}" for rank in range(layout.ranks)])
+    return run
+
+
+def median_of(values: list[float]) -> float:
+    finite = [v for v in values if not math.isnan(v)]
+    return statistics.median(finite) if finite else NAN
+
+
+def report(args: argparse.Namespace, results: list[tuple[str, Run]], seconds: float) -> None:
+    print()
+    print("| layout | ranks | parameters | recovered | steady step s | downtime s | x DDP (median) "
+          "| tmrun recovery s | steps recomputed |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    by_name = {spec.name: [r for name, r in results if name == spec.name and r.ok and r.metrics] for spec in args.specs}
+    ddp = median_of([r.metrics.downtime for r in by_name.get("ddp", []) if r.metrics])
+    for spec in args.specs:
+        mine = [r for name, r in results if name == spec.name]
+        done = by_name[spec.name]
+        metrics = [r.metrics for r in done if r.metrics is not None]
+        down = median_of([m.downtime for m in metrics])
+        ratio = f"{down / ddp:.2f}" if ddp > 0 and not math.isnan(down) else "-"
+        recomputed = sorted({m.recomputed for m in metrics if m.recomputed >= 0})
+        print(f"| {spec.name} | {spec.ranks} | {spec.parameters / 1e6:.2f}M | {len(done)} of {len(mine)} | "
+              f"{spread([m.steady for m in metrics], '{:.3f}')} | {spread([m.downtime for m in metrics], '{:.3f}')} | "
+              f"{ratio} | {spread([r.recovery for r in done], '{:.3f}')} | "
+              f"{', '.join(map(str, recomputed)) or '-'} |")
+    phased = [(name, r.phases) for name, r in results if r.ok and r.phases]
+    if phased:
+        print()
+        print("tmrun's recovery hop by hop (the `recovered` event, docs/events.md), seconds, median per layout:")
+        print()
+        print("| layout | " + " | ".join(PHASES) + " |")
+        print("|---|" + "---|" * len(PHASES))
+        for spec in args.specs:
+            mine = [p for name, p in phased if name == spec.name]
+            if mine:
+                print(f"| {spec.name} | " + " | ".join(f"{median_of([p.get(n, NAN) for p in mine]):.3f}"
+                                                      for n in PHASES) + " |")
+    print(f"\n{len(results)} runs in {seconds:.0f}s")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    root = Path(tempfile.mkdtemp(prefix="tmrun-layouts-"))
+    print(f"machine: {machine()}", flush=True)
+    print("layouts: " + ", ".join(f"{s.name} {s.parameters / 1e6:.2f}M ({s.script} {' '.join(s.size_args)})"
+                                  for s in args.specs), flush=True)
+    print(f"logs: {root}" + ("" if args.keep else " (removed at the end; --keep keeps them)"), flush=True)
+    started, results = time.monotonic(), []
+    try:
+        for index in range(args.runs):
+            for spec in args.specs:
+                work = root / f"{spec.name}-{index}"
+                work.mkdir()
+                run = one_run(args, spec, index, work)
+                results.append((spec.name, run))
+                print(f"  [{time.monotonic() - started:4.0f}s] {spec.name}: {run.line()}", flush=True)
+    finally:
+        cleanup_all()
+    report(args, results, time.monotonic() - started)
+    if not args.keep:
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
+    if not any(r.ok for _, r in results):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""bench/layout_recovery.py: its flag checks and the layouts' sizes. Unit, no jobs (the kill
+arithmetic is bench/random_kill.py's, tested in test_random_kill.py)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.helpers import ROOT, assert_one_line_usage_error, load_script
+
+BENCH = ROOT / "bench" / "layout_recovery.py"
+
+
+def _bench():  # type: ignore[no-untyped-def]
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        return load_script(BENCH, "layout_recovery")
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+
+def test_defaults_name_every_layout_at_about_the_same_size() -> None:
+    args = _bench().parse_args([])
+    assert [s.name for s in args.specs] == ["ddp", "hsdp", "tp", "pp", "3d"]
+    assert all(abs(s.parameters - 1.6e6) / 1.6e6 < 0.05 for s in args.specs), args.specs
+    assert [s.ranks for s in args.specs] == [4, 4, 4, 4, 8]
+    assert [s.subgroups for s in args.specs] == [False, True, True, True, True]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--runs", "0"], "--runs must be at least 1"),
+        (["--params", "10"], "--params must be between 1e4 and 1e8"),
+        (["--layouts", "ddp,moe"], "unknown layout 'moe'"),
+        (["--layouts", ","], "--layouts names none"),
+        (["--kill-step", "2"], "--kill-step must be at least 3"),
+        (["--kill-step", "10", "--steps", "12"], "--steps must be at least --kill-step + 3"),
+        (["--step-time", "-1"], "--step-time must not be negative"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_bad_flags_exit_2_with_one_line(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert_one_line_usage_error(_bench().parse_args, flags, "layout_recovery.py", message, capsys)
+
+
+def test_parameter_counts_match_the_models() -> None:
+    torch = pytest.importorskip("torch")
+    bench = _bench()
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from train_3d import build_stage as blocks_of
+        from train_inplace import build_model
+        from train_pp import build_stage as stack_of
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+
+    def count(module: torch.nn.Module) -> int:
+        return sum(p.numel() for p in module.parameters())
+
+    assert count(build_model(64, 3)) == bench.mlp_parameters(64, 3) + 64 + 1  # the head
+    assert count(stack_of(0, 1, 64, 3)) == bench.mlp_parameters(64, 3)
+    assert count(blocks_of(0, 1, 16, 3)) == bench.block_parameters(16, 3)
