@@ -25,12 +25,14 @@ layout's median downtime over DDP's (the issue's target: HSDP, TP and PP within 
 
     python bench/layout_recovery.py                      # --runs 2: about 6 minutes on 2 cores
     python bench/layout_recovery.py --runs 1 --layouts ddp,pp
+    TMRUN_WARM_IMPORTS=0 python bench/layout_recovery.py --runs 1   # the standby imports nothing ahead
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
 import tempfile
@@ -59,6 +61,7 @@ BROKEN = "falling back to restarting"  # the group restart: in-place recovery br
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 KILL_RANK = 1
+OFF = ("0", "off", "false", "no")  # TMRUN_WARM_IMPORTS values that turn importing ahead off
 NAN = float("nan")
 POLL, FAST_POLL = 0.05, 0.005
 
@@ -153,9 +156,12 @@ class LayoutWatch(Watch):
             raise Abort("in-place recovery broke: the job fell back to restarting the worker group")
 
 
-def warm_marker(layout: Layout) -> str:
-    """The agent log's line that says this layout's standby is warm for the kill."""
-    return "in its first steps" if layout.subgroups else "] standby 0 warm after"
+def warm_marker(layout: Layout, warm_imports: bool = True) -> str:
+    """The agent log's line that says this layout's standby is warm for the kill (with
+    ``TMRUN_WARM_IMPORTS=0``, for comparison: a subgroup layout's standby waiting in init())."""
+    if not layout.subgroups:
+        return "] standby 0 warm after"
+    return "in its first steps" if warm_imports else "] standby 0 warm in tmrun.init()"
 
 
 def one_run(args: argparse.Namespace, layout: Layout, index: int, work: Path) -> Run:
@@ -174,7 +180,7 @@ def one_run(args: argparse.Namespace, layout: Layout, index: int, work: Path) ->
     t_kill, code = NAN, None
     try:
         try:
-            marker = warm_marker(layout)
+            marker = warm_marker(layout, os.environ.get("TMRUN_WARM_IMPORTS", "1").strip().lower() not in OFF)
             watch.wait_for("the standby to be warm", lambda: marker in log.read_text(errors="replace"))
             now = last_line(rank1)
             kill_step = max(args.kill_step, (int(now[0]) if len(now) >= 3 else 0) + 3)

@@ -62,3 +62,11 @@ def test_parameter_counts_match_the_models() -> None:
     assert count(build_model(64, 3)) == bench.mlp_parameters(64, 3) + 64 + 1  # the head
     assert count(stack_of(0, 1, 64, 3)) == bench.mlp_parameters(64, 3)
     assert count(blocks_of(0, 1, 16, 3)) == bench.block_parameters(16, 3)
+
+
+def test_the_kill_waits_for_what_says_the_standby_is_warm() -> None:
+    bench = _bench()
+    ddp, hsdp = bench.layouts(1_600_000)["ddp"], bench.layouts(1_600_000)["hsdp"]
+    assert bench.warm_marker(ddp) == "] standby 0 warm after"  # its sandbox's shadow steps
+    assert bench.warm_marker(hsdp) == "in its first steps"  # the modules imported ahead
+    assert bench.warm_marker(hsdp, warm_imports=False) == "] standby 0 warm in tmrun.init()"

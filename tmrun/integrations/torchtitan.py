@@ -57,6 +57,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 import tmrun
+from tmrun.worker import pipeline
 
 __all__ = ["TmrunTrainer", "tmrun_config"]
 
@@ -181,6 +182,11 @@ class TmrunTrainer(Trainer):
 
     def _track(self) -> _LoaderPosition:
         tm = self.tm
+        if self.parallel_dims.pp_enabled:
+            # a rank's stages are its shard (their parameters may be plain tensors), and its
+            # schedule runs torch's pipeline start-up again with a joiner (tmrun.worker.pipeline)
+            tm.set_shard(("pp", *(stage.stage_index for stage in pipeline.stages_of(self.pp_schedule))))
+            tm.track(pp_schedule=self.pp_schedule)
         tm.track(**{f"model_part_{i}": part for i, part in enumerate(self.model_parts)})
         tm.track(**{f"optimizer_{i}": opt for i, opt in enumerate(self.optimizers.optimizers)})
         tm.track(lr_schedulers=self.lr_schedulers)
