@@ -146,5 +146,5 @@ def test_pp_tp_dp_lost_rank_is_replaced_in_place_bitwise_equal_to_torchrun(tmp_p
     assert all(finals["torchrun"][r] == finals["torchrun"][r + 4] for r in range(4))  # replicas agree
     assert "1 in-place recoveries" in log and "group restart" not in log, log[-4000:]
     assert "rank 5: recovered" in log and "from 1 donor" in log, log[-4000:]
-    assert "rank 4: every pipeline (its stages are tensor parallel) runs torch's start-up again" in log, log[-4000:]
+    assert "rank 4: every pipeline (the stages hold DTensors: TP or FSDP) runs torch's start-up again" in log, log[-4000:]
     assert finals["tmrun"] == finals["torchrun"]

@@ -1,7 +1,7 @@
 """torchtitan (0.3.0, the ``torchtitan`` extra) through :mod:`tmrun.integrations.torchtitan`: its
 llama3 debug model on CPU (the test-only shim and config in tests/titan/), trained under plain
 torchrun without a failure and under ``tmrun --standby 1`` with a rank SIGKILLed in the middle
-of a step's forward, in three layouts (DDP-like on 2 processes, HSDP 2 x 2 and TP x DP on 4):
+of a step's forward, in four layouts (DDP-like on 2 processes, HSDP 2 x 2, TP x DP and PP x DP on 4):
 every rank ends bitwise equal to torchrun's (model shards, buffers, optimizer state, learning
 rates), survivors keep their processes, at most one step is redone.
 Also: the integration's result is bitwise that of torchtitan's own trainer."""
@@ -30,6 +30,12 @@ LAYOUTS = {
     "hsdp": (4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]),
     "tp_dp": (4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
                   "--parallelism.tensor_parallel_degree", "2"]),
+    # pipeline parallel 2 x dp_replicate 2 (torchtitan's mesh puts "pp" outermost: ranks 0, 1 hold stage 0)
+    "pp_dp": (4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.pipeline_parallel_degree", "2"]),
+    # the same with two stages per rank (Interleaved 1F1B: rank r holds stages r // 2 and r // 2 + 2)
+    "pp_dp_interleaved": (4, ["--parallelism.data_parallel_replicate_degree", "2",
+                              "--parallelism.pipeline_parallel_degree", "2",
+                              "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
     # pure FSDP (one holder per shard), torchtitan's DCP checkpoint every 2 steps
     "fsdp": (2, ["--parallelism.data_parallel_shard_degree", "2", "--checkpoint.enable", "--checkpoint.interval", "2",
                  "--checkpoint.folder", "ckpt"]),
@@ -191,6 +197,24 @@ def test_tp_dp_layout_rank_killed_mid_step_is_replaced_in_place(tmp_path: Path, 
     assert reference["finals"][0] == reference["finals"][2] and reference["finals"][1] == reference["finals"][3]
     code, log, got = _run(tmp_path / "tmrun", assets, "tmrun", "tp_dp", kill=f"1:{KILL_STEP}")
     _check_in_place(code, log, got, reference, killed=1)
+
+
+@pytest.mark.parametrize("layout, killed", [("pp_dp", 3), ("pp_dp_interleaved", 1)])
+def test_pp_layout_rank_killed_mid_step_is_replaced_in_place(tmp_path: Path, assets: Path,
+                                                             references: Callable[[str], dict],
+                                                             layout: str, killed: int) -> None:
+    """Pipeline parallel 2 x ``dp_replicate`` 2 (ranks 0, 1 hold the first stage(s), 2, 3 the
+    others, each pair replicas), torchtitan's 1F1B (rank 3, the last stage, killed) and
+    Interleaved 1F1B (two stages per rank; rank 1 killed): SIGKILLed mid-forward in step 4; the
+    integration names each rank's stages (``tm.set_shard``) and tracks torchtitan's schedule, so
+    the joiner is healed from its stages' replica and the pipelines run torch's start-up again
+    with it; the result is torchrun's, bit for bit."""
+    reference = references(layout)
+    assert reference["finals"][0] == reference["finals"][1] and reference["finals"][2] == reference["finals"][3]
+    code, log, got = _run(tmp_path / "tmrun", assets, "tmrun", layout, kill=f"{killed}:{KILL_STEP}")
+    _check_in_place(code, log, got, reference, killed=killed)
+    assert f"rank {killed}: recovered" in log and "from 1 donor" in log, log
+    assert "runs torch's start-up again at the next step" in log, log
 
 
 def test_pure_fsdp_falls_back_to_torchtitans_own_checkpoint(tmp_path: Path, assets: Path,

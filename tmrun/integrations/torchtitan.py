@@ -39,7 +39,12 @@ What :class:`TmrunTrainer` changes in torchtitan's ``Trainer``:
   run: a joiner's first step is not the survivors' first step, so it would be a collective only
   the joiner calls. tmrun's own link timeout (``TMRUN_COMM_TIMEOUT``) applies.
 
-Not covered yet: pipeline parallelism, ``torch.compile``, CUDA graphs (untested on tmrun).
+* Pipeline parallelism: each rank's stages are its shard (``tm.set_shard``) and torchtitan's
+  schedule is tracked (a joiner's pipelines run torch's start-up again with it); tested with
+  1F1B over ``pipeline_parallel_degree`` 2 x ``data_parallel_replicate_degree`` 2.
+
+Not covered yet: interleaved pipeline schedules (several stages per rank), ``torch.compile``,
+CUDA graphs (untested on tmrun).
 """
 
 from __future__ import annotations

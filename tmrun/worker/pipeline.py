@@ -4,10 +4,11 @@ inference) at its first step, and the survivors of its pipeline must run it with
 next messages meet the joiner's handshake ("ranks called different collectives"). Only the
 pipelines with a joiner in a stage's group start again; the other replicas' pipelines go on.
 
-Where the stages are tensor parallel too (their parameters are DTensors: PP x TP x DP), the
-start-up's shape inference runs a stage's forward, whose TP collectives need the joiner's "tp"
-peers in their start-up too, and then their pipelines, and so on through the whole layer of the
-mesh: there every pipeline starts again (a joiner's own pipeline alone hung in the first step)."""
+Where the stages hold DTensor parameters (PP x TP x DP, FSDP2 or torchtitan's ``replicate``
+within a stage), the start-up's shape inference runs a stage's forward, whose collectives (TP's,
+FSDP's gathers) need the joiner's peers in those groups in their start-up too, and then their
+pipelines, and so on: there every pipeline starts again (a joiner's own pipeline alone hung in
+the first step of PP x TP x DP)."""
 
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ def check_supported(schedule: Any) -> None:
 
 
 def tensor_parallel(schedule: Any) -> bool:
-    """Whether a stage of ``schedule`` holds DTensor parameters (a TP-sharded stage)."""
+    """Whether a stage of ``schedule`` holds DTensor parameters (TP, FSDP2: its forward issues
+    collectives outside the pipeline)."""
     from torch.distributed.tensor import DTensor
 
     for stage in stages_of(schedule):
