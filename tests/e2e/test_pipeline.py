@@ -4,7 +4,8 @@ step's start, in forward or in backward, is replaced in place, healed from its o
 replica (tm.set_shard), its pipeline runs torch's start-up again with the joiner (the other
 replica's pipeline goes on), and every rank ends bitwise equal to the same script under plain
 torchrun. Also: a joiner lost during that recovery, a stage lost in every replica (the group
-restart), and examples/train_3d.py (PP x TP x DP on 8 ranks)."""
+restart), a lost node replaced by a standby node, and examples/train_3d.py (PP x TP x DP on 8
+ranks)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import re
 
 import pytest
 
-from tests.helpers import ROOT, run_job, tmrun_cmd, torchrun_cmd
+from tests.helpers import ROOT, free_port, kill_tree, leftovers, run_job, start, tmrun_cmd, torchrun_cmd, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -148,3 +149,46 @@ def test_pp_tp_dp_lost_rank_is_replaced_in_place_bitwise_equal_to_torchrun(tmp_p
     assert "rank 5: recovered" in log and "from 1 donor" in log, log[-4000:]
     assert "rank 4: every pipeline (the stages hold DTensors: TP or FSDP) runs torch's start-up again" in log, log[-4000:]
     assert finals["tmrun"] == finals["torchrun"]
+
+
+def test_a_lost_node_of_a_pp_job_is_replaced_by_a_standby_node(tmp_path: Path,
+                                                               reference: dict[str, dict[int, str]]) -> None:
+    """Three agents (``--nnodes 2 --standby 1 --nproc-per-node 2``): node 0 runs ranks 0 and 1 (the
+    first replica's pipeline: stages 0 and 1), node 1 ranks 2 and 3 (the second's), node 2 stands
+    by. Rank 2 is SIGKILLed at step 3's start: node 1 stops both its workers, the standby node's
+    two workers take ranks 2 and 3 in one generation, each healed from its stage's replica on
+    node 0, and run their pipeline's start-up together; node 0's ranks keep their processes and
+    their pipeline; the bits are torchrun's on one node."""
+    work = tmp_path / "nodes"
+    work.mkdir()
+    port = free_port()
+    procs = []
+    try:
+        for node in range(3):
+            cmd = tmrun_cmd("--nnodes", "2", "--standby", "1", "--nproc-per-node", "2",
+                            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "pp-nodes",
+                            "--rdzv-conf", "heartbeat_interval=0.5", "--inject-failure", "rank=2,step=3",
+                            str(SCRIPT), "--steps", "8", "--schedule", "1f1b", "--final", str(work / "final-{rank}"))
+            procs.append(start(cmd, log=work / f"agent{node}.log",
+                               env={"OMP_NUM_THREADS": "1", "TMRUN_STATE_DIR": str(work / "state")}))
+            # node ids follow the order in which the agents join
+            assert wait_until(lambda n=node: f"node {n} " in (work / "agent0.log").read_text(), 60), (
+                (work / "agent0.log").read_text())
+        codes = [proc.wait(timeout=JOB_TIMEOUT) for proc in procs]
+    finally:
+        for proc in procs:
+            kill_tree(proc)
+        for proc in procs:
+            assert leftovers(proc) == []
+    logs = [(work / f"agent{n}.log").read_text() for n in range(3)]
+    text = "\n".join(logs)
+    assert codes == [0, 0, 0], text[-8000:]
+    assert "replace: generation 1: node 2 replaces node 1 at group rank 1 in place" in logs[0], logs[0]
+    for rank in (2, 3):
+        assert f"promoted to rank {rank} (generation 1) in tmrun.init()" in logs[2], logs[2]
+        assert re.search(rf"rank {rank}: recovered into generation 1 .*from 1 donor", logs[2]), logs[2]
+    assert "rank 0: recovered into generation 1" in logs[0], logs[0]
+    assert "the pipeline of rank(s)" not in logs[0], logs[0]  # node 0's pipeline went on
+    assert "1 in-place recoveries" in logs[0] and "Traceback" not in text, text[-8000:]
+    finals = {r: (work / f"final-{r}").read_text().strip() for r in range(RANKS)}
+    assert finals == reference["1f1b"], (finals, reference["1f1b"])
