@@ -50,11 +50,12 @@ from hsdp_failover import (  # noqa: E402
     gpt_parameters,
     judge,
     kill_logged_rank,
+    run_all,
     spread,
     step_done,
     wind_up,
 )
-from inplace_failover import LIVE_JOBS, Job, base_env, busy_cpu, cleanup_all, machine, read_steps  # noqa: E402
+from inplace_failover import LIVE_JOBS, Job, base_env, busy_cpu, read_steps  # noqa: E402
 from random_kill import PHASES, last_line, log_size  # noqa: E402
 
 BROKEN = "falling back to restarting"  # the group restart: in-place recovery broke
@@ -201,6 +202,7 @@ def one_run(args: argparse.Namespace, layout: Layout, index: int, work: Path) ->
         wind_up(job, run, started)
     problems = judge(run, code, read_steps(rank0), t_kill, log.read_text(errors="replace"), args.steps - 1)
     conclude(run, problems, [work / f"final-{rank}" for rank in range(layout.ranks)])
+    run.launcher = layout.name  # judged as a tmrun run; reported by layout
     return run
 
 
@@ -209,7 +211,8 @@ def median_of(values: list[float]) -> float:
     return statistics.median(finite) if finite else NAN
 
 
-def report(args: argparse.Namespace, results: list[tuple[str, Run]], seconds: float) -> None:
+def report(args: argparse.Namespace, runs: list[Run], seconds: float) -> None:
+    results = [(run.launcher, run) for run in runs]
     print()
     print("| layout | ranks | parameters | recovered | steady step s | downtime s | x DDP (median) "
           "| tmrun recovery s | steps recomputed |")
@@ -244,29 +247,12 @@ def report(args: argparse.Namespace, results: list[tuple[str, Run]], seconds: fl
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    root = Path(tempfile.mkdtemp(prefix="tmrun-layouts-"))
-    print(f"machine: {machine()}", flush=True)
+    specs = {spec.name: spec for spec in args.specs}
+    args.launchers = list(specs)  # run_all's rotation: one run of each layout in turn
     print("layouts: " + ", ".join(f"{s.name} {s.parameters / 1e6:.2f}M ({s.script} {' '.join(s.size_args)})"
                                   for s in args.specs), flush=True)
-    print(f"logs: {root}" + ("" if args.keep else " (removed at the end; --keep keeps them)"), flush=True)
-    started, results = time.monotonic(), []
-    try:
-        for index in range(args.runs):
-            for spec in args.specs:
-                work = root / f"{spec.name}-{index}"
-                work.mkdir()
-                run = one_run(args, spec, index, work)
-                results.append((spec.name, run))
-                print(f"  [{time.monotonic() - started:4.0f}s] {spec.name}: {run.line()}", flush=True)
-    finally:
-        cleanup_all()
-    report(args, results, time.monotonic() - started)
-    if not args.keep:
-        import shutil
-
-        shutil.rmtree(root, ignore_errors=True)
-    if not any(r.ok for _, r in results):
-        sys.exit(1)
+    run_all(args, Path(tempfile.mkdtemp(prefix="tmrun-layouts-")),
+            lambda name, index, work: one_run(args, specs[name], index, work), report)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import tmrun  # noqa: E402
 from tiny_gpt import digest, local  # noqa: E402
+from train_pp import batch_for  # noqa: E402
 
 
 class Block(torch.nn.Module):
@@ -54,12 +55,6 @@ def build_stage(stage: int, stages: int, width: int, depth: int) -> torch.nn.Seq
     blocks = [Block(width) for _ in range(depth)]
     per = depth // stages
     return torch.nn.Sequential(*blocks[stage * per: depth if stage == stages - 1 else (stage + 1) * per])
-
-
-def batch_for(step: int, replica: int, width: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1_000_003 * step + replica)
-    x = torch.randn(batch, width, generator=generator)
-    return x, x.roll(1, dims=1).sin()
 
 
 def main() -> None:
