@@ -41,10 +41,10 @@ What :class:`TmrunTrainer` changes in torchtitan's ``Trainer``:
 
 * Pipeline parallelism: each rank's stages are its shard (``tm.set_shard``) and torchtitan's
   schedule is tracked (a joiner's pipelines run torch's start-up again with it); tested with
-  1F1B over ``pipeline_parallel_degree`` 2 x ``data_parallel_replicate_degree`` 2.
+  1F1B and Interleaved 1F1B over ``pipeline_parallel_degree`` 2 x ``data_parallel_replicate_degree``
+  2 (and, by hand, with ``data_parallel_shard_degree`` 2 too).
 
-Not covered yet: interleaved pipeline schedules (several stages per rank), ``torch.compile``,
-CUDA graphs (untested on tmrun).
+Not covered yet: zero-bubble pipeline schedules, ``torch.compile``, CUDA graphs (untested on tmrun).
 """
 
 from __future__ import annotations

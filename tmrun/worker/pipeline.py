@@ -71,7 +71,7 @@ def tensor_parallel(schedule: Any) -> bool:
 
 def restart_where_joined(schedules: list, joined: set[int]) -> int:
     """Mark every schedule whose pipeline has a rank in ``joined`` as not started (every schedule,
-    where the stages are tensor parallel), so that its next step runs torch's start-up again,
+    where the stages hold DTensor parameters), so that its next step runs torch's start-up again,
     together with the joiner's first. Returns how many."""
     restarted = 0
     everywhere = any(tensor_parallel(schedule) for schedule in schedules)
