@@ -88,6 +88,7 @@ def test_events_json_and_endpoint(job) -> None:  # type: ignore[no-untyped-def]
     assert "epoch 1 replace: rank 1" in text and "formed" not in text
 
 
+@pytest.mark.e2e  # over half a second: waits out a timeout (the unit subset stays within a minute)
 def test_events_follow_stops_at_the_end_of_the_job(job) -> None:  # type: ignore[no-untyped-def]
     store, _ = job
     threading.Timer(0.7, lambda: record_event(store, "closed", 1, "succeeded: workers finished")).start()

@@ -4,6 +4,8 @@ reports the node failed once, and copies the generation into the node's file."""
 
 from __future__ import annotations
 
+import pytest
+
 import subprocess
 import sys
 import time
@@ -41,6 +43,7 @@ def test_a_worker_that_fails_takes_its_node_down_and_is_reported_once(tmp_path: 
     assert member.step().failed and len(reports) == 1  # reported once
 
 
+@pytest.mark.e2e  # over half a second: waits out a timeout (the unit subset stays within a minute)
 def test_a_survivors_report_fences_the_node(tmp_path: Path, procs) -> None:  # type: ignore[no-untyped-def]
     store, member, reports = _member(tmp_path)
     hung, mate = _start(procs, SLEEP), _start(procs, SLEEP)

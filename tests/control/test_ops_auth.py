@@ -204,6 +204,7 @@ def test_liveness_with_the_right_token() -> None:
         monitor.close()
 
 
+@pytest.mark.e2e  # over half a second: waits out a timeout (the unit subset stays within a minute)
 def test_liveness_with_a_wrong_token_is_refused() -> None:
     monitor = LivenessMonitor("run", heartbeat_timeout=30, token=TOKEN, hello_timeout=1.0)
     polling = _Polling(monitor)

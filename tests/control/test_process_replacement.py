@@ -3,6 +3,8 @@ Python children, killed by PID), and a pool that only holds what the test gives 
 
 from __future__ import annotations
 
+import pytest
+
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -79,6 +81,7 @@ def test_a_dead_rank_is_replaced_by_a_ready_standby(tmp_path: Path, procs) -> No
     assert controller.slots[1].process is standby and pool.members == []
 
 
+@pytest.mark.e2e  # over half a second: waits out a timeout (the unit subset stays within a minute)
 def test_the_pool_is_refilled_only_after_recovery_plus_the_refill_delay(tmp_path: Path, procs) -> None:  # type: ignore[no-untyped-def]
     import time
 

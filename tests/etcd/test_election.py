@@ -3,6 +3,8 @@ from the store (control.leader): real etcd, real threads, bounded waits."""
 
 from __future__ import annotations
 
+import pytest
+
 import threading
 import uuid
 
@@ -31,6 +33,7 @@ def _store(server, run_id: str) -> EtcdStore:  # type: ignore[no-untyped-def]
     return EtcdStore.for_job(EtcdConfig.parse(server.endpoint), run_id, timeout=5)
 
 
+@pytest.mark.e2e  # over half a second: waits out a timeout (the unit subset stays within a minute)
 def test_one_leader_then_the_next_takes_over(etcd_server) -> None:  # type: ignore[no-untyped-def]
     run_id = f"lead-{uuid.uuid4().hex[:8]}"
     started: list[tuple[str, bool]] = []

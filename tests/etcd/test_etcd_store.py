@@ -46,6 +46,7 @@ def test_same_answers_as_tcpstore(etcd_server) -> None:  # type: ignore[no-untyp
     assert _script(dist.PrefixStore("p", _store(etcd_server))) == _script(dist.PrefixStore("p", _tcp()))
 
 
+@pytest.mark.e2e  # over half a second: waits out a timeout (the unit subset stays within a minute)
 def test_get_and_wait_are_bounded(etcd_server) -> None:  # type: ignore[no-untyped-def]
     store = _store(etcd_server, timeout=0.5)
     started = time.monotonic()
@@ -99,6 +100,7 @@ def test_an_unreachable_first_endpoint_is_skipped(etcd_server) -> None:  # type:
     assert store.get("k") == b"v"
 
 
+@pytest.mark.e2e  # over half a second: waits out a timeout (the unit subset stays within a minute)
 def test_no_endpoint_answers_one_bounded_error() -> None:
     store_config = EtcdConfig.parse(f"127.0.0.1:{free_port()}")
     started = time.monotonic()

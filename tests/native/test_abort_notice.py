@@ -63,6 +63,7 @@ def test_loss_noticed_outside_the_running_operation_ends_it():
         close_all(comms)
 
 
+@pytest.mark.e2e  # over half a second: waits out a timeout (the unit subset stays within a minute)
 @pytest.mark.timeout(90)
 def test_operation_timeout_is_announced_to_the_other_ranks():
     """Ranks 0-2 enter an allreduce that rank 3 (alive, heartbeating, but busy elsewhere) joins

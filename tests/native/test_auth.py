@@ -96,6 +96,7 @@ def test_replacement_links_are_authenticated():
         close_all(comms)
 
 
+@pytest.mark.e2e  # over half a second: waits out a timeout (the unit subset stays within a minute)
 def test_different_tokens_cannot_connect():
     a = tn.Communicator(0, 2, "auth-bad", 0, tn.Options(timeout=1.0, connect_timeout=1.5, token=b"token-A"))
     b = tn.Communicator(1, 2, "auth-bad", 0, tn.Options(timeout=1.0, connect_timeout=1.5, token=b"token-B"))

@@ -73,6 +73,7 @@ def test_a_stalled_orphan_is_ended_after_the_grace(tmp_path: Path) -> None:
         agent.wait(timeout=10)
 
 
+@pytest.mark.e2e  # over half a second: waits out a timeout (the unit subset stays within a minute)
 def test_a_live_agent_keeps_its_worker(tmp_path: Path) -> None:
     agent, worker, _ = _run_agent(tmp_path, grace=0.0, agent_lives=60)
     try:

@@ -32,6 +32,19 @@ def test_the_shard_label_makes_same_shaped_stages_different_shards() -> None:
     assert stage0.shard_key() != stage1.shard_key()
 
 
+def test_the_stages_of_a_tracked_schedule_are_the_ranks_shard() -> None:
+    """Without tm.set_shard (torchtitan's integration): tracking the schedule is enough."""
+    keys = []
+    for index in (0, 1, 0):
+        state = TrackedState()
+        state.track(model=_model())
+        schedule = _Schedule({0, 1})
+        schedule._stage.stage_index = index
+        state.track(schedule=schedule)
+        keys.append(state.shard_key())
+    assert keys[0] == keys[2] != keys[1] and keys[0] != 0
+
+
 def test_a_second_different_shard_label_and_an_unhashable_one_are_refused() -> None:
     state = TrackedState()
     state.set_shard("stage-0")
@@ -48,6 +61,7 @@ class _Stage:
     def __init__(self) -> None:
         self.submod = _model()
         self.group = None
+        self.stage_index = 0
 
 
 class _Schedule(_PipelineSchedule):

@@ -48,6 +48,7 @@ def _move_on(store: dist.Store, path: Path, gen_file: bool, after: float) -> thr
     return timer
 
 
+@pytest.mark.e2e  # over half a second: waits out a timeout (the unit subset stays within a minute)
 @pytest.mark.parametrize("gen_file", [True, False], ids=["gen-file", "store-only"])
 def test_a_joiner_waiting_for_a_lost_ranks_address_gives_up_when_the_generation_moves(
         tmp_path: Path, gen_file: bool) -> None:

@@ -39,9 +39,8 @@ What :class:`TmrunTrainer` changes in torchtitan's ``Trainer``:
   run: a joiner's first step is not the survivors' first step, so it would be a collective only
   the joiner calls. tmrun's own link timeout (``TMRUN_COMM_TIMEOUT``) applies.
 
-* Pipeline parallelism: each rank's stages are its shard (``tm.set_shard``) and torchtitan's
-  schedule is tracked (a joiner's pipelines run torch's start-up again with it); tested with
-  1F1B and Interleaved 1F1B over ``pipeline_parallel_degree`` 2 x ``data_parallel_replicate_degree``
+* Pipeline parallelism: torchtitan's schedule is tracked (its stages are the rank's shard, and
+  a joiner's pipelines run torch's start-up again with it); tested with 1F1B and Interleaved 1F1B over ``pipeline_parallel_degree`` 2 x ``data_parallel_replicate_degree``
   2 (and, by hand, with ``data_parallel_shard_degree`` 2 too).
 
 Not covered yet: zero-bubble pipeline schedules, ``torch.compile``, CUDA graphs (untested on tmrun).
@@ -62,7 +61,6 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 import tmrun
-from tmrun.worker import pipeline
 
 __all__ = ["TmrunTrainer", "tmrun_config"]
 
@@ -188,9 +186,8 @@ class TmrunTrainer(Trainer):
     def _track(self) -> _LoaderPosition:
         tm = self.tm
         if self.parallel_dims.pp_enabled:
-            # a rank's stages are its shard (their parameters may be plain tensors), and its
-            # schedule runs torch's pipeline start-up again with a joiner (tmrun.worker.pipeline)
-            tm.set_shard(("pp", *(stage.stage_index for stage in pipeline.stages_of(self.pp_schedule))))
+            # its stages are this rank's shard (their parameters may be plain tensors), and the
+            # schedule runs torch's pipeline start-up again with a joiner (docs/user-guide.md)
             tm.track(pp_schedule=self.pp_schedule)
         tm.track(**{f"model_part_{i}": part for i, part in enumerate(self.model_parts)})
         tm.track(**{f"optimizer_{i}": opt for i, opt in enumerate(self.optimizers.optimizers)})

@@ -332,10 +332,14 @@ class TrackedState:
         """Which shard of the model this member holds, as a 63-bit digest: for every tracked
         module tensor that is a DTensor, its name and its mesh coordinate along each dimension
         where it is sharded (``Shard``) or partial; ``Replicate`` dimensions (HSDP's
-        "replicate") do not count; and the label of :meth:`set_shard` (a pipeline stage). Members
+        "replicate") do not count; the label of :meth:`set_shard`; and the stage indices of the
+        tracked pipeline schedules (stages of equal shapes are different shards). Members
         with equal keys are replicas and can heal each other; 0 when nothing is sharded (DDP:
         every member is a replica). docs/mesh.md."""
         sharded: list = [("tm.set_shard", self.shard_label)] if self.shard_label is not None else []
+        stages = sorted(stage.stage_index for schedule in self.pipelines for stage in pipeline.stages_of(schedule))
+        if stages:  # a tracked pipeline schedule: its stages are this rank's shard too
+            sharded.append(("pipeline stages", tuple(stages)))
         for name, obj in self._objects.items():
             if not isinstance(obj, torch.nn.Module):
                 continue
