@@ -93,9 +93,8 @@ def test_every_pipeline_starts_again_where_the_stages_are_tensor_parallel(monkey
     """PP x TP x DP: the joiner's shape inference runs TP collectives with its "tp" peers, whose
     pipelines must run their start-up too (the joiner's pipeline alone hung)."""
     monkeypatch.setattr(pipeline, "ranks_of", lambda schedule: schedule.ranks)
-    monkeypatch.setattr(pipeline, "tensor_parallel", lambda schedule: True)
     first, second = _Schedule({0, 2}), _Schedule({4, 6})
-    assert pipeline.restart_where_joined([first, second], {5}) == 2
+    assert pipeline.restart_where_joined([first, second], {5}, everywhere=True) == 2
     assert not first._stage_forward_initialized and not second._stage_forward_initialized
 
 

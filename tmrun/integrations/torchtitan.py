@@ -40,8 +40,9 @@ What :class:`TmrunTrainer` changes in torchtitan's ``Trainer``:
   the joiner calls. tmrun's own link timeout (``TMRUN_COMM_TIMEOUT``) applies.
 
 * Pipeline parallelism: torchtitan's schedule is tracked (its stages are the rank's shard, and
-  a joiner's pipelines run torch's start-up again with it); tested with 1F1B and Interleaved 1F1B over ``pipeline_parallel_degree`` 2 x ``data_parallel_replicate_degree``
-  2 (and, by hand, with ``data_parallel_shard_degree`` 2 too).
+  a joiner's pipelines run torch's start-up again with it); tested with 1F1B and Interleaved
+  1F1B over ``pipeline_parallel_degree`` 2 x ``data_parallel_replicate_degree`` 2 (and, by
+  hand, with ``data_parallel_shard_degree`` 2 too).
 
 Not covered yet: zero-bubble pipeline schedules, ``torch.compile``, CUDA graphs (untested on tmrun).
 """

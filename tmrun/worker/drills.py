@@ -160,7 +160,6 @@ class DrillRunner:
             if self._matches(drill, point, step):
                 self._trigger(drill, f"{point} of step {step}")
 
-
     def _say_missed(self, step: int) -> None:
         """A "forward" or "backward" drill of this process whose step passed without that point
         firing (the script's model has none of the hooks tmrun installs: a plain module without

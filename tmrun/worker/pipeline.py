@@ -69,12 +69,12 @@ def tensor_parallel(schedule: Any) -> bool:
     return False
 
 
-def restart_where_joined(schedules: list, joined: set[int]) -> int:
-    """Mark every schedule whose pipeline has a rank in ``joined`` as not started (every schedule,
-    where the stages hold DTensor parameters), so that its next step runs torch's start-up again,
-    together with the joiner's first. Returns how many."""
+def restart_where_joined(schedules: list, joined: set[int], everywhere: bool = False) -> int:
+    """Mark every schedule whose pipeline has a rank in ``joined`` as not started (every schedule
+    with ``everywhere``: the caller found stages holding DTensor parameters, :func:`tensor_parallel`),
+    so that its next step runs torch's start-up again, together with the joiner's first. Returns
+    how many."""
     restarted = 0
-    everywhere = any(tensor_parallel(schedule) for schedule in schedules)
     for schedule in schedules:
         if not everywhere and not ranks_of(schedule) & joined:
             continue

@@ -294,9 +294,9 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float, repl
         ctx.interrupter.reset_models()
     if ctx.tracked.pipelines and not ctx.fresh:  # a joiner's pipeline starts again with it
         joined = set(replaced) | set(plan.needy)  # a migration's joiner is handed its state: not needy
-        if pipeline.restart_where_joined(ctx.tracked.pipelines, joined):
-            whose = ("every pipeline (the stages hold DTensors: TP or FSDP) runs"
-                     if any(map(pipeline.tensor_parallel, ctx.tracked.pipelines))
+        everywhere = any(map(pipeline.tensor_parallel, ctx.tracked.pipelines))
+        if pipeline.restart_where_joined(ctx.tracked.pipelines, joined, everywhere):
+            whose = ("every pipeline (the stages hold DTensors: TP or FSDP) runs" if everywhere
                      else f"the pipeline of rank(s) {sorted(joined)} runs")
             log(f"rank {ctx.rank}: {whose} torch's start-up again at the next step, with the joiner "
                 "(its P2P warm-up and shape inference)")

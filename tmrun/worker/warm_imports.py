@@ -11,9 +11,9 @@ that importing them, not of the job's downtime.
 Rank 0 publishes the names of the modules it holds twice: when its first step starts (what the
 script's set-up imported) and when its second step committed (what a first forward, backward and
 optimizer step imported). The standby, while it waits for its assignment, imports every name of
-each list it does not hold yet. A module that fails to import
-here is skipped and counted (it fails again, or not, when the promoted script imports it);
-nothing of it is fatal. ``TMRUN_WARM_IMPORTS=0`` turns it off.
+each list it does not hold yet. A module that fails to import here is skipped and counted (it
+fails again, or not, when the promoted script imports it); nothing of it is fatal.
+``TMRUN_WARM_IMPORTS=0`` turns it off.
 """
 
 from __future__ import annotations
