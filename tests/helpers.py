@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -100,6 +101,31 @@ def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:  # ty
             return True
         time.sleep(interval)
     return bool(predicate())
+
+
+def run_agents(work: Path, agents: int, command: Callable[[int], list[str]], env: dict[str, str], timeout: float,
+               during: Callable[[list[subprocess.Popen[bytes]]], None] | None = None) -> tuple[list[int], list[str]]:
+    """One job's ``agents`` tmrun agents on loopback, started in order (node ids follow the order
+    in which they join: each waits until the first agent's log names it), ``command(port)`` each
+    (``port``: the rendezvous endpoint's, free), logging to ``work/agent{n}.log``; ``during(agents)``
+    runs in a thread once every agent started. Returns their exit codes and logs; every process
+    they started is killed, and none may be left."""
+    port = free_port()
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for node in range(agents):
+            procs.append(start(command(port), log=work / f"agent{node}.log", env=env))
+            assert wait_until(lambda n=node: f"node {n} " in (work / "agent0.log").read_text(), 60), (
+                (work / "agent0.log").read_text())
+        if during is not None:
+            threading.Thread(target=during, args=(procs,), daemon=True).start()
+        codes = [proc.wait(timeout=timeout) for proc in procs]
+    finally:
+        for proc in procs:
+            kill_tree(proc)
+        for proc in procs:
+            assert leftovers(proc) == []
+    return codes, [(work / f"agent{n}.log").read_text() for n in range(agents)]
 
 
 def run(cmd: Sequence[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -24,7 +24,7 @@ from typing import Callable
 import psutil
 import pytest
 
-from tests.helpers import EXAMPLES, free_port, kill_tree, leftovers, start, tmrun_cmd, wait_until
+from tests.helpers import EXAMPLES, run_agents, tmrun_cmd, wait_until
 
 STEPS = 14
 NPROC = 2
@@ -49,30 +49,12 @@ def _run_nodes(work: Path, agents: int, *tmrun_args: str, script_args: list[str]
     """Start ``agents`` agents in order (the first hosts the store); returns their exit codes,
     their logs and the final digest. ``during(agents)``: run in a thread once every agent started."""
     work.mkdir()
-    port = free_port()
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        for node in range(agents):
-            cmd = tmrun_cmd(
-                "--nnodes", "2", "--standby", "1", "--nproc-per-node", str(NPROC),
-                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "nodes", "--rdzv-conf", "heartbeat_interval=0.5",
-                *tmrun_args, str(EXAMPLES / "train_inplace.py"), *SCRIPT_ARGS, *(script_args or []),
-                "--step-log", str(work / "steps-{rank}.log"), "--final", str(work / "final"),
-            )  # fmt: skip
-            procs.append(start(cmd, log=work / f"agent{node}.log", env={"TMRUN_STATE_DIR": str(work / "state"),
-                                                                          **(env or {})}))
-            # join in order: node ids follow the order of the agents
-            assert wait_until(lambda n=node: f"node {n} " in (work / "agent0.log").read_text(), 60), (
-                (work / "agent0.log").read_text())
-        if during is not None:
-            threading.Thread(target=during, args=(procs,), daemon=True).start()
-        codes = [proc.wait(timeout=JOB_TIMEOUT) for proc in procs]
-    finally:
-        for proc in procs:
-            kill_tree(proc)
-        for proc in procs:
-            assert leftovers(proc) == []
-    logs = [(work / f"agent{n}.log").read_text() for n in range(agents)]
+    codes, logs = run_agents(work, agents, lambda port: tmrun_cmd(
+        "--nnodes", "2", "--standby", "1", "--nproc-per-node", str(NPROC),
+        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "nodes", "--rdzv-conf", "heartbeat_interval=0.5",
+        *tmrun_args, str(EXAMPLES / "train_inplace.py"), *SCRIPT_ARGS, *(script_args or []),
+        "--step-log", str(work / "steps-{rank}.log"), "--final", str(work / "final"),
+    ), {"TMRUN_STATE_DIR": str(work / "state"), **(env or {})}, JOB_TIMEOUT, during)  # fmt: skip
     final = (work / "final").read_text().strip() if (work / "final").exists() else ""
     return codes, logs, final
 

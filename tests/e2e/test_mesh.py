@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import EXAMPLES, ctl_when_logged, free_port, kill_tree, leftovers, start, tmrun_cmd, torchrun_cmd, wait_until
+from tests.helpers import EXAMPLES, ctl_when_logged, kill_tree, leftovers, run_agents, start, tmrun_cmd, torchrun_cmd, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -308,25 +308,12 @@ def test_hsdp_over_nodes_a_failed_node_is_replaced_in_place(tmp_path: Path, refe
     equal torchrun's on one node (the same ranks, the same mesh)."""
     work = tmp_path / "nodes"
     work.mkdir()
-    port = free_port()
-    procs = []
-    try:
-        for node in range(3):
-            cmd = tmrun_cmd("--nnodes", "2", "--standby", "1", "--nproc-per-node", "2",
-                            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "mesh-nodes",
-                            "--rdzv-conf", "heartbeat_interval=0.5", "--inject-failure", "rank=2,step=2,at=backward",
-                            *SCRIPT, "--final", str(work / "final-{rank}"), "--step-log", str(work / "steps-{rank}"))
-            procs.append(start(cmd, log=work / f"agent{node}.log", env={**ENV, "TMRUN_STATE_DIR": str(work / "state")}))
-            # node ids follow the order in which the agents join
-            assert wait_until(lambda n=node: f"node {n} " in (work / "agent0.log").read_text(), 60), (
-                (work / "agent0.log").read_text())
-        codes = [proc.wait(timeout=200) for proc in procs]
-    finally:
-        for proc in procs:
-            kill_tree(proc)
-        for proc in procs:
-            assert leftovers(proc) == []
-    logs = [(work / f"agent{n}.log").read_text() for n in range(3)]
+    codes, logs = run_agents(work, 3, lambda port: tmrun_cmd(
+        "--nnodes", "2", "--standby", "1", "--nproc-per-node", "2",
+        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "mesh-nodes",
+        "--rdzv-conf", "heartbeat_interval=0.5", "--inject-failure", "rank=2,step=2,at=backward",
+        *SCRIPT, "--final", str(work / "final-{rank}"), "--step-log", str(work / "steps-{rank}"),
+    ), {**ENV, "TMRUN_STATE_DIR": str(work / "state")}, 200)  # fmt: skip
     text = "\n".join(logs)
     assert codes == [0, 0, 0], text[-8000:]
     assert _finals(work) == reference, text[-8000:]

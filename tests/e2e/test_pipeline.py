@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-from tests.helpers import ROOT, free_port, kill_tree, leftovers, run_job, start, tmrun_cmd, torchrun_cmd, wait_until
+from tests.helpers import ROOT, run_agents, run_job, tmrun_cmd, torchrun_cmd
 
 pytestmark = pytest.mark.e2e
 
@@ -161,26 +161,12 @@ def test_a_lost_node_of_a_pp_job_is_replaced_by_a_standby_node(tmp_path: Path,
     their pipeline; the bits are torchrun's on one node."""
     work = tmp_path / "nodes"
     work.mkdir()
-    port = free_port()
-    procs = []
-    try:
-        for node in range(3):
-            cmd = tmrun_cmd("--nnodes", "2", "--standby", "1", "--nproc-per-node", "2",
-                            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "pp-nodes",
-                            "--rdzv-conf", "heartbeat_interval=0.5", "--inject-failure", "rank=2,step=3",
-                            str(SCRIPT), "--steps", "8", "--schedule", "1f1b", "--final", str(work / "final-{rank}"))
-            procs.append(start(cmd, log=work / f"agent{node}.log",
-                               env={"OMP_NUM_THREADS": "1", "TMRUN_STATE_DIR": str(work / "state")}))
-            # node ids follow the order in which the agents join
-            assert wait_until(lambda n=node: f"node {n} " in (work / "agent0.log").read_text(), 60), (
-                (work / "agent0.log").read_text())
-        codes = [proc.wait(timeout=JOB_TIMEOUT) for proc in procs]
-    finally:
-        for proc in procs:
-            kill_tree(proc)
-        for proc in procs:
-            assert leftovers(proc) == []
-    logs = [(work / f"agent{n}.log").read_text() for n in range(3)]
+    codes, logs = run_agents(work, 3, lambda port: tmrun_cmd(
+        "--nnodes", "2", "--standby", "1", "--nproc-per-node", "2",
+        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "pp-nodes",
+        "--rdzv-conf", "heartbeat_interval=0.5", "--inject-failure", "rank=2,step=3",
+        str(SCRIPT), "--steps", "8", "--schedule", "1f1b", "--final", str(work / "final-{rank}"),
+    ), {"OMP_NUM_THREADS": "1", "TMRUN_STATE_DIR": str(work / "state")}, JOB_TIMEOUT)  # fmt: skip
     text = "\n".join(logs)
     assert codes == [0, 0, 0], text[-8000:]
     assert "replace: generation 1: node 2 replaces node 1 at group rank 1 in place" in logs[0], logs[0]
