@@ -157,10 +157,12 @@ class LayoutWatch(Watch):
             raise Abort("in-place recovery broke: the job fell back to restarting the worker group")
 
 
-def warm_marker(layout: Layout, warm_imports: bool = True) -> str:
-    """The agent log's line that says this layout's standby is warm for the kill (with
-    ``TMRUN_WARM_IMPORTS=0``, for comparison: a subgroup layout's standby waiting in init())."""
-    if not layout.subgroups:
+def warm_marker(layout: Layout, warm_imports: bool = True, rehearsal: bool = True) -> str:
+    """The agent log's line that says this layout's standby is warm for the kill: its sandbox's
+    shadow steps done (a subgroup layout's: its rehearsal, tmrun/worker/rehearsal.py). For
+    comparison, with ``TMRUN_REHEARSAL=0`` a subgroup layout's standby waits in init() cold:
+    warm once it imported ahead what rank 0 imported (``TMRUN_WARM_IMPORTS=0``: at once)."""
+    if not layout.subgroups or rehearsal:
         return "] standby 0 warm after"
     return "in its first steps" if warm_imports else "] standby 0 warm in tmrun.init()"
 
@@ -181,7 +183,8 @@ def one_run(args: argparse.Namespace, layout: Layout, index: int, work: Path) ->
     t_kill, code = NAN, None
     try:
         try:
-            marker = warm_marker(layout, os.environ.get("TMRUN_WARM_IMPORTS", "1").strip().lower() not in OFF)
+            marker = warm_marker(layout, os.environ.get("TMRUN_WARM_IMPORTS", "1").strip().lower() not in OFF,
+                                 os.environ.get("TMRUN_REHEARSAL", "1").strip().lower() not in OFF)
             watch.wait_for("the standby to be warm", lambda: marker in log.read_text(errors="replace"))
             now = last_line(rank1)
             kill_step = max(args.kill_step, (int(now[0]) if len(now) >= 3 else 0) + 3)

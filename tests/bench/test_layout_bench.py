@@ -68,5 +68,6 @@ def test_the_kill_waits_for_what_says_the_standby_is_warm() -> None:
     bench = _bench()
     ddp, hsdp = bench.layouts(1_600_000)["ddp"], bench.layouts(1_600_000)["hsdp"]
     assert bench.warm_marker(ddp) == "] standby 0 warm after"  # its sandbox's shadow steps
-    assert bench.warm_marker(hsdp) == "in its first steps"  # the modules imported ahead
-    assert bench.warm_marker(hsdp, warm_imports=False) == "] standby 0 warm in tmrun.init()"
+    assert bench.warm_marker(hsdp) == "] standby 0 warm after"  # its rehearsal's shadow steps
+    assert bench.warm_marker(hsdp, rehearsal=False) == "in its first steps"  # the modules imported ahead
+    assert bench.warm_marker(hsdp, warm_imports=False, rehearsal=False) == "] standby 0 warm in tmrun.init()"

@@ -99,7 +99,15 @@ def test_hsdp_rank_killed_is_replaced_in_place(tmp_path: Path, reference: list[s
     log = _tmrun(work, "--standby", "1", "--inject-failure", f"rank=1,step=2,at={point}")
     assert _finals(work) == reference, log[-6000:]
     assert "in-place replacement, generation 1: rank 1" in log
-    assert "promoted to rank 1 (generation 1) in tmrun.init()" in log  # built as rank 1, no sandbox
+    # the standby rehearsed as rank 0 in its sandbox (nothing on the network), then ran the
+    # script again as rank 1 (another shard than rank 0's: the meshes torch's caches kept from
+    # the rehearsal are re-seated, or rank 1's replica diverges from rank 3's)
+    assert re.search(r"standby 0 warm after 2 shadow steps \(\d+ collectives served locally, 0 bytes on the network, "
+                     r"tracked values finite\)", log), log[-6000:]
+    assert "standby 0 runs the script again as rank 1 after its rehearsal" in log, log[-6000:]
+    assert re.search(r"rank 1: \d+ device mesh\(es\) that torch's caches kept from the rehearsal re-seated as rank 1",
+                     log), log[-6000:]
+    assert "promoted to rank 1 (generation 1) in tmrun.init()" in log  # built as rank 1
     assert re.search(r"rank 1: recovered into generation 1 .*memory [0-9.]+ MB from 1 donor", log), log[-6000:]
     assert "1 in-place recoveries" in log
     redone = int(re.search(r"(\d+) steps recomputed", log).group(1))  # type: ignore[union-attr]
@@ -178,10 +186,11 @@ def test_hsdp_rank_lost_during_the_commit_vote_is_healed_in_place(tmp_path: Path
 
 
 def test_hsdp_standby_imports_ahead_then_replaces_a_rank(tmp_path: Path, reference: list[str]) -> None:
-    """The standby of a job with subgroups, waiting in tmrun.init(), imports the modules rank 0
-    imported in its set-up and first steps (torch._dynamo through FSDP2's first fully_shard,
-    DTensor's operators: about 0.6 s of a cold joiner's 0.8 s build here) before any failure;
-    then a rank killed by the test is replaced in place, with torchrun's bits."""
+    """The cold standby of a job with subgroups (``TMRUN_REHEARSAL=0``: no rehearsal), waiting in
+    tmrun.init(), imports the modules rank 0 imported in its set-up and first steps
+    (torch._dynamo through FSDP2's first fully_shard, DTensor's operators: about 0.6 s of a cold
+    joiner's 0.8 s build here) before any failure; then a rank killed by the test is replaced in
+    place, with torchrun's bits."""
     import os
     import signal
 
@@ -197,8 +206,10 @@ def test_hsdp_standby_imports_ahead_then_replaces_a_rank(tmp_path: Path, referen
 
     killer = threading.Thread(target=kill_rank_3_once_imported, daemon=True)
     killer.start()
-    log = _tmrun(work, "--standby", "1", script=[*SCRIPT[:2], str(RANDOM_STEPS), *SCRIPT[3:], "--step-time", "0.3"])
+    log = _tmrun(work, "--standby", "1", script=[*SCRIPT[:2], str(RANDOM_STEPS), *SCRIPT[3:], "--step-time", "0.3"],
+                 env={"TMRUN_REHEARSAL": "0"})
     killer.join(timeout=10)
+    assert "rehears" not in log, log[-6000:]
     imported = re.search(r"imported ahead (\d+) modules rank 0 imported in its set-up", log)
     assert imported and int(imported.group(1)) > 0, log[-6000:]
     assert "torch._dynamo" not in log  # nothing of it failed to import here
@@ -284,6 +295,20 @@ def test_every_replica_of_a_shard_lost_falls_back_to_the_group_restart(tmp_path:
         log[-6000:]
 
 
+def test_a_failed_rehearsal_leaves_a_cold_standby_that_replaces_the_rank(tmp_path: Path, reference: list[str]) -> None:
+    """The script raises in the standby's rehearsal (a test hook: its first shadow step): the
+    standby says so in one line, runs the script again as a cold standby waiting in
+    tmrun.init(), and replaces rank 3 in place, with torchrun's bits."""
+    work = tmp_path / "failed"
+    log = _tmrun(work, "--standby", "1", "--inject-failure", "rank=3,step=2,at=backward",
+                 env={"TMRUN_TEST_REHEARSAL_RAISE": "1"})
+    assert ("standby: the script's rehearsal failed (RuntimeError: test: the rehearsal raises); it waits for its "
+            "rank cold instead (in tmrun.init())") in log, log[-6000:]
+    assert log.index("rehearsal failed") < log.index("standby 0 warm in tmrun.init()"), log[-6000:]
+    assert "in-place replacement, generation 1: rank 3" in log and "Traceback" not in log, log[-6000:]
+    assert _finals(work) == reference, log[-6000:]
+
+
 def test_dp_tp_rank_killed_is_replaced_in_place(tmp_path: Path, dp_tp_reference: list[str]) -> None:
     """examples/train_dp_tp.py: tensor parallel over "tp" (MLPs column / row split), gradients
     averaged over "dp" by hand. Rank 1 (dp 0, tp 1) SIGKILLed at the start of step 2's backward:
@@ -292,6 +317,9 @@ def test_dp_tp_rank_killed_is_replaced_in_place(tmp_path: Path, dp_tp_reference:
     work = tmp_path / "tp"
     log = _tmrun(work, "--standby", "1", "--inject-failure", "rank=1,step=2,at=backward", script=DP_TP)
     assert _finals(work) == dp_tp_reference, log[-6000:]
+    assert re.search(r"standby 0 warm after 2 shadow steps \(\d+ collectives served locally, 0 bytes on the network",
+                     log), log[-6000:]
+    assert "standby 0 runs the script again as rank 1 after its rehearsal" in log, log[-6000:]
     assert "promoted to rank 1 (generation 1) in tmrun.init()" in log
     assert re.search(r"rank 1: recovered into generation 1 .*from 1 donor", log), log[-6000:]
     assert "1 in-place recoveries" in log
@@ -332,15 +360,15 @@ def test_hsdp_over_nodes_a_failed_node_is_replaced_in_place(tmp_path: Path, refe
 
 
 def test_hsdp_planned_migration_recomputes_nothing(tmp_path: Path, reference: list[str]) -> None:
-    """tmrun-ctl migrate 1 while the HSDP job trains: the standby (warm in tmrun.init()) is
-    promoted for a planned generation; rank 1 trains on until the switch step, hands its local
+    """tmrun-ctl migrate 1 while the HSDP job trains: the standby (warm: it rehearsed, then runs
+    the script again once assigned) is promoted for a planned generation; rank 1 trains on until the switch step, hands its local
     shards and optimizer state to the joiner (built as rank 1, joined to the default group and to
     both of rank 1's mesh groups) and exits 0; the groups without rank 1 are resynchronised; no
     step is redone and every rank's final digest equals torchrun's (paced steps: pacing does
     not change the bits, it only lets the request land before the last step)."""
     work = tmp_path / "migrate"
     requested: list[str] = []
-    request = partial(ctl_when_logged, work / "agent.log", ["standby 0 warm in tmrun.init()"],
+    request = partial(ctl_when_logged, work / "agent.log", ["standby 0 warm after 2 shadow steps"],
                       ["migrate", "1", "--reason", "drill"], work / "state", requested)
     thread = threading.Thread(target=request, daemon=True)
     thread.start()
@@ -367,7 +395,7 @@ def test_hsdp_failure_then_planned_migration(tmp_path: Path, reference: list[str
     """The example with an injected failure and a planned migration in one run (its docstring's
     command): rank 2 SIGKILLed in step 1's backward is replaced in place by one standby, then rank
     1 asks to be moved once it committed step 1 (``--migrate-at``: ``tm.migrate()``) and the other
-    standby, warm in tmrun.init(), takes it over at a step boundary (paced steps: the switch
+    standby, warm after its rehearsal, takes it over at a step boundary (paced steps: the switch
     comes before the last step). Every rank's final digest equals
     torchrun's failure-free, migration-free run; only the failure's step may be redone."""
     work = tmp_path / "both"
@@ -393,8 +421,13 @@ def _migrate_with_failure(work: Path, reference: list[str], standby: int, inject
     """Rank 1 asks to be moved after step 1 (paced steps) while ``injection`` strikes: every
     rank's final digest equals torchrun's, the migration was planned, no group restart, no
     traceback, and the ``staying`` ranks kept their processes. Returns the log."""
+    # cold standbys (no rehearsal): warm as soon as the ranks' first step started, before rank 1
+    # asks after its step 1 (two rehearsing standbys, each running two paced shadow steps on this
+    # 2-core machine beside 4 ranks, may not be: the request is then refused, "no warm standby");
+    # migrations to a rehearsed standby: the two tests above
     log = _tmrun(work, "--standby", str(standby), "--inject-failure", injection,
-                 script=[*SCRIPT, "--migrate-at", "1", "--migrate-rank", "1", "--step-time", "1.5"])
+                 script=[*SCRIPT, "--migrate-at", "1", "--migrate-rank", "1", "--step-time", "1.5"],
+                 env={"TMRUN_REHEARSAL": "0"})
     assert _finals(work) == reference, log[-6000:]
     assert "planned migration, generation 1: rank 1" in log, log[-6000:]
     assert "falling back" not in log and "Traceback" not in log, log[-6000:]

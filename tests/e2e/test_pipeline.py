@@ -9,9 +9,8 @@ ranks)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import re
+from pathlib import Path
 
 import pytest
 
@@ -69,6 +68,13 @@ def test_a_lost_stage_rank_is_replaced_in_place_bitwise_equal_to_torchrun(
     others = set(range(RANKS)) - {lost, neighbour}
     assert not any(f"rank {r}: the pipeline of" in log for r in others), log[-4000:]
     assert finals == reference[schedule], (finals, reference[schedule])
+    # the standby rehearsed as rank 0 (the first stage) in its sandbox, its pipeline's start-up
+    # fed with the messages rank 0 received in its first step, then ran again as the lost rank
+    assert re.search(r"standby 0: its rehearsal's pipeline start-up received [1-9]\d* messages rank 0 received", log), \
+        log[-4000:]
+    assert re.search(r"standby 0 warm after 2 shadow steps \(\d+ collectives served locally, 0 bytes on the network",
+                     log), log[-4000:]
+    assert f"standby 0 runs the script again as rank {lost} after its rehearsal" in log, log[-4000:]
 
 
 def test_a_planned_migration_of_a_stage_rank_recomputes_nothing(tmp_path: Path,
@@ -149,6 +155,13 @@ def test_pp_tp_dp_lost_rank_is_replaced_in_place_bitwise_equal_to_torchrun(tmp_p
     assert "rank 5: recovered" in log and "from 1 donor" in log, log[-4000:]
     assert "rank 4: every pipeline (the stages hold DTensors: TP or FSDP) runs torch's start-up again" in log, log[-4000:]
     assert finals["tmrun"] == finals["torchrun"]
+    # the standby rehearsed as rank 0 (dp 0, first stage, tp 0): nothing on the network, the
+    # pipeline's start-up fed from rank 0's first step; its TP meshes re-seated as rank 5's
+    assert re.search(r"standby 0 warm after 2 shadow steps \(\d+ collectives served locally, 0 bytes on the network",
+                     log), log[-4000:]
+    assert re.search(r"standby 0: its rehearsal's pipeline start-up received [1-9]\d* messages", log), log[-4000:]
+    assert re.search(r"rank 5: \d+ device mesh\(es\) that torch's caches kept from the rehearsal re-seated", log), \
+        log[-4000:]
 
 
 def test_a_lost_node_of_a_pp_job_is_replaced_by_a_standby_node(tmp_path: Path,

@@ -761,6 +761,8 @@ class TmrunProcessGroup(dist.ProcessGroup):
                 "(a standby building its model as a lost rank): the other ranks are not building theirs, so they "
                 "never issue it. Build the model without collectives (every rank the same seed; e.g. "
                 "parallelize_module(..., src_data_rank=None), not distribute_tensor's scatter from rank 0)")
+        if self._closed and self._local:  # served locally, it would return values no peer made
+            raise RuntimeError(f"tmrun: {op.name} on group {self._group_name!r}, which was shut down")
         if self._serve_locally():
             if device is not None and not self._plane_wanted:
                 self._on_plane(device[1])  # a sandbox learns whether its groups will need the plane
@@ -1379,8 +1381,9 @@ class TmrunProcessGroup(dist.ProcessGroup):
         tag = tags.pop() if tags else 0
 
         def local() -> None:
-            for t in received:
-                t.zero_()
+            for kind, t, peer, _, _ in items:
+                if kind == "recv":
+                    self._replay_or_zero(t, peer, tag)
 
         op.local = local
 
@@ -1392,11 +1395,25 @@ class TmrunProcessGroup(dist.ProcessGroup):
                 op.keep += [t, host]
                 if kind == "recv":
                     op.finish.append(lambda t=t, host=host: staging.from_host(t, host))
+                    if _P2P_RECORDER is not None:
+                        op.finish.append(lambda t=t, peer=peer: self._record(t, peer, tag))
             op.native.append(comm.p2p_batch_async(native_items, tag))
 
         plane_items = [(kind, t, peer, tag) for kind, t, peer, tag, _ in items]
         device = items[0][1].device if items else torch.device("cpu")
         return self._run(op, None, launch, device=("p2p_batch", (plane_items, device)))
+
+    def _replay_or_zero(self, t: torch.Tensor, src: int, tag: int) -> None:
+        """A receive served locally: what the replayer has for it (a rehearsal, see
+        :func:`set_p2p_replay`), else zeros."""
+        replay = _P2P_REPLAYER
+        if replay is None or not replay(self._group_name, src, tag, t):
+            t.zero_()
+
+    def _record(self, t: torch.Tensor, src: int, tag: int) -> None:
+        record = _P2P_RECORDER
+        if record is not None:
+            record(self._group_name, src, tag, t)
 
     def send(self, tensors: Any, dst: int, tag: int = 0) -> TmrunWork:
         tensors = _tensor_list(tensors, "send")
@@ -1429,7 +1446,7 @@ class TmrunProcessGroup(dist.ProcessGroup):
 
         def local() -> None:
             for t in tensors:
-                t.zero_()
+                self._replay_or_zero(t, src, tag)
 
         op.local = local
 
@@ -1439,6 +1456,8 @@ class TmrunProcessGroup(dist.ProcessGroup):
                 op.native.append(comm.recv_async(_raw(host), src, _tag(tag)))
                 op.keep += [t, host]
                 op.finish.append(lambda t=t, host=host: staging.from_host(t, host))
+                if _P2P_RECORDER is not None:
+                    op.finish.append(lambda t=t: self._record(t, src, tag))
 
         return self._run(op, None, launch, device=("recv", (tensors, src, tag)))
 
@@ -1757,6 +1776,26 @@ def set_joining(generation: Optional[int]) -> None:
     _JOINING = None if generation is None else int(generation)
 
 
+# A receive's recording and replay (tmrun.worker.startup_replay): an active rank records the
+# point-to-point messages it receives in its first step, a standby's rehearsal replays them to
+# the same receives served locally (a pipeline's start-up needs its neighbours' metadata).
+# Each is called with (group name, source group rank, tag, tensor); the replayer fills the
+# tensor and returns True, or returns False (zeros then).
+P2PHook = Callable[[str, int, int, torch.Tensor], Any]
+_P2P_RECORDER: Optional[P2PHook] = None
+_P2P_REPLAYER: Optional[P2PHook] = None
+
+
+def set_p2p_recorder(recorder: Optional[P2PHook]) -> None:
+    global _P2P_RECORDER
+    _P2P_RECORDER = recorder
+
+
+def set_p2p_replay(replayer: Optional[P2PHook]) -> None:
+    global _P2P_REPLAYER
+    _P2P_REPLAYER = replayer
+
+
 _PLANE_STORE: Optional[Any] = None
 
 
@@ -1776,6 +1815,14 @@ def created_groups() -> list:
     group first): what a replacement must repair besides the default group (docs/mesh.md)."""
     alive = [ref() for ref in _CREATED]
     return [pg for pg in alive if pg is not None and not pg._closed]
+
+
+def forget_groups() -> None:
+    """Shut every group of this process down and forget them (a standby's rehearsal is over:
+    tmrun.worker.rehearsal; its groups are local, nothing to drain)."""
+    for pg in reversed(created_groups()):
+        pg.shutdown(0.0, device_plane=False, stop_timeout=EXIT_STOP_TIMEOUT)
+    _CREATED.clear()
 
 
 EXIT_STOP_TIMEOUT = 2.0  # s: how long the exit waits for a group's completer thread

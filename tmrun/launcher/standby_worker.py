@@ -35,6 +35,35 @@ def _script_argv(argv: list[str]) -> list[str]:
     return rest[2:] if rest[:1] == ["-m"] else rest[1:]
 
 
+def _run_script(kind: str, name: str, args: list[str]) -> None:
+    sys.argv = [name] + args
+    if kind == "module":
+        runpy.run_module(name, run_name="__main__", alter_sys=True)
+    else:
+        runpy.run_path(name, run_name="__main__")
+
+
+def _run_with_rehearsal(kind: str, name: str, args: list[str]) -> None:
+    """Run the script; a job with subgroups makes its first run a rehearsal
+    (tmrun.worker.rehearsal): assigned (or failed) there, it runs a second time, the real one."""
+    from tmrun.worker import rehearsal
+
+    rehearsal.allow()
+    try:
+        _run_script(kind, name, args)
+    except rehearsal.Rehearsed:
+        pass
+    except BaseException as exc:  # the rehearsal's failure is answered; any other is re-raised
+        if isinstance(exc, KeyboardInterrupt) or not rehearsal.failed(exc):
+            raise
+        say(f"standby: the script's rehearsal failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+            "it waits for its rank cold instead (in tmrun.init())", worker=True)
+    if not rehearsal.must_run_again():
+        return  # a run that was no rehearsal (a job without subgroups: the sandbox and the job in one run)
+    rehearsal.tear_down()
+    _run_script(kind, name, args)
+
+
 def main() -> int:
     stop = False
 
@@ -67,12 +96,9 @@ def main() -> int:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)
             kind, name = target
-            sys.argv = [name] + _script_argv(argv)
-            if kind == "module":
-                runpy.run_module(name, run_name="__main__", alter_sys=True)
-            else:
+            if kind == "path":
                 sys.path.insert(0, os.path.dirname(os.path.abspath(name)))
-                runpy.run_path(name, run_name="__main__")
+            _run_with_rehearsal(kind, name, _script_argv(argv))
             return 0
         time.sleep(0.05)
     return 0

@@ -108,6 +108,7 @@ DIVERGED = "diverged"  # replicas disagree after a change (tmrun.worker.replica_
 UNHEALABLE = "unhealable"  # why a change cannot heal in place (no live replica of a shard): the controller falls back at once
 WARM_IMPORTS_SETUP = "warm_imports/setup"  # rank 0's module names at its first step (tmrun.worker.warm_imports)
 WARM_IMPORTS_STEADY = "warm_imports/steady"  # the same once its second step committed
+STARTUP_MESSAGES = "startup_messages"  # pickled P2P messages rank 0 received in its first step (tmrun.worker.startup_replay)
 JOB_ID = "job_id"  # the communicator's job id (rank 0 writes it; joiners read it)
 
 

@@ -26,7 +26,7 @@ from tmrun.console import say
 from tmrun.protocol import keys, messages as proto, orphan_guard
 from tmrun.protocol.environment import LaunchEnv, Mode
 from tmrun.protocol.stores import open_job_store
-from tmrun.worker import group
+from tmrun.worker import group, rehearsal, startup_replay
 from tmrun.worker.drills import DrillRunner
 from tmrun.worker.interrupt import StepInterrupter
 from tmrun.worker.leave import exit_now
@@ -94,6 +94,9 @@ class Context:
         self.join_at_init = False
         self.built_as_rank = False
         self.pending_join: tuple[float, float] | None = None  # (started monotonic, connected Unix time)
+        # the assignment a rehearsal was given (tmrun.worker.rehearsal) and when it was read (monotonic)
+        self.carried_assignment: tuple[proto.Assignment, float] | None = None
+        self.startup_replayer: startup_replay.Replayer | None = None  # a rehearsal's receives (a pipeline's start-up)
         self.subgroups_published = False
         self.recoveries: list[dict[str, float | int]] = []
         self.loss_noticed: float | None = None  # Unix time a collective lost a peer (the change under way)
@@ -145,7 +148,17 @@ class Context:
         group.set_plane_store(dist.PrefixStore(keys.PLANE_PREFIX, store))
         if env.mode is Mode.STANDBY:
             signal.signal(signal.SIGTERM, on_term)
+            assignment, assigned_at, second_run = rehearsal.carried()
+            if second_run:  # after a rehearsal: assigned in it (or a cold standby, it failed)
+                self.join_at_init = True
+                self.carried_assignment = None if assignment is None else (assignment, assigned_at)
+                return
             if self._job_has_subgroups():
+                if rehearsal.enabled(env.shadow_steps):  # the sandbox as rank 0, run again once assigned
+                    self.startup_replayer = startup_replay.replay(self._startup_recording())
+                    rehearsal.begin()
+                    group.init_local(env.world_size)
+                    return
                 self.join_at_init = True  # no sandbox: the runtime waits for the assignment in init()
                 return
             group.init_local(env.world_size)
@@ -164,6 +177,22 @@ class Context:
         standby waits here (watching for the controller's abort, SIGTERM and its agent)."""
         raw = self.await_standby_key(keys.SUBGROUPS)
         return raw == b"1"
+
+    def _startup_recording(self) -> list[Any] | None:
+        """A standby about to rehearse: the P2P messages rank 0 received in its first step
+        (tmrun.worker.startup_replay), once that step's body ran."""
+        def check() -> None:
+            try:
+                self._check_waiting(float("inf"), "rank 0's first step")
+            except RecoveryError as gave_up:
+                log(f"standby {self.env.standby_id} leaves: {gave_up}")
+                exit_now(0)
+
+        messages = startup_replay.await_recording(self.require_store(), check)
+        if messages is None:
+            log(f"standby {self.env.standby_id}: rank 0's first step did not end within {startup_replay.WAIT:.0f}s; "
+                "it rehearses without the messages rank 0 received in it")
+        return messages
 
     def await_standby_key(self, key: str, idle: Callable[[], None] | None = None) -> bytes:
         """A standby waits for ``key`` as long as the job runs. If the controller abandons

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from tmrun.protocol import environment, keys, orphan_guard
-from tmrun.worker import group, rng, subgroups, vote, warm_imports
+from tmrun.worker import group, rng, startup_replay, subgroups, vote, warm_imports
 from tmrun.worker.buffers import BufferSnapshot, persistent_buffers
 from tmrun.worker.context import Context, Rejoin, log
 from tmrun.worker.migration import Migration
@@ -64,6 +64,8 @@ class StepLoop:
         # of a rank lost *during* the vote that reached some members and not others, which no
         # kill from outside hits on purpose.
         self._warm_imports = warm_imports.Publisher()  # what a standby waiting in tmrun.init() imports ahead
+        # rank 0's first step: the P2P messages it receives, for a standby's rehearsal (a pipeline's start-up)
+        self._startup_recorder: startup_replay.Recorder | None = startup_replay.Recorder()
         self._lose_vote_at, self._lose_vote_of = _lose_vote(os.environ.get("TMRUN_TEST_LOSE_VOTE", ""))
 
     def steps(self, total: int, start: int = 0) -> Iterator[int]:
@@ -86,6 +88,9 @@ class StepLoop:
                 break
             self._begin_step(step)
             yield step
+            if self._startup_recorder is not None and self._startup_recorder.active:
+                self._startup_recorder.publish(ctx.require_store())  # the first step's body ran
+                self._startup_recorder = None
             self._standby.end_of_step()
             self._migration.finish_handover()
             if ctx.aborted_by is not None:
@@ -166,6 +171,11 @@ class StepLoop:
             self._recovery.adopt_groups()
             has_subgroups = bool(subgroups.subgroups())
             self._warm_imports.at_step_start(ctx.require_store(), ctx.rank, has_subgroups)
+            if self._startup_recorder is not None and not self._startup_recorder.active:
+                if ctx.rank == 0 and has_subgroups and not ctx.subgroups_published:
+                    self._startup_recorder.start()  # what its standby's rehearsal (as rank 0) replays
+                else:
+                    self._startup_recorder = None
             ctx.publish_subgroups(has_subgroups)
         if ctx.progress.enabled and not ctx.life.is_(Role.STANDBY):
             ctx.progress.bind(ctx.rank, ctx.gen, ctx.life.role.value)

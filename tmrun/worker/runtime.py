@@ -24,11 +24,13 @@ waits inside until the controller promotes it to a rank.
 
 from __future__ import annotations
 
+import signal
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 
-from tmrun.comm import ddp as tmrun_ddp
+from tmrun.comm import backend as tmrun_backend, ddp as tmrun_ddp
 from tmrun.protocol import messages as proto, orphan_guard
 from tmrun.protocol.environment import LaunchEnv
 from tmrun.worker import drills, group, optimizer as guarded, pipeline
@@ -55,8 +57,10 @@ class Runtime:
         self._loop = StepLoop(ctx, self._recovery, self._migration, self._standby)
         self._hooked: set[int] = set()  # DDP and tracked FSDP2 modules given the failure drills' hooks
         ctx.connect(on_comm_failure=self._recovery.on_comm_failure, on_term=self._standby.on_term)
+        self._loss_watcher: LossWatcher | None = None
         if ctx.in_place:  # a loss dooms the step at once (tmrun.worker.interrupt)
-            LossWatcher(group.comm, self._recovery.on_loss_seen).start()
+            self._loss_watcher = LossWatcher(group.comm, self._recovery.on_loss_seen)
+            self._loss_watcher.start()
         if ctx.join_at_init:  # a job with subgroups: the standby gets its rank before the script goes on
             self._standby.join_in_init()
 
@@ -147,6 +151,8 @@ class Runtime:
         """What a joiner receives: modules, optimizers, objects with ``state_dict`` /
         ``load_state_dict``, plain picklable values. A user's optimizer given here keeps being
         stepped as ``opt.step()`` and is guarded (:mod:`tmrun.worker.optimizer`)."""
+        if self._ctx.pending_join is not None:  # a joiner after its rehearsal: its meshes are built by now
+            self._standby.reseat_rehearsal_meshes(retire=False)
         self._ctx.tracked.track(**objects)
         for obj in objects.values():
             if isinstance(obj, torch.nn.parallel.DistributedDataParallel):
@@ -201,6 +207,20 @@ class Runtime:
 
 
 _runtime: Runtime | None = None
+
+
+def drop_for_second_run() -> None:
+    """A standby's rehearsal is over (tmrun.worker.rehearsal): its runtime and every process
+    group it made (all local) are dropped; the script's second run starts a new runtime, and
+    torch numbers and names its groups from the start again, as the job's ranks did."""
+    global _runtime
+    if _runtime is not None and _runtime._loss_watcher is not None:
+        _runtime._loss_watcher.stop()
+    _runtime = None
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a standby between two runs: nothing to save
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    tmrun_backend.forget_groups()
 
 
 def init() -> Runtime:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from tmrun.comm import backend as tmrun_backend, native
 from tmrun.protocol import keys, messages as proto
-from tmrun.worker import drills, group, subgroups, warm_imports
+from tmrun.worker import drills, group, rehearsal, subgroups, warm_imports
 from tmrun.worker.context import Context, Rejoin, Superseded, log
 from tmrun.worker.leave import exit_now
 from tmrun.worker.migration import Migration
@@ -57,11 +57,41 @@ class Standby:
         """Before a standby's step: wait for the assignment once the shadow steps are done, and
         join as soon as it is assigned and warm. Returns the step to resume at after joining,
         or None: run ``shadow_step(step)`` instead."""
+        if rehearsal.rehearsing() or rehearsal.pending_assignment() is not None:
+            self._rehearse(step, total)
+            return None
         if self._assignment is None and step >= min(self._ctx.env.shadow_steps, total):
             self._assignment = self._await_assignment()
         if self._assignment is not None and self._warm():
             return self._join(self._assignment)
         return None
+
+    def _rehearse(self, step: int, total: int) -> None:
+        """A rehearsal's step boundary (tmrun.worker.rehearsal): once its shadow steps are done,
+        report warm and wait; assigned (or found assigned at a boundary before), leave the
+        rehearsal: the script runs again as the assigned rank."""
+        ctx = self._ctx
+        if step == 1 and os.environ.get("TMRUN_TEST_REHEARSAL_RAISE"):  # tests only: a script failing in its rehearsal
+            raise RuntimeError("test: the rehearsal raises")
+        carried = rehearsal.pending_assignment()
+        if carried is not None:  # the script swallowed the rehearsal's end and came back
+            rehearsal.end(carried, self._assigned_at)
+        if step >= min(ctx.env.shadow_steps, total):
+            rehearsal.remember_meshes()
+            replayer = ctx.startup_replayer
+            if replayer is not None and replayer.replayed:
+                log(f"standby {ctx.env.standby_id}: its rehearsal's pipeline start-up received {replayer.replayed} "
+                    "messages rank 0 received in its first step (replayed from the job's store)")
+            rehearsal.end(self._await_assignment(), self._assigned_at)
+        key = keys.standby_assign(ctx.env.standby_id)
+        store = ctx.require_store()
+        if store.check([key]):  # a rank lost before the rehearsal ended: leave it at once
+            self._assigned_at = time.monotonic()
+            assignment = proto.Assignment.decode(key, store.get(key))
+            if assignment.stop:
+                exit_now(0)
+            log(f"standby {ctx.env.standby_id} assigned rank {assignment.rank} during its rehearsal's step {step}")
+            rehearsal.end(assignment, self._assigned_at)
 
     def shadow_step(self, step: int, total: int) -> int:
         """A shadow step: before waiting, or (a cold standby) after it was assigned."""
@@ -94,7 +124,8 @@ class Standby:
             f"tracked values {'finite' if finite else 'NOT finite'}); waiting"
         )
         key = keys.standby_assign(ctx.env.standby_id)
-        raw = ctx.await_standby_key(key)
+        idle = warm_imports.Importer(store, log, quiet_if_none=True).poll if rehearsal.rehearsing() else None
+        raw = ctx.await_standby_key(key, idle=idle)
         self._assigned_at = time.monotonic()
         assignment = proto.Assignment.decode(key, raw)
         if assignment.stop:
@@ -125,15 +156,13 @@ class Standby:
         heals it (:meth:`heal_after_init`)."""
         ctx = self._ctx
         store = ctx.require_store()
-        time.sleep(drills.standby_ready_delay(ctx.env.standby_id))  # tests only (0 otherwise)
-        ready = proto.StandbyReady(pid=os.getpid(), shadow_steps=0, finite=True)
-        store.set(keys.standby_ready(ctx.env.standby_id), ready.encode())
-        log(f"standby {ctx.env.standby_id} warm in tmrun.init() (the job has subgroups: the script runs "
-            f"once this process has a rank); waiting")
-        key = keys.standby_assign(ctx.env.standby_id)
-        importer = warm_imports.Importer(store, log)  # meanwhile: the modules the ranks' set-up imported
-        assignment = proto.Assignment.decode(key, ctx.await_standby_key(key, idle=importer.poll))
-        started = time.monotonic()
+        if ctx.carried_assignment is not None:  # assigned in its rehearsal (tmrun.worker.rehearsal)
+            assignment, started = ctx.carried_assignment
+            ctx.carried_assignment = None
+            log(f"standby {ctx.env.standby_id} runs the script again as rank {assignment.rank} after its rehearsal "
+                f"({time.monotonic() - started:.3f}s since its assignment)")
+        else:
+            assignment, started = self._await_in_init(store)
         if assignment.stop:
             exit_now(0)  # the job ends (or needs no standby): nothing may swallow this exit
         if assignment.planned:
@@ -159,6 +188,20 @@ class Standby:
         log(f"promoted to rank {ctx.rank} (generation {ctx.gen}) in tmrun.init(); the script builds its groups "
             f"and model as rank {ctx.rank}")
         ctx.fire("promotion")
+
+    def _await_in_init(self, store: dist.Store) -> tuple[proto.Assignment, float]:
+        """A cold standby of a job with subgroups: report warm, then wait for the assignment,
+        importing meanwhile what the ranks' set-up imported."""
+        ctx = self._ctx
+        time.sleep(drills.standby_ready_delay(ctx.env.standby_id))  # tests only (0 otherwise)
+        ready = proto.StandbyReady(pid=os.getpid(), shadow_steps=0, finite=True)
+        store.set(keys.standby_ready(ctx.env.standby_id), ready.encode())
+        log(f"standby {ctx.env.standby_id} warm in tmrun.init() (the job has subgroups: the script runs "
+            f"once this process has a rank); waiting")
+        key = keys.standby_assign(ctx.env.standby_id)
+        importer = warm_imports.Importer(store, log)  # meanwhile: the modules the ranks' set-up imported
+        assignment = proto.Assignment.decode(key, ctx.await_standby_key(key, idle=importer.poll))
+        return assignment, time.monotonic()
 
     def _build_before_switch(self, assignment: proto.Assignment, started: float) -> None:
         """A planned migration's joiner in ``tmrun.init()``: the leaver trains on until the switch
@@ -223,6 +266,7 @@ class Standby:
         started, connected = ctx.pending_join
         ctx.pending_join = None
         tmrun_backend.set_joining(None)  # groups created from now on are new groups of every rank
+        self.reseat_rehearsal_meshes(retire=True)
         try:
             if self._planned_join is not None:
                 connected = self._join_groups_built()
@@ -234,6 +278,15 @@ class Standby:
             self._recovery.on_comm_failure(exc)
             log(f"rank {ctx.rank}: lost a member while joining ({exc}); waiting for the next plan")
             return self._recovery.recover()
+
+    def reseat_rehearsal_meshes(self, retire: bool) -> None:
+        """After a rehearsal: the device meshes torch's caches kept from it take this rank's
+        state (tmrun.worker.stale_meshes); ``retire``: the last call, before the first step."""
+        reseated, retired = rehearsal.reseat_meshes(retire)
+        if reseated or retired:
+            log(f"rank {self._ctx.rank}: {reseated} device mesh(es) that torch's caches kept from the rehearsal "
+                f"re-seated as rank {self._ctx.rank}" + (f", {retired} retired (no mesh of this run matches)"
+                                                          if retired else ""))
 
     def rejoin(self, assignment: proto.Assignment) -> int:
         """A promoted joiner, past its healing but in a generation not every rank recovered

@@ -112,9 +112,10 @@ class Importer:
     """A standby waiting in ``tmrun.init()``: imports each published list once (``poll`` is
     called between two looks at its assignment)."""
 
-    def __init__(self, store: Any, say: Any) -> None:
+    def __init__(self, store: Any, say: Any, quiet_if_none: bool = False) -> None:
         self._store = store
         self._say = say
+        self._quiet_if_none = quiet_if_none  # after a rehearsal, which imported them itself: no line for nothing
         self._pending = [keys.WARM_IMPORTS_SETUP, keys.WARM_IMPORTS_STEADY] if enabled() else []
         self.total = ImportResult()
 
@@ -125,6 +126,8 @@ class Importer:
             self.total.imported += result.imported
             self.total.failed.extend(result.failed)
             self.total.seconds += result.seconds
+            if self._quiet_if_none and not result.imported and not result.failed:
+                continue
             failed = (f"; {len(result.failed)} could not be imported here, skipped: {', '.join(result.failed[:3])}"
                       f"{' ...' if len(result.failed) > 3 else ''}") if result.failed else ""
             stage = "set-up" if key == keys.WARM_IMPORTS_SETUP else "first steps"

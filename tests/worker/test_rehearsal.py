@@ -1,0 +1,259 @@
+"""A standby's rehearsal (tmrun.worker.rehearsal): the runner runs the script a second time once
+the rehearsal is assigned or failed, whatever the script does with the rehearsal's end; and the
+device meshes torch's caches keep from it are re-seated (tmrun.worker.stale_meshes)."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from tmrun.launcher import standby_worker
+from tmrun.protocol import messages as proto
+from tmrun.worker import rehearsal, runtime
+from tmrun.worker.stale_meshes import StaleMeshes
+
+ASSIGNED = proto.Assignment(rank=3, gen=1)
+
+
+@pytest.fixture(autouse=True)
+def fresh_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """Each test starts with no rehearsal; the runtime's teardown is recorded, not run, and what
+    the rehearsal froze is unfrozen again."""
+    monkeypatch.setattr(rehearsal, "_phase", rehearsal.Phase.NONE)
+    monkeypatch.setattr(rehearsal, "_assignment", None)
+    monkeypatch.setattr(rehearsal, "_assigned_at", 0.0)
+    monkeypatch.setattr(rehearsal, "_stale", StaleMeshes())
+    dropped: list[str] = []
+    monkeypatch.setattr(runtime, "drop_for_second_run", lambda: dropped.append("dropped"))
+    monkeypatch.delenv(rehearsal.ENV_REHEARSAL, raising=False)
+    yield dropped
+    gc.unfreeze()
+
+
+def _script(tmp_path: Path, body: str) -> Path:
+    """A script that appends what each of its runs sees to runs.txt, then runs ``body``."""
+    path = tmp_path / "job.py"
+    path.write_text(
+        "from pathlib import Path\n"
+        "from tmrun.worker import rehearsal\n"
+        "from tmrun.protocol import messages as proto\n"
+        f"RUNS = Path({str(tmp_path / 'runs.txt')!r})\n"
+        "assignment, at, second = rehearsal.carried()\n"
+        "with RUNS.open('a') as out:\n"
+        "    out.write(f'{second} {assignment.rank if assignment else None}\\n')\n"
+        "if not second and rehearsal.enabled(2):\n"
+        "    rehearsal.begin()\n"
+        + body
+    )
+    return path
+
+
+def _runs(tmp_path: Path) -> list[str]:
+    return (tmp_path / "runs.txt").read_text().splitlines()
+
+
+END = "    rehearsal.end(proto.Assignment(rank=3, gen=1), 12.5)\n"
+
+
+def test_assigned_in_the_rehearsal_the_script_runs_again_as_that_rank(tmp_path: Path, fresh_state: list[str]) -> None:
+    standby_worker._run_with_rehearsal("path", str(_script(tmp_path, END)), [])
+    assert _runs(tmp_path) == ["False None", "True 3"]  # the second run's init() takes rank 3 at once
+    assert fresh_state == ["dropped"]
+    assert rehearsal.carried() == (ASSIGNED, 12.5, True)
+
+
+def test_a_script_that_swallows_the_rehearsals_end_is_run_again_all_the_same(tmp_path: Path) -> None:
+    body = "    try:\n    " + END + "    except BaseException:\n        pass\n"
+    standby_worker._run_with_rehearsal("path", str(_script(tmp_path, body)), [])
+    assert _runs(tmp_path) == ["False None", "True 3"]
+    assert rehearsal.pending_assignment() is None  # the second run is no rehearsal
+
+
+def test_the_rehearsals_end_passes_a_frameworks_except_exception() -> None:
+    assert not issubclass(rehearsal.Rehearsed, Exception)  # torch's @record and `except Exception` let it through
+    assert not issubclass(rehearsal.Rehearsed, SystemExit)  # @record returns on SystemExit(0)
+
+
+def test_a_failed_rehearsal_runs_the_script_again_as_a_cold_standby(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    body = "    raise EOFError('Ran out of input')\n"
+    standby_worker._run_with_rehearsal("path", str(_script(tmp_path, body)), [])
+    assert _runs(tmp_path) == ["False None", "True None"]  # no assignment: the cold wait in tmrun.init()
+    err = capsys.readouterr().err
+    assert "the script's rehearsal failed (EOFError: Ran out of input); it waits for its rank cold" in err
+    assert "Traceback" not in err
+
+
+def test_a_failure_after_the_rehearsal_is_the_scripts_own(tmp_path: Path) -> None:
+    """The second run, or a run that was no rehearsal, raises as any script does."""
+    script = _script(tmp_path, END + "if second:\n    raise ValueError('bad batch')\n")
+    with pytest.raises(ValueError, match="bad batch"):
+        standby_worker._run_with_rehearsal("path", str(script), [])
+    assert _runs(tmp_path) == ["False None", "True 3"]
+
+
+def test_an_interrupt_during_the_rehearsal_is_not_a_failed_rehearsal(tmp_path: Path) -> None:
+    with pytest.raises(KeyboardInterrupt):
+        standby_worker._run_with_rehearsal("path", str(_script(tmp_path, "    raise KeyboardInterrupt\n")), [])
+    assert _runs(tmp_path) == ["False None"]
+
+
+def test_a_job_without_subgroups_runs_once(tmp_path: Path, fresh_state: list[str]) -> None:
+    """The runner allows a rehearsal; a script that never begins one (no subgroups: the DDP
+    sandbox, promoted in the same run) runs once."""
+    path = tmp_path / "plain.py"
+    path.write_text(f"open({str(tmp_path / 'runs.txt')!r}, 'a').write('run\\n')\n")
+    standby_worker._run_with_rehearsal("path", str(path), [])
+    assert _runs(tmp_path) == ["run"] and fresh_state == []
+
+
+def test_rehearsal_is_off_without_shadow_steps_or_with_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not rehearsal.enabled(2)  # not started by a runner that can run the script again
+    rehearsal.allow()
+    assert rehearsal.enabled(2) and not rehearsal.enabled(0)
+    monkeypatch.setenv(rehearsal.ENV_REHEARSAL, "0")
+    assert not rehearsal.enabled(2)
+
+
+def test_the_rehearsals_objects_are_collected_before_the_second_run(tmp_path: Path) -> None:
+    """A model of the rehearsal held in a reference cycle is gone when the script runs again
+    (its memory, a GPU's too, is free for the second build)."""
+    body = ("    class Node:\n        pass\n"
+            "    a, b = Node(), Node()\n    a.other, b.other = b, a\n"
+            "    import weakref, builtins\n    builtins._tm_rehearsal_ref = weakref.ref(a)\n"
+            "    del a, b\n" + END)
+    script = _script(tmp_path, body + "if second:\n    import builtins\n"
+                     "    builtins._tm_alive = builtins._tm_rehearsal_ref() is not None\n")
+    gc.disable()  # only the teardown's collection may free the cycle
+    try:
+        standby_worker._run_with_rehearsal("path", str(script), [])
+    finally:
+        gc.enable()
+    import builtins
+
+    assert builtins._tm_alive is False  # type: ignore[attr-defined]
+    del builtins._tm_alive, builtins._tm_rehearsal_ref  # type: ignore[attr-defined]
+
+
+# -- the meshes torch's caches keep (tmrun.worker.stale_meshes) ---------------------------------------
+
+
+class Mesh:
+    """Stands for torch's DeviceMesh: equal by layout, coordinates not compared."""
+
+    def __init__(self, layout: str, coordinate: tuple[int, ...]) -> None:
+        self.layout, self.coordinate = layout, coordinate
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mesh) and self.layout == other.layout
+
+    def __hash__(self) -> int:
+        return hash(self.layout)
+
+    def get_coordinate(self) -> tuple[int, ...]:
+        return self.coordinate
+
+
+@pytest.fixture
+def mesh_class(monkeypatch: pytest.MonkeyPatch) -> type[Mesh]:
+    from tmrun.worker import stale_meshes
+
+    monkeypatch.setattr(stale_meshes, "_mesh_class", lambda: Mesh)
+    gc.freeze()  # as the rehearsal does: the scans see only what the test makes (unfrozen after it)
+    return Mesh
+
+
+def test_a_cached_rehearsal_mesh_takes_the_second_runs_coordinates(mesh_class: type[Mesh]) -> None:
+    cache = {Mesh("2x2", (0, 0)): "spec of rank 0's rehearsal"}  # a torch cache keyed by mesh equality
+    held = Mesh("1d", (0,))  # another cached mesh, which the second run does not make
+    stale = StaleMeshes()
+    assert stale.remember() >= 2
+    real = Mesh("2x2", (0, 1))  # the second run, as rank 1
+    cached = next(iter(cache))
+    assert stale.reseat(retire=False) == (1, 0)
+    assert cached.get_coordinate() == (0, 1) and cache[real] == "spec of rank 0's rehearsal"  # still a hit
+    assert stale.pending()  # the 1-D one waits for its twin until the last call
+    assert stale.reseat(retire=True) == (0, 1)
+    assert held != Mesh("1d", (1,)) and Mesh("1d", (1,)) != held  # retired: no cache lookup returns it
+    assert type(held).__name__ == "RetiredMesh" and isinstance(held, Mesh)
+    assert not stale.pending() and stale.reseat(retire=True) == (0, 0)
+
+
+def test_a_mesh_collected_after_the_rehearsal_is_not_re_seated(mesh_class: type[Mesh]) -> None:
+    gone = Mesh("2x2", (0, 0))
+    ref = weakref.ref(gone)
+    stale = StaleMeshes()
+    stale.remember()
+    del gone
+    gc.collect()
+    assert ref() is None
+    kept = Mesh("2x2", (1, 1))
+    assert stale.reseat(retire=True) == (0, 0) and kept.get_coordinate() == (1, 1)
+
+
+@pytest.mark.e2e
+def test_torchs_caches_keep_the_rehearsals_mesh_and_re_seating_gives_the_ranks_coordinates() -> None:
+    """The hazard itself, on torch: FSDP2 (HSDP) run as rank 0 on a fake process group leaves a
+    mesh in torch's caches; built again as rank 1, the cached mesh equals the new one (a cache
+    hit) with rank 0's coordinates until it is re-seated."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def train(rank: int) -> DeviceMesh:
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=4)
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for _ in range(2):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return mesh
+
+    stale = StaleMeshes()
+    try:
+        train(0)
+        stale.remember()
+        dist.destroy_process_group()
+        gc.collect()
+        real = train(1)
+        kept = [m for m in gc.get_objects() if isinstance(m, DeviceMesh) and m is not real and m == real]
+        assert any(list(m.get_coordinate()) == [0, 0] for m in kept), "torch no longer caches a rehearsal's mesh"
+        reseated, _ = stale.reseat(retire=True)
+        assert reseated >= 1
+        assert all(list(m.get_coordinate()) == list(real.get_coordinate()) == [0, 1] for m in kept)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("assigned", [True, False])
+def test_the_second_run_re_seats_the_rehearsals_cached_meshes_assigned_or_failed(mesh_class: type[Mesh],
+                                                                                 assigned: bool) -> None:
+    """Whether the rehearsal was assigned (it remembered its meshes once warm) or raised before
+    (a cold standby follows): the meshes torch's caches kept take the second run's coordinates."""
+    rehearsal.allow()
+    rehearsal.begin()
+    cache = {Mesh("2x2", (0, 0)): "spec"}
+    if assigned:
+        rehearsal.remember_meshes()
+        with pytest.raises(rehearsal.Rehearsed):
+            rehearsal.end(ASSIGNED, 1.0)
+    else:
+        assert rehearsal.failed(RuntimeError("needs a peer"))
+    rehearsal.tear_down()
+    assert rehearsal.carried() == ((ASSIGNED, 1.0, True) if assigned else (None, 0.0, True))
+    real = Mesh("2x2", (1, 1))  # the second run's
+    assert rehearsal.reseat_meshes(retire=True) == (1, 0) and real.get_coordinate() == (1, 1)
+    assert next(iter(cache)).get_coordinate() == (1, 1)

@@ -1,0 +1,81 @@
+"""A pipeline's start-up in a standby's rehearsal (tmrun.worker.startup_replay): rank 0 records the
+small messages it receives in its first step, the rehearsal's local receives replay them."""
+
+from __future__ import annotations
+
+import pickle
+from typing import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tmrun.comm import backend as tb
+from tmrun.protocol import keys
+from tmrun.worker import startup_replay
+
+
+@pytest.fixture(autouse=True)
+def no_hooks() -> Iterator[None]:
+    yield
+    tb.set_p2p_recorder(None)
+    tb.set_p2p_replay(None)
+
+
+def test_rank_0_records_small_messages_and_publishes_them_once() -> None:
+    store = dist.HashStore()
+    recorder = startup_replay.Recorder()
+    recorder.start()
+    assert tb._P2P_RECORDER is not None
+    size = torch.tensor([5], dtype=torch.int64)
+    blob = torch.arange(5, dtype=torch.uint8)
+    big = torch.zeros(startup_replay.MAX_MESSAGE // 4 + 1)  # an activation over the cap: not recorded
+    for t in (size, blob, big):
+        tb._P2P_RECORDER("3", 1, 0, t)
+    recorder.publish(store)
+    assert tb._P2P_RECORDER is None and not recorder.active
+    messages = pickle.loads(store.get(keys.STARTUP_MESSAGES))
+    assert [key for key, _ in messages] == [("3", 1, 0, 8, "torch.int64"), ("3", 1, 0, 5, "torch.uint8")]
+    recorder.publish(dist.HashStore())  # once only
+
+
+def test_the_recording_stops_at_its_total_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(startup_replay, "MAX_TOTAL", 16)
+    store = dist.HashStore()
+    recorder = startup_replay.Recorder()
+    recorder.start()
+    for _ in range(3):
+        tb._P2P_RECORDER("3", 1, 0, torch.zeros(2, dtype=torch.float32))  # type: ignore[misc]  (8 bytes each)
+    recorder.publish(store)
+    assert len(pickle.loads(store.get(keys.STARTUP_MESSAGES))) == 2
+
+
+def test_a_rehearsals_local_receives_get_the_recorded_messages_in_order_then_zeros() -> None:
+    first, second = torch.tensor([7], dtype=torch.int64), torch.tensor([9], dtype=torch.int64)
+    messages = [(("0", 1, 0, 8, "torch.int64"), first.numpy().tobytes()),
+                (("0", 1, 0, 8, "torch.int64"), second.numpy().tobytes())]
+    replayer = startup_replay.replay(messages)
+    pg = tb.TmrunProcessGroup(0, 2, local=True)
+    pg.setGroupName("0")
+    got = []
+    for _ in range(3):
+        buf = torch.full((1,), -1, dtype=torch.int64)
+        pg.recv([buf], 1, 0).wait()
+        got.append(int(buf.item()))
+    assert got == [7, 9, 0] and replayer is not None and replayer.replayed == 2
+    other = torch.full((2,), -1.0)  # another size, source or group: zeros
+    pg.recv([other], 1, 0).wait()
+    assert other.tolist() == [0.0, 0.0]
+    startup_replay.replay(None)
+    buf = torch.full((1,), -1, dtype=torch.int64)
+    pg.recv([buf], 1, 0).wait()
+    assert int(buf.item()) == 0  # the rehearsal is over: zeros again
+
+
+def test_a_standby_does_not_wait_for_a_recording_that_never_comes() -> None:
+    calls: list[int] = []
+    assert startup_replay.await_recording(dist.HashStore(), lambda: calls.append(1), wait=0.1) is None
+    assert calls  # it watched for the job's end meanwhile
+    store = dist.HashStore()
+    store.set(keys.STARTUP_MESSAGES, pickle.dumps([]))
+    assert startup_replay.await_recording(store, lambda: None) == []

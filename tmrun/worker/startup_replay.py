@@ -1,0 +1,118 @@
+"""A pipeline's start-up in a standby's rehearsal: the messages rank 0 received in its first step.
+
+torch's pipeline stages learn their neighbours' shapes in their first step (``recv_object_list``
+of the neighbour's metadata, forward and backward). In a standby's rehearsal every receive is
+served locally with zeros, and unpickling zeros fails (``EOFError``): the rehearsal of a
+pipeline job would fail, and its standby would wait cold.
+
+So rank 0 of a job with subgroups records the small point-to-point messages it receives during
+its first step (:class:`Recorder`: at most :data:`MAX_MESSAGE` bytes each, :data:`MAX_TOTAL` in
+all) and publishes them in the job's store once that step's body ran; the standby, which
+rehearses as rank 0, waits for them before its rehearsal starts and replays them
+(:class:`Replayer`) to its own receives of the same group, source, tag, size and dtype, in the
+order they came; any other receive (an activation larger than the cap, or a later step's) gets
+zeros as before. Nothing goes on the network: the recording travels once through the store.
+The replay ends with the rehearsal.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from collections import defaultdict, deque
+from typing import Any, Callable
+
+import torch
+
+from tmrun.comm import backend as tmrun_backend
+from tmrun.protocol import keys
+
+MAX_MESSAGE = 1 << 16  # bytes: a pipeline's metadata is well under this, activations mostly above
+MAX_TOTAL = 4 << 20  # bytes recorded in all
+WAIT = 30.0  # s a standby waits for rank 0's first step to end (a failure in it: no recording)
+
+Key = tuple[str, int, int, int, str]  # (group name, source group rank, tag, bytes, dtype)
+
+
+def _key(group: str, src: int, tag: int, t: torch.Tensor) -> Key:
+    return (group, int(src), int(tag), t.numel() * t.element_size(), str(t.dtype))
+
+
+class Recorder:
+    """Rank 0: the messages it receives from :meth:`start` until :meth:`publish`."""
+
+    def __init__(self) -> None:
+        self._messages: list[tuple[Key, bytes]] = []
+        self._total = 0
+        self._lock = threading.Lock()
+        self._active = False
+
+    def start(self) -> None:
+        self._active = True
+        tmrun_backend.set_p2p_recorder(self._record)
+
+    def _record(self, group: str, src: int, tag: int, t: torch.Tensor) -> None:
+        key = _key(group, src, tag, t)
+        if key[3] > MAX_MESSAGE:
+            return
+        data = t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        with self._lock:  # receives complete on the backend's completer thread too
+            if self._total + len(data) <= MAX_TOTAL:
+                self._messages.append((key, data))
+                self._total += len(data)
+
+    def publish(self, store: Any) -> None:
+        """Stop recording and publish what was recorded (an empty list too: the standby's wait
+        ends)."""
+        if not self._active:
+            return
+        self._active = False
+        tmrun_backend.set_p2p_recorder(None)
+        with self._lock:
+            messages = list(self._messages)
+        store.set(keys.STARTUP_MESSAGES, pickle.dumps(messages))
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+
+class Replayer:
+    """A rehearsal's receives served from rank 0's recording."""
+
+    def __init__(self, messages: list[tuple[Key, bytes]]) -> None:
+        self._queues: dict[Key, deque[bytes]] = defaultdict(deque)
+        for key, data in messages:
+            self._queues[key].append(data)
+        self.replayed = 0
+
+    def __call__(self, group: str, src: int, tag: int, t: torch.Tensor) -> bool:
+        queue = self._queues.get(_key(group, src, tag, t))
+        if not queue:
+            return False
+        raw = torch.frombuffer(bytearray(queue.popleft()), dtype=torch.uint8)
+        with torch.no_grad():
+            t.copy_(raw.view(t.dtype).view(t.shape))
+        self.replayed += 1
+        return True
+
+
+def await_recording(store: Any, check: Callable[[], None], wait: float = WAIT) -> list[tuple[Key, bytes]] | None:
+    """A standby about to rehearse: rank 0's recording, once its first step's body ran (None
+    after ``wait`` seconds: rank 0 did not get that far). ``check`` is called between looks
+    (it raises or exits when the standby must stop waiting)."""
+    deadline = time.monotonic() + wait
+    while not store.check([keys.STARTUP_MESSAGES]):
+        if time.monotonic() > deadline:
+            return None
+        check()
+        time.sleep(0.02)
+    return pickle.loads(store.get(keys.STARTUP_MESSAGES))
+
+
+def replay(messages: list[tuple[Key, bytes]] | None) -> Replayer | None:
+    """Serve the rehearsal's receives from ``messages`` (None: stop replaying)."""
+    replayer = None if messages is None else Replayer(messages)
+    tmrun_backend.set_p2p_replay(replayer)
+    return replayer
