@@ -11,11 +11,13 @@ examples), on 4 ranks (3-D: 8, the smallest (2, 2, 2) mesh), ``OMP_NUM_THREADS=1
 * ``3d``: examples/train_3d.py, MLP blocks on a (2, 2, 2) ("dp", "pp", "tp") mesh.
 
 The sizes (``--params``, default 1.6M) are matched by the width of each model
-(:func:`layouts`: the parameter counts are printed). The standby of a job with subgroups waits in
-``tmrun.init()`` and builds its mesh and model once it has a rank (docs/mesh.md); the bench waits
-until it is warm (for those: until it imported ahead what rank 0 imported in its first steps,
-tmrun/worker/warm_imports.py), then SIGKILLs rank 1 right after it logged step S - 1 (the start of
-step S, ``--kill-step``), by the PID its step log names (checked to be this job's).
+(:func:`layouts`: the parameter counts are printed). The standby of a job with subgroups rehearses
+the script in its sandbox as rank 0, then runs it again as the rank it is given (docs/mesh.md,
+section 1b); the bench waits until the standby is warm (its shadow steps done), then SIGKILLs
+rank 1 right after it logged step S - 1 (the start of step S, ``--kill-step``), by the PID its
+step log names (checked to be this job's). ``TMRUN_REHEARSAL=0`` gives those layouts the cold
+standby instead (it waits in ``tmrun.init()``, imports ahead what rank 0 imported, and builds
+once it has a rank), for comparison.
 
 Per run, from rank 0's step log with bench/random_kill.py's arithmetic: *downtime* = the largest
 gap between completed steps around the kill minus one steady step (the median of those before);
@@ -25,7 +27,8 @@ layout's median downtime over DDP's (the issue's target: HSDP, TP and PP within 
 
     python bench/layout_recovery.py                      # --runs 2: about 6 minutes on 2 cores
     python bench/layout_recovery.py --runs 1 --layouts ddp,pp
-    TMRUN_WARM_IMPORTS=0 python bench/layout_recovery.py --runs 1   # the standby imports nothing ahead
+    TMRUN_REHEARSAL=0 python bench/layout_recovery.py --runs 1    # cold standbys for the subgroup layouts
+    TMRUN_REHEARSAL=0 TMRUN_WARM_IMPORTS=0 python bench/layout_recovery.py --runs 1   # ... importing nothing ahead
 """
 
 from __future__ import annotations
@@ -74,7 +77,7 @@ class Layout:
     ranks: int
     size_args: tuple[str, ...]
     parameters: int
-    subgroups: bool  # the standby waits in tmrun.init() (imports ahead) instead of a sandbox
+    subgroups: bool  # the standby rehearses, then runs the script again (cold: waits in tmrun.init())
 
 
 def mlp_parameters(width: int, depth: int) -> int:

@@ -101,11 +101,11 @@ def test_hsdp_rank_killed_is_replaced_in_place(tmp_path: Path, reference: list[s
     assert "in-place replacement, generation 1: rank 1" in log
     # the standby rehearsed as rank 0 in its sandbox (nothing on the network), then ran the
     # script again as rank 1 (another shard than rank 0's: the meshes torch's caches kept from
-    # the rehearsal are re-seated, or rank 1's replica diverges from rank 3's)
+    # the rehearsal are replaced by this run's, or rank 1's replica diverges from rank 3's)
     assert re.search(r"standby 0 warm after 2 shadow steps \(\d+ collectives served locally, 0 bytes on the network, "
                      r"tracked values finite\)", log), log[-6000:]
     assert "standby 0 runs the script again as rank 1 after its rehearsal" in log, log[-6000:]
-    assert re.search(r"rank 1: \d+ device mesh\(es\) that torch's caches kept from the rehearsal re-seated as rank 1",
+    assert re.search(r"rank 1: \d+ device mesh\(es\) that torch's caches kept from the rehearsal replaced by this run's",
                      log), log[-6000:]
     assert "promoted to rank 1 (generation 1) in tmrun.init()" in log  # built as rank 1
     assert re.search(r"rank 1: recovered into generation 1 .*memory [0-9.]+ MB from 1 donor", log), log[-6000:]

@@ -156,11 +156,11 @@ def test_pp_tp_dp_lost_rank_is_replaced_in_place_bitwise_equal_to_torchrun(tmp_p
     assert "rank 4: every pipeline (the stages hold DTensors: TP or FSDP) runs torch's start-up again" in log, log[-4000:]
     assert finals["tmrun"] == finals["torchrun"]
     # the standby rehearsed as rank 0 (dp 0, first stage, tp 0): nothing on the network, the
-    # pipeline's start-up fed from rank 0's first step; its TP meshes re-seated as rank 5's
+    # pipeline's start-up fed from rank 0's first step; its TP meshes replaced by rank 5's
     assert re.search(r"standby 0 warm after 2 shadow steps \(\d+ collectives served locally, 0 bytes on the network",
                      log), log[-4000:]
     assert re.search(r"standby 0: its rehearsal's pipeline start-up received [1-9]\d* messages", log), log[-4000:]
-    assert re.search(r"rank 5: \d+ device mesh\(es\) that torch's caches kept from the rehearsal re-seated", log), \
+    assert re.search(r"rank 5: \d+ device mesh\(es\) that torch's caches kept from the rehearsal replaced", log), \
         log[-4000:]
 
 

@@ -167,39 +167,60 @@ def mesh_class(monkeypatch: pytest.MonkeyPatch) -> type[Mesh]:
     return Mesh
 
 
-def test_a_cached_rehearsal_mesh_takes_the_second_runs_coordinates(mesh_class: type[Mesh]) -> None:
-    cache = {Mesh("2x2", (0, 0)): "spec of rank 0's rehearsal"}  # a torch cache keyed by mesh equality
-    held = Mesh("1d", (0,))  # another cached mesh, which the second run does not make
-    stale = StaleMeshes()
-    assert stale.remember() >= 2
-    real = Mesh("2x2", (0, 1))  # the second run, as rank 1
-    cached = next(iter(cache))
-    assert stale.reseat(retire=False) == (1, 0)
-    assert cached.get_coordinate() == (0, 1) and cache[real] == "spec of rank 0's rehearsal"  # still a hit
-    assert stale.pending()  # the 1-D one waits for its twin until the last call
-    assert stale.reseat(retire=True) == (0, 1)
-    assert held != Mesh("1d", (1,)) and Mesh("1d", (1,)) != held  # retired: no cache lookup returns it
-    assert type(held).__name__ == "RetiredMesh" and isinstance(held, Mesh)
-    assert not stale.pending() and stale.reseat(retire=True) == (0, 0)
+class Spec:
+    """Stands for a cached DTensorSpec (an instance dict) and a slotted holder."""
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
 
 
-def test_a_mesh_collected_after_the_rehearsal_is_not_re_seated(mesh_class: type[Mesh]) -> None:
+class SlotSpec:
+    __slots__ = ("mesh",)
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+
+
+def test_the_second_runs_mesh_takes_the_place_of_the_cached_rehearsal_mesh_at_once(mesh_class: type[Mesh]) -> None:
+    original_init = Mesh.__init__
+    stale = Mesh("2x2", (0, 0))  # rank 0's, kept by torch's caches in every kind of holder
+    spec, slotted, listed, kept = Spec(stale), SlotSpec(stale), [stale], (stale,)
+    cache = {stale: spec}
+    lonely = Mesh("1d", (0,))  # cached too; the second run makes no mesh equal to it
+    meshes = StaleMeshes()
+    assert meshes.remember() == 2
+    assert meshes.collect_holders() == 2
+    meshes.watch()
+    real = Mesh("2x2", (0, 1))  # the second run, as rank 1: replaced as soon as it is made
+    assert spec.mesh is real and slotted.mesh is real and listed[0] is real
+    assert next(iter(cache)) is real and cache[real] is spec  # still a cache hit, now with the script's mesh
+    assert kept[0] is stale and stale.get_coordinate() == (0, 1)  # a tuple cannot change: its mesh has rank 1's state
+    assert meshes.replaced == 1 and meshes.unchangeable == 1
+    assert meshes.finish() == 1  # the 1-D one: retired
+    assert lonely != Mesh("1d", (1,)) and Mesh("1d", (1,)) != lonely  # no cache lookup returns it
+    assert type(lonely).__name__ == "RetiredMesh" and isinstance(lonely, Mesh)
+    assert Mesh.__init__ is original_init  # not watched any more
+    assert not meshes.pending() and meshes.finish() == 0
+
+
+def test_a_mesh_collected_after_the_rehearsal_is_not_replaced(mesh_class: type[Mesh]) -> None:
     gone = Mesh("2x2", (0, 0))
     ref = weakref.ref(gone)
-    stale = StaleMeshes()
-    stale.remember()
+    meshes = StaleMeshes()
+    meshes.remember()
     del gone
     gc.collect()
-    assert ref() is None
+    assert ref() is None and meshes.collect_holders() == 0
+    meshes.watch()
     kept = Mesh("2x2", (1, 1))
-    assert stale.reseat(retire=True) == (0, 0) and kept.get_coordinate() == (1, 1)
+    assert meshes.replaced == 0 and meshes.finish() == 0 and kept.get_coordinate() == (1, 1)
 
 
 @pytest.mark.e2e
 def test_torchs_caches_keep_the_rehearsals_mesh_and_re_seating_gives_the_ranks_coordinates() -> None:
     """The hazard itself, on torch: FSDP2 (HSDP) run as rank 0 on a fake process group leaves a
-    mesh in torch's caches; built again as rank 1, the cached mesh equals the new one (a cache
-    hit) with rank 0's coordinates until it is re-seated."""
+    mesh in torch's caches (equal to any later mesh of that layout, with rank 0's coordinates);
+    built again as rank 1, the new mesh takes its place in those caches at once."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -221,31 +242,32 @@ def test_torchs_caches_keep_the_rehearsals_mesh_and_re_seating_gives_the_ranks_c
             opt.zero_grad()
         return mesh
 
-    stale = StaleMeshes()
+    meshes = StaleMeshes()
     try:
         train(0)
-        stale.remember()
+        meshes.remember()
         dist.destroy_process_group()
         gc.collect()
+        assert meshes.collect_holders() >= 1, "torch no longer caches a rehearsal's mesh"
+        meshes.watch()
         real = train(1)
-        kept = [m for m in gc.get_objects() if isinstance(m, DeviceMesh) and m is not real and m == real]
-        assert any(list(m.get_coordinate()) == [0, 0] for m in kept), "torch no longer caches a rehearsal's mesh"
-        reseated, _ = stale.reseat(retire=True)
-        assert reseated >= 1
-        assert all(list(m.get_coordinate()) == list(real.get_coordinate()) == [0, 1] for m in kept)
+        assert meshes.replaced >= 1
+        specs = [s for s in gc.get_objects() if type(s).__name__ == "DTensorSpec"]
+        assert specs and all(s.mesh is real for s in specs if s.mesh == real)  # the caches' specs hold rank 1's mesh
+        meshes.finish()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("assigned", [True, False])
-def test_the_second_run_re_seats_the_rehearsals_cached_meshes_assigned_or_failed(mesh_class: type[Mesh],
+def test_the_second_run_replaces_the_rehearsals_cached_meshes_assigned_or_failed(mesh_class: type[Mesh],
                                                                                  assigned: bool) -> None:
     """Whether the rehearsal was assigned (it remembered its meshes once warm) or raised before
-    (a cold standby follows): the meshes torch's caches kept take the second run's coordinates."""
+    (a cold standby follows): the second run's mesh takes the cached mesh's place."""
     rehearsal.allow()
     rehearsal.begin()
-    cache = {Mesh("2x2", (0, 0)): "spec"}
+    spec = Spec(Mesh("2x2", (0, 0)))  # held by a cache
     if assigned:
         rehearsal.remember_meshes()
         with pytest.raises(rehearsal.Rehearsed):
@@ -255,5 +277,5 @@ def test_the_second_run_re_seats_the_rehearsals_cached_meshes_assigned_or_failed
     rehearsal.tear_down()
     assert rehearsal.carried() == ((ASSIGNED, 1.0, True) if assigned else (None, 0.0, True))
     real = Mesh("2x2", (1, 1))  # the second run's
-    assert rehearsal.reseat_meshes(retire=True) == (1, 0) and real.get_coordinate() == (1, 1)
-    assert next(iter(cache)).get_coordinate() == (1, 1)
+    assert spec.mesh is real
+    assert rehearsal.finish_meshes() == (1, 0)

@@ -139,7 +139,9 @@ def tear_down() -> None:
         _assignment = None
     _phase = Phase.OVER
     gc.collect()
-    gc.freeze()  # what survived is long-lived (modules, torch's caches): the second run's scans skip it
+    _stale.collect_holders()  # the rehearsal's meshes torch's caches hold, and where
+    _stale.watch()  # each mesh the second run makes takes their place at once
+    gc.freeze()  # what survived is long-lived (modules, torch's caches): later collections skip it
     try:
         import torch
 
@@ -156,10 +158,10 @@ def remember_meshes() -> None:
     _stale.remember()
 
 
-def reseat_meshes(retire: bool) -> tuple[int, int]:
-    """The second run made (some of) its meshes: the rehearsal's that torch's caches hold take
-    their state (:mod:`tmrun.worker.stale_meshes`); ``retire``: the last call (the first step
-    is next), the others become equal to nothing. Returns (re-seated, retired)."""
-    if _phase is not Phase.OVER or not _stale.pending():
+def finish_meshes() -> tuple[int, int]:
+    """Before the second run's first step: (the rehearsal meshes a mesh of this run replaced,
+    those no mesh of this run matched, now retired: :mod:`tmrun.worker.stale_meshes`)."""
+    if _phase is not Phase.OVER:
         return 0, 0
-    return _stale.reseat(retire)
+    retired = _stale.finish()
+    return _stale.replaced, retired

@@ -25,6 +25,7 @@ waits inside until the controller promotes it to a rank.
 from __future__ import annotations
 
 import signal
+import sys
 from typing import Any, Iterator
 
 import torch
@@ -151,8 +152,6 @@ class Runtime:
         """What a joiner receives: modules, optimizers, objects with ``state_dict`` /
         ``load_state_dict``, plain picklable values. A user's optimizer given here keeps being
         stepped as ``opt.step()`` and is guarded (:mod:`tmrun.worker.optimizer`)."""
-        if self._ctx.pending_join is not None:  # a joiner after its rehearsal: its meshes are built by now
-            self._standby.reseat_rehearsal_meshes(retire=False)
         self._ctx.tracked.track(**objects)
         for obj in objects.values():
             if isinstance(obj, torch.nn.parallel.DistributedDataParallel):
@@ -221,6 +220,11 @@ def drop_for_second_run() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     tmrun_backend.forget_groups()
+    # DTensor's random-state tracker is made once per process, from the first random op's mesh
+    # (the rehearsal's): the second run makes its own, as a fresh process would
+    dtensor_random = sys.modules.get("torch.distributed.tensor._random")
+    if dtensor_random is not None and getattr(dtensor_random, "_rng_tracker", None) is not None:
+        dtensor_random._rng_tracker = None
 
 
 def init() -> Runtime:

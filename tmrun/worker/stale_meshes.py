@@ -1,30 +1,37 @@
-"""The device meshes a standby's rehearsal leaves behind in torch's caches, re-seated as its rank.
+"""The device meshes a standby's rehearsal leaves in torch's caches, replaced by its second run's.
 
-torch's DTensor caches (the sharding propagation's, the redistribute planner's) are keyed by
-``DeviceMesh`` equality, which compares a mesh's layout and dimension names, not the coordinates
-of the process that made it (every rank of a job builds equal meshes). A standby's rehearsal
-(:mod:`tmrun.worker.rehearsal`) fills them as rank 0; after it is assigned rank r, the second
-run's meshes are equal to the rehearsal's, so a cache hit hands it a spec holding a rehearsal
-mesh, whose coordinates are rank 0's: a shard's offset computed from it is another rank's (on
-an HSDP job, the joiner's replica diverged silently). Those cache hits are what makes the
-rehearsal worth it (its joiner's first step costs one steady step instead of several), so the
-caches are kept and their meshes made right instead:
+torch's DTensor caches (the sharding propagation's, in C++ and Python, the redistribute
+planner's) are keyed by ``DeviceMesh`` equality, which compares a mesh's layout and dimension
+names, not the coordinates of the process that made it (every rank of a job builds equal
+meshes). A standby's rehearsal (:mod:`tmrun.worker.rehearsal`) fills them as rank 0; after it is
+assigned rank r, its second run's meshes equal the rehearsal's, so a cache hit hands the second
+run a spec that holds a *rehearsal* mesh: its coordinates are rank 0's (a shard's offset computed
+from it is another rank's: on an HSDP job the joiner's replica diverged silently), and it is
+another object than the script's mesh (FSDP2 refuses a parameter whose mesh is not the one
+given to ``fully_shard``). Those cache hits are what makes the rehearsal worth it (its joiner's
+first step costs about one steady step instead of several), so the caches are kept and every
+reference they hold to a rehearsal mesh is made a reference to the second run's mesh:
 
-* the rehearsal's meshes are remembered (weakly) while it waits (:meth:`StaleMeshes.remember`);
-  once its objects are collected, those still alive are the ones torch's caches hold;
-* once the second run made its own meshes, each such mesh takes over the state of the second
-  run's mesh equal to it (:meth:`StaleMeshes.reseat`): its coordinates and group names are then
-  rank r's, whichever cache hands it out; checked with ``get_coordinate()``;
-* a rehearsal mesh that no mesh of the second run equals (yet) is *retired*: equal to no other
-  mesh, so no cache lookup can return it (that cache entry is only cold).
+* :meth:`StaleMeshes.remember`: the meshes alive once the rehearsal is warm (weakly);
+* :meth:`StaleMeshes.collect_holders`: once the rehearsal's objects are collected, those still
+  alive are held by torch's caches; the containers that hold them are found (one scan);
+* :meth:`StaleMeshes.watch`: during the second run every new mesh, as soon as torch made it
+  (``DeviceMesh.__init__`` returned), takes the place of the rehearsal meshes equal to it: each
+  holder's reference is replaced by the new mesh, and the rehearsal mesh itself takes the new
+  mesh's state (a reference left in a holder that cannot be changed, a tuple, has rank r's
+  coordinates too); checked with ``get_coordinate()``;
+* :meth:`StaleMeshes.finish` (before the first step): a rehearsal mesh that no mesh of the
+  second run matched is *retired*: equal to nothing, so no cache lookup returns it.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import sys
+import types
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 _retired_classes: dict[type, type] = {}
 
@@ -35,8 +42,6 @@ def _mesh_class() -> type | None:
 
 
 def _live_meshes() -> list[Any]:
-    """Every DeviceMesh the collector sees (objects frozen by ``gc.freeze()`` excepted: the
-    rehearsal freezes what the process held before it, so this scan is short)."""
     cls = _mesh_class()
     if cls is None:
         return []
@@ -56,43 +61,124 @@ def _retired(cls: type) -> type:
     return _retired_classes[cls]
 
 
+def _replace_in(holder: Any, stale: Any, real: Any) -> bool:
+    """Replace the references ``holder`` has to ``stale`` by ``real``; False when it cannot
+    (a tuple, or a kind of object not known here)."""
+    if isinstance(holder, dict):
+        for key, value in list(holder.items()):
+            if value is stale:
+                holder[key] = real
+        if any(key is stale for key in holder):
+            value = holder.pop(stale)
+            holder.setdefault(real, value)
+        return True
+    if isinstance(holder, list):
+        for index, item in enumerate(holder):
+            if item is stale:
+                holder[index] = real
+        return True
+    # an object's attributes: its instance dict (Python 3.11 keeps small ones inline, so the
+    # collector names the object, not a dict) and its slots; set past the class's __setattr__
+    # (a DTensorSpec recomputes its hash there: equal meshes, equal hashes)
+    names = list(vars(holder)) if hasattr(holder, "__dict__") else []
+    names += [name for klass in type(holder).__mro__ for name in getattr(klass, "__slots__", ())]
+    replaced = False
+    for name in names:
+        if getattr(holder, name, None) is stale:
+            object.__setattr__(holder, name, real)
+            replaced = True
+    return replaced
+
+
 class StaleMeshes:
     def __init__(self) -> None:
         self._refs: list[weakref.ref] = []
+        self._holders: list[Any] = []
+        self._unwatch: Callable[[], None] | None = None
+        self.replaced = 0  # rehearsal meshes whose place a mesh of the second run took
+        self.unchangeable = 0  # holders that kept a rehearsal mesh (it has the new mesh's state)
 
     def remember(self) -> int:
-        """Every mesh alive now (a rehearsal's, before its objects are dropped: those still alive
-        afterwards are held by torch's caches); returns how many."""
+        """Every mesh alive now (a rehearsal's, while it waits: those still alive once its
+        objects are collected are held by torch's caches); returns how many."""
         self._refs = [weakref.ref(mesh) for mesh in _live_meshes()]
         return len(self._refs)
 
-    def pending(self) -> bool:
-        return any(ref() is not None for ref in self._refs)
+    def _stale(self) -> list[Any]:
+        return [mesh for mesh in (ref() for ref in self._refs) if mesh is not None]
 
-    def reseat(self, retire: bool) -> tuple[int, int]:
-        """Each remembered mesh equal to a mesh made since takes over that mesh's state; with
-        ``retire``, the others are retired and nothing is remembered any more. Returns (re-seated,
-        retired). Raises RuntimeError when a re-seated mesh's coordinates still differ."""
-        stale = [mesh for mesh in (ref() for ref in self._refs) if mesh is not None]
-        if not stale:
-            self._refs = []
-            return 0, 0
-        stale_ids = {id(mesh) for mesh in stale}
-        current = [mesh for mesh in _live_meshes() if id(mesh) not in stale_ids]
-        reseated, retired, left = 0, 0, []
+    def pending(self) -> bool:
+        return bool(self._stale())
+
+    def collect_holders(self) -> int:
+        """After the rehearsal's objects were collected: the containers that still hold one of
+        its meshes (torch's caches). Returns how many meshes are left to replace."""
+        stale = self._stale()
+        self._refs = [weakref.ref(mesh) for mesh in stale]
+        holders = gc.get_referrers(*stale) if stale else []
+        self._holders = [h for h in holders if h is not stale and not isinstance(h, types.FrameType)]
+        return len(stale)
+
+    def watch(self) -> None:
+        """From now on (the second run), each new mesh takes its rehearsal twins' place."""
+        cls = _mesh_class()
+        if cls is None or not self._refs or self._unwatch is not None:
+            return
+        original = cls.__init__
+
+        @functools.wraps(original)
+        def init(mesh: Any, *args: Any, **kwargs: Any) -> None:
+            original(mesh, *args, **kwargs)
+            self.take_place(mesh)
+
+        cls.__init__ = init  # type: ignore[misc]
+
+        def unwatch() -> None:
+            cls.__init__ = original  # type: ignore[misc]
+
+        self._unwatch = unwatch
+
+    def take_place(self, real: Any) -> int:
+        """``real`` (a mesh of the second run) replaces the rehearsal meshes equal to it in every
+        holder; returns how many. Raises RuntimeError when one kept other coordinates."""
+        stale = [mesh for mesh in self._stale() if mesh is not real and mesh == real]
         for mesh in stale:
-            twin = next((other for other in current if other == mesh), None)
-            if twin is None:
-                if retire:
-                    mesh.__class__ = _retired(type(mesh))
-                    retired += 1
-                else:
-                    left.append(weakref.ref(mesh))
-                continue
+            for holder in self._holders:
+                if not _replace_in(holder, mesh, real) and any(item is mesh for item in _items(holder)):
+                    self.unchangeable += 1
             mesh.__dict__.clear()
-            mesh.__dict__.update(twin.__dict__)
-            if mesh.get_coordinate() != twin.get_coordinate():
-                raise RuntimeError("a rehearsal's device mesh kept other coordinates after it was re-seated")
-            reseated += 1
-        self._refs = [] if retire else left
-        return reseated, retired
+            mesh.__dict__.update(real.__dict__)
+            if mesh.get_coordinate() != real.get_coordinate():
+                raise RuntimeError("a rehearsal's device mesh kept other coordinates after the second run's took its place")
+        if stale:
+            ids = {id(mesh) for mesh in stale}
+            self._refs = [ref for ref in self._refs if id(ref()) not in ids and ref() is not None]
+            self.replaced += len(stale)
+        if not self._refs:
+            self._stop()
+        return len(stale)
+
+    def finish(self) -> int:
+        """Before the first step: the rehearsal meshes no mesh of the second run matched are
+        retired (equal to nothing); stop watching. Returns how many were retired."""
+        retired = 0
+        for mesh in self._stale():
+            mesh.__class__ = _retired(type(mesh))
+            retired += 1
+        self._refs = []
+        self._stop()
+        return retired
+
+    def _stop(self) -> None:
+        self._holders = []
+        if self._unwatch is not None:
+            self._unwatch()
+            self._unwatch = None
+
+
+def _items(holder: Any) -> list[Any]:
+    if isinstance(holder, (tuple, list, set, frozenset)):
+        return list(holder)
+    if isinstance(holder, dict):
+        return [*holder.keys(), *holder.values()]
+    return []

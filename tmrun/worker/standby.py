@@ -266,7 +266,7 @@ class Standby:
         started, connected = ctx.pending_join
         ctx.pending_join = None
         tmrun_backend.set_joining(None)  # groups created from now on are new groups of every rank
-        self.reseat_rehearsal_meshes(retire=True)
+        self._finish_rehearsal_meshes()
         try:
             if self._planned_join is not None:
                 connected = self._join_groups_built()
@@ -279,14 +279,14 @@ class Standby:
             log(f"rank {ctx.rank}: lost a member while joining ({exc}); waiting for the next plan")
             return self._recovery.recover()
 
-    def reseat_rehearsal_meshes(self, retire: bool) -> None:
-        """After a rehearsal: the device meshes torch's caches kept from it take this rank's
-        state (tmrun.worker.stale_meshes); ``retire``: the last call, before the first step."""
-        reseated, retired = rehearsal.reseat_meshes(retire)
-        if reseated or retired:
-            log(f"rank {self._ctx.rank}: {reseated} device mesh(es) that torch's caches kept from the rehearsal "
-                f"re-seated as rank {self._ctx.rank}" + (f", {retired} retired (no mesh of this run matches)"
-                                                          if retired else ""))
+    def _finish_rehearsal_meshes(self) -> None:
+        """After a rehearsal: say how many of the device meshes torch's caches kept from it this
+        run's meshes replaced (tmrun.worker.stale_meshes); the others are retired now."""
+        replaced, retired = rehearsal.finish_meshes()
+        if replaced or retired:
+            log(f"rank {self._ctx.rank}: {replaced} device mesh(es) that torch's caches kept from the rehearsal "
+                f"replaced by this run's (rank {self._ctx.rank})" + (
+                    f", {retired} retired (no mesh of this run matches)" if retired else ""))
 
     def rejoin(self, assignment: proto.Assignment) -> int:
         """A promoted joiner, past its healing but in a generation not every rank recovered
