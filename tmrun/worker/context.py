@@ -26,7 +26,7 @@ from tmrun.console import say
 from tmrun.protocol import keys, messages as proto, orphan_guard
 from tmrun.protocol.environment import LaunchEnv, Mode
 from tmrun.protocol.stores import open_job_store
-from tmrun.worker import group, rehearsal, startup_replay
+from tmrun.worker import group, rehearsal, startup_replay, warm_imports
 from tmrun.worker.drills import DrillRunner
 from tmrun.worker.interrupt import StepInterrupter
 from tmrun.worker.leave import exit_now
@@ -156,6 +156,10 @@ class Context:
             if self._job_has_subgroups():
                 if rehearsal.enabled(env.shadow_steps):  # the sandbox as rank 0, run again once assigned
                     self.startup_replayer = startup_replay.replay(self._startup_recording())
+                    # what rank 0's set-up imported, before the rehearsal freezes what the process
+                    # holds (tmrun.worker.rehearsal.begin): the collection between the two runs,
+                    # on the recovery's path, then sees only what the rehearsal made
+                    warm_imports.Importer(self.require_store(), log, quiet_if_none=True).poll()
                     rehearsal.begin()
                     group.init_local(env.world_size)
                     return

@@ -61,20 +61,19 @@ def _retired(cls: type) -> type:
     return _retired_classes[cls]
 
 
-def _replace_in(holder: Any, stale: Any, real: Any) -> bool:
-    """Replace the references ``holder`` has to ``stale`` by ``real``; False when it cannot
-    (a tuple, or a kind of object not known here)."""
+def _replace_in(holder: Any, stale: dict[int, Any], real: Any) -> bool:
+    """Replace the references ``holder`` has to any mesh of ``stale`` (by id) by ``real``;
+    False when it cannot (a tuple, or a kind of object not known here)."""
     if isinstance(holder, dict):
         for key, value in list(holder.items()):
-            if value is stale:
+            if id(value) in stale:
                 holder[key] = real
-        if any(key is stale for key in holder):
-            value = holder.pop(stale)
-            holder.setdefault(real, value)
+        for key in [key for key in holder if id(key) in stale]:
+            holder.setdefault(real, holder.pop(key))
         return True
     if isinstance(holder, list):
         for index, item in enumerate(holder):
-            if item is stale:
+            if id(item) in stale:
                 holder[index] = real
         return True
     # an object's attributes: its instance dict (Python 3.11 keeps small ones inline, so the
@@ -84,7 +83,7 @@ def _replace_in(holder: Any, stale: Any, real: Any) -> bool:
     names += [name for klass in type(holder).__mro__ for name in getattr(klass, "__slots__", ())]
     replaced = False
     for name in names:
-        if getattr(holder, name, None) is stale:
+        if id(getattr(holder, name, None)) in stale:
             object.__setattr__(holder, name, real)
             replaced = True
     return replaced
@@ -141,18 +140,18 @@ class StaleMeshes:
     def take_place(self, real: Any) -> int:
         """``real`` (a mesh of the second run) replaces the rehearsal meshes equal to it in every
         holder; returns how many. Raises RuntimeError when one kept other coordinates."""
-        stale = [mesh for mesh in self._stale() if mesh is not real and mesh == real]
-        for mesh in stale:
-            for holder in self._holders:
-                if not _replace_in(holder, mesh, real) and any(item is mesh for item in _items(holder)):
-                    self.unchangeable += 1
-            mesh.__dict__.clear()
-            mesh.__dict__.update(real.__dict__)
-            if mesh.get_coordinate() != real.get_coordinate():
-                raise RuntimeError("a rehearsal's device mesh kept other coordinates after the second run's took its place")
+        stale = {id(mesh): mesh for mesh in self._stale() if mesh is not real and mesh == real}
         if stale:
-            ids = {id(mesh) for mesh in stale}
-            self._refs = [ref for ref in self._refs if id(ref()) not in ids and ref() is not None]
+            for holder in self._holders:  # one pass, whatever the number of equal rehearsal meshes
+                if not _replace_in(holder, stale, real) and any(id(item) in stale for item in _items(holder)):
+                    self.unchangeable += 1
+            for mesh in stale.values():
+                mesh.__dict__.clear()
+                mesh.__dict__.update(real.__dict__)
+                if mesh.get_coordinate() != real.get_coordinate():
+                    raise RuntimeError("a rehearsal's device mesh kept other coordinates after the second run's "
+                                       "took its place")
+            self._refs = [ref for ref in self._refs if id(ref()) not in stale and ref() is not None]
             self.replaced += len(stale)
         if not self._refs:
             self._stop()
