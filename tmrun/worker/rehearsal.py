@@ -154,7 +154,7 @@ def tear_down() -> None:
 def remember_meshes() -> None:
     """The rehearsal is warm (its shadow steps done): the device meshes alive now, its own and
     any held by torch's caches (those still alive after its objects are collected are the ones
-    to re-seat). Scanned here, while waiting, not after the assignment."""
+    to replace). Scanned here, while waiting, not after the assignment."""
     _stale.remember()
 
 
