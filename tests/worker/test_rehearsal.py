@@ -11,9 +11,8 @@ from typing import Iterator
 
 import pytest
 
-from tmrun.launcher import standby_worker
 from tmrun.protocol import messages as proto
-from tmrun.worker import rehearsal, runtime
+from tmrun.worker import rehearsal, runtime, standby_process
 from tmrun.worker.stale_meshes import StaleMeshes
 
 ASSIGNED = proto.Assignment(rank=3, gen=1)
@@ -60,7 +59,7 @@ END = "    rehearsal.end(proto.Assignment(rank=3, gen=1), 12.5)\n"
 
 
 def test_assigned_in_the_rehearsal_the_script_runs_again_as_that_rank(tmp_path: Path, fresh_state: list[str]) -> None:
-    standby_worker._run_with_rehearsal("path", str(_script(tmp_path, END)), [])
+    standby_process._run_with_rehearsal("path", str(_script(tmp_path, END)), [])
     assert _runs(tmp_path) == ["False None", "True 3"]  # the second run's init() takes rank 3 at once
     assert fresh_state == ["dropped"]
     assert rehearsal.carried() == (ASSIGNED, 12.5, True)
@@ -68,7 +67,7 @@ def test_assigned_in_the_rehearsal_the_script_runs_again_as_that_rank(tmp_path: 
 
 def test_a_script_that_swallows_the_rehearsals_end_is_run_again_all_the_same(tmp_path: Path) -> None:
     body = "    try:\n    " + END + "    except BaseException:\n        pass\n"
-    standby_worker._run_with_rehearsal("path", str(_script(tmp_path, body)), [])
+    standby_process._run_with_rehearsal("path", str(_script(tmp_path, body)), [])
     assert _runs(tmp_path) == ["False None", "True 3"]
     assert rehearsal.pending_assignment() is None  # the second run is no rehearsal
 
@@ -81,7 +80,7 @@ def test_the_rehearsals_end_passes_a_frameworks_except_exception() -> None:
 def test_a_failed_rehearsal_runs_the_script_again_as_a_cold_standby(tmp_path: Path,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     body = "    raise EOFError('Ran out of input')\n"
-    standby_worker._run_with_rehearsal("path", str(_script(tmp_path, body)), [])
+    standby_process._run_with_rehearsal("path", str(_script(tmp_path, body)), [])
     assert _runs(tmp_path) == ["False None", "True None"]  # no assignment: the cold wait in tmrun.init()
     err = capsys.readouterr().err
     assert "the script's rehearsal failed (EOFError: Ran out of input); it waits for its rank cold" in err
@@ -92,13 +91,13 @@ def test_a_failure_after_the_rehearsal_is_the_scripts_own(tmp_path: Path) -> Non
     """The second run, or a run that was no rehearsal, raises as any script does."""
     script = _script(tmp_path, END + "if second:\n    raise ValueError('bad batch')\n")
     with pytest.raises(ValueError, match="bad batch"):
-        standby_worker._run_with_rehearsal("path", str(script), [])
+        standby_process._run_with_rehearsal("path", str(script), [])
     assert _runs(tmp_path) == ["False None", "True 3"]
 
 
 def test_an_interrupt_during_the_rehearsal_is_not_a_failed_rehearsal(tmp_path: Path) -> None:
     with pytest.raises(KeyboardInterrupt):
-        standby_worker._run_with_rehearsal("path", str(_script(tmp_path, "    raise KeyboardInterrupt\n")), [])
+        standby_process._run_with_rehearsal("path", str(_script(tmp_path, "    raise KeyboardInterrupt\n")), [])
     assert _runs(tmp_path) == ["False None"]
 
 
@@ -107,7 +106,7 @@ def test_a_job_without_subgroups_runs_once(tmp_path: Path, fresh_state: list[str
     sandbox, promoted in the same run) runs once."""
     path = tmp_path / "plain.py"
     path.write_text(f"open({str(tmp_path / 'runs.txt')!r}, 'a').write('run\\n')\n")
-    standby_worker._run_with_rehearsal("path", str(path), [])
+    standby_process._run_with_rehearsal("path", str(path), [])
     assert _runs(tmp_path) == ["run"] and fresh_state == []
 
 
@@ -130,7 +129,7 @@ def test_the_rehearsals_objects_are_collected_before_the_second_run(tmp_path: Pa
                      "    builtins._tm_alive = builtins._tm_rehearsal_ref() is not None\n")
     gc.disable()  # only the teardown's collection may free the cycle
     try:
-        standby_worker._run_with_rehearsal("path", str(script), [])
+        standby_process._run_with_rehearsal("path", str(script), [])
     finally:
         gc.enable()
     import builtins

@@ -142,10 +142,10 @@ class StandbyPool:
         env[environment.ENV_LOCAL_RANK] = str(local_rank)
         if self._log_dir:
             with open(os.path.join(self._log_dir, f"standby-{index}.log"), "ab") as log:
-                process = subprocess.Popen([sys.executable, "-m", "tmrun.launcher.standby_worker"], env=env,
+                process = subprocess.Popen([sys.executable, "-m", "tmrun.worker.standby_process"], env=env,
                                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         else:
-            process = subprocess.Popen([sys.executable, "-m", "tmrun.launcher.standby_worker"], env=env,
+            process = subprocess.Popen([sys.executable, "-m", "tmrun.worker.standby_process"], env=env,
                                        stdin=subprocess.DEVNULL)
         say(f"standby worker {index} started (pid {process.pid})")
         return StandbyMember(index, process, ready_file, local_rank)

@@ -10,7 +10,7 @@ So the standby *rehearses*: it runs the script in its sandbox as rank 0 (every g
 byte on the network), builds its mesh, model and optimizer and runs ``--shadow-steps`` steps,
 which fills those per-process caches with the job's real shapes; then it reports warm and waits
 for its assignment. Assigned a rank, it leaves the rehearsal (:class:`Rehearsed`, raised from
-``steps()``), the runner (:mod:`tmrun.launcher.standby_worker`) tears the rehearsal's runtime and
+``steps()``), the runner (:mod:`tmrun.worker.standby_process`) tears the rehearsal's runtime and
 process groups down and runs the script again, and its ``tmrun.init()`` takes the assignment
 at once: the script builds as that rank, joins the survivors' groups and is healed, its caches
 warm. The rehearsal's objects are garbage by then (collected before the second run).

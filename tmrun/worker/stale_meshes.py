@@ -45,7 +45,9 @@ def _live_meshes() -> list[Any]:
     cls = _mesh_class()
     if cls is None:
         return []
-    return [obj for obj in gc.get_objects() if isinstance(obj, cls)]
+    # by the type's MRO, not isinstance(): DeviceMesh's metaclass asks the object itself, and a
+    # dead weak proxy among the collector's objects raises ReferenceError when asked
+    return [obj for obj in gc.get_objects() if cls in type(obj).__mro__]
 
 
 def _retired(cls: type) -> type:

@@ -1,4 +1,4 @@
-"""Entry point of a single-node standby process.
+"""Entry point of a standby worker process (started by tmrun.launcher.standby_pool).
 
 It imports torch (the bulk of a cold start), says it is warm, and waits. As soon as the job's
 script turns out to use the tmrun worker API (an active rank called ``tmrun.init()``), it runs
@@ -46,7 +46,7 @@ def _run_script(kind: str, name: str, args: list[str]) -> None:
 def _run_with_rehearsal(kind: str, name: str, args: list[str]) -> None:
     """Run the script; a job with subgroups makes its first run a rehearsal
     (tmrun.worker.rehearsal): assigned (or failed) there, it runs a second time, the real one."""
-    from tmrun.worker import rehearsal
+    from tmrun.worker import rehearsal  # here: importing it loads torch, which main() does first
 
     rehearsal.allow()
     try:
