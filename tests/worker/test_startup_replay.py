@@ -79,3 +79,29 @@ def test_a_standby_does_not_wait_for_a_recording_that_never_comes() -> None:
     store = dist.HashStore()
     store.set(keys.STARTUP_MESSAGES, pickle.dumps([]))
     assert startup_replay.await_recording(store, lambda: None) == []
+
+
+def test_the_recording_is_fetched_at_the_rehearsals_first_receive_only() -> None:
+    fetched: list[int] = []
+    message = torch.tensor([3], dtype=torch.int64)
+
+    def fetch() -> list:
+        fetched.append(1)
+        return [(("0", 1, 0, 8, "torch.int64"), message.numpy().tobytes())]
+
+    replayer = startup_replay.replay(fetch)
+    pg = tb.TmrunProcessGroup(0, 2, local=True)
+    pg.setGroupName("0")
+    t = torch.ones(2)
+    pg.allreduce([t]).wait()  # a job without point-to-point traffic never waits for rank 0's first step
+    assert fetched == []
+    got = []
+    for _ in range(2):
+        buf = torch.full((1,), -1, dtype=torch.int64)
+        pg.recv([buf], 1, 0).wait()
+        got.append(int(buf.item()))
+    assert got == [3, 0] and fetched == [1] and replayer is not None and replayer.replayed == 1
+    startup_replay.replay(lambda: None)  # rank 0's first step never ended: zeros
+    buf = torch.full((1,), -1, dtype=torch.int64)
+    pg.recv([buf], 1, 0).wait()
+    assert int(buf.item()) == 0

@@ -1820,8 +1820,7 @@ def created_groups() -> list:
 def forget_groups() -> None:
     """Shut every group of this process down and forget them (a standby's rehearsal is over:
     tmrun.worker.rehearsal; its groups are local, nothing to drain)."""
-    for pg in reversed(created_groups()):
-        pg.shutdown(0.0, device_plane=False, stop_timeout=EXIT_STOP_TIMEOUT)
+    close_groups_at_exit()
     _CREATED.clear()
 
 

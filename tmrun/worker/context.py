@@ -155,7 +155,7 @@ class Context:
                 return
             if self._job_has_subgroups():
                 if rehearsal.enabled(env.shadow_steps):  # the sandbox as rank 0, run again once assigned
-                    self.startup_replayer = startup_replay.replay(self._startup_recording())
+                    self.startup_replayer = startup_replay.replay(self._startup_recording)
                     # what rank 0's set-up imported, before the rehearsal freezes what the process
                     # holds (tmrun.worker.rehearsal.begin): the collection between the two runs,
                     # on the recovery's path, then sees only what the rehearsal made
@@ -183,8 +183,8 @@ class Context:
         return raw == b"1"
 
     def _startup_recording(self) -> list[Any] | None:
-        """A standby about to rehearse: the P2P messages rank 0 received in its first step
-        (tmrun.worker.startup_replay), once that step's body ran."""
+        """A standby's rehearsal at its first receive: the P2P messages rank 0 received in its
+        first step (tmrun.worker.startup_replay), once that step's body ran."""
         def check() -> None:
             try:
                 self._check_waiting(float("inf"), "rank 0's first step")

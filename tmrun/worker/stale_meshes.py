@@ -108,9 +108,6 @@ class StaleMeshes:
     def _stale(self) -> list[Any]:
         return [mesh for mesh in (ref() for ref in self._refs) if mesh is not None]
 
-    def pending(self) -> bool:
-        return bool(self._stale())
-
     def collect_holders(self) -> int:
         """After the rehearsal's objects were collected: the containers that still hold one of
         its meshes (torch's caches). Returns how many meshes are left to replace."""
@@ -178,8 +175,5 @@ class StaleMeshes:
 
 
 def _items(holder: Any) -> list[Any]:
-    if isinstance(holder, (tuple, list, set, frozenset)):
-        return list(holder)
-    if isinstance(holder, dict):
-        return [*holder.keys(), *holder.values()]
-    return []
+    """What a holder that :func:`_replace_in` cannot change holds (a tuple or a set)."""
+    return list(holder) if isinstance(holder, (tuple, set, frozenset)) else []

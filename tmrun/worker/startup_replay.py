@@ -8,7 +8,8 @@ pipeline job would fail, and its standby would wait cold.
 So rank 0 of a job with subgroups records the small point-to-point messages it receives during
 its first step (:class:`Recorder`: at most :data:`MAX_MESSAGE` bytes each, :data:`MAX_TOTAL` in
 all) and publishes them in the job's store once that step's body ran; the standby, which
-rehearses as rank 0, waits for them before its rehearsal starts and replays them
+rehearses as rank 0, waits for them at its rehearsal's first receive (a job without
+point-to-point traffic never waits) and replays them
 (:class:`Replayer`) to its own receives of the same group, source, tag, size and dtype, in the
 order they came; any other receive (an activation larger than the cap, or a later step's) gets
 zeros as before. Nothing goes on the network: the recording travels once through the store.
@@ -78,16 +79,31 @@ class Recorder:
         return self._active
 
 
-class Replayer:
-    """A rehearsal's receives served from rank 0's recording."""
+Recording = list[tuple[Key, bytes]]
 
-    def __init__(self, messages: list[tuple[Key, bytes]]) -> None:
+
+class Replayer:
+    """A rehearsal's receives served from rank 0's recording. ``messages`` is the recording, or
+    what fetches it (called at the rehearsal's first receive, not before: a job without
+    point-to-point traffic never waits for it; None from it: no recording, zeros)."""
+
+    def __init__(self, messages: Recording | Callable[[], Recording | None]) -> None:
         self._queues: dict[Key, deque[bytes]] = defaultdict(deque)
-        for key, data in messages:
-            self._queues[key].append(data)
+        self._load: Callable[[], Recording | None] | None = None
+        if callable(messages):
+            self._load = messages
+        else:
+            self._queue(messages)
         self.replayed = 0
 
+    def _queue(self, messages: Recording | None) -> None:
+        for key, data in messages or []:
+            self._queues[key].append(data)
+
     def __call__(self, group: str, src: int, tag: int, t: torch.Tensor) -> bool:
+        if self._load is not None:
+            load, self._load = self._load, None
+            self._queue(load())
         queue = self._queues.get(_key(group, src, tag, t))
         if not queue:
             return False
@@ -98,7 +114,7 @@ class Replayer:
         return True
 
 
-def await_recording(store: Any, check: Callable[[], None], wait: float = WAIT) -> list[tuple[Key, bytes]] | None:
+def await_recording(store: Any, check: Callable[[], None], wait: float = WAIT) -> Recording | None:
     """A standby about to rehearse: rank 0's recording, once its first step's body ran (None
     after ``wait`` seconds: rank 0 did not get that far). ``check`` is called between looks
     (it raises or exits when the standby must stop waiting)."""
@@ -111,8 +127,9 @@ def await_recording(store: Any, check: Callable[[], None], wait: float = WAIT) -
     return pickle.loads(store.get(keys.STARTUP_MESSAGES))
 
 
-def replay(messages: list[tuple[Key, bytes]] | None) -> Replayer | None:
-    """Serve the rehearsal's receives from ``messages`` (None: stop replaying)."""
+def replay(messages: Recording | Callable[[], Recording | None] | None) -> Replayer | None:
+    """Serve the rehearsal's receives from ``messages`` (or what fetches them at the first
+    receive; None: stop replaying)."""
     replayer = None if messages is None else Replayer(messages)
     tmrun_backend.set_p2p_replay(replayer)
     return replayer
