@@ -1,8 +1,8 @@
 """Pipeline parallelism x data parallelism in place (examples/train_pp.py: torch.distributed.pipelining,
 2 stages x 2 replicas on 4 ranks, one standby): a rank of the first or the last stage killed at a
 step's start, in forward or in backward, is replaced in place, healed from its own stage's
-replica (tm.set_shard), its pipeline runs torch's start-up again with the joiner (the other
-replica's pipeline goes on), and every rank ends bitwise equal to the same script under plain
+replica (tm.set_shard), the joiner runs its pipeline's start-up alone from the messages the lost
+rank received in its own (no survivor runs it again), and every rank ends bitwise equal to the same script under plain
 torchrun. Also: a joiner lost during that recovery, a stage lost in every replica (the group
 restart), a lost node replaced by a standby node, and examples/train_3d.py (PP x TP x DP on 8
 ranks)."""
@@ -63,10 +63,12 @@ def test_a_lost_stage_rank_is_replaced_in_place_bitwise_equal_to_torchrun(
     lost = int(failure.split(",")[0].split("=")[1])
     # healed from its own stage: the replica of the same stage is the only donor that sent
     assert f"rank {lost}: recovered" in log and "from 1 donor" in log, log[-4000:]
-    # the joiner's pipeline neighbour started its pipeline again; the other replica's did not
-    assert f"rank {neighbour}: the pipeline of rank(s) [{lost}] runs torch's start-up again" in log, log[-4000:]
-    others = set(range(RANKS)) - {lost, neighbour}
-    assert not any(f"rank {r}: the pipeline of" in log for r in others), log[-4000:]
+    # the joiner ran its pipeline's start-up alone, from the lost rank's recording; no survivor
+    # (its neighbour included) ran it again
+    assert re.search(rf"rank {lost}: the pipeline start-up of schedule 0 ran on this joiner alone \([1-9]\d* of the",
+                     log), log[-4000:]
+    assert "runs torch's start-up again" not in log, log[-4000:]
+    assert neighbour != lost
     assert finals == reference[schedule], (finals, reference[schedule])
     # the standby rehearsed as rank 0 (the first stage) in its sandbox, its pipeline's start-up
     # fed with the messages rank 0 received in its first step, then ran again as the lost rank
@@ -77,37 +79,65 @@ def test_a_lost_stage_rank_is_replaced_in_place_bitwise_equal_to_torchrun(
     assert f"standby 0 runs the script again as rank {lost} after its rehearsal" in log, log[-4000:]
 
 
-def test_a_planned_migration_of_a_stage_rank_recomputes_nothing(tmp_path: Path,
-                                                                 reference: dict[str, dict[int, str]]) -> None:
+def test_a_rank_lost_before_its_start_up_was_recorded_starts_its_pipeline_again(
+        tmp_path: Path, reference: dict[str, dict[int, str]]) -> None:
+    """Rank 3 (the last stage) left no recording of its pipeline's start-up (as a rank lost
+    inside its first start-up; a test-only hook keeps it from publishing): its joiner cannot run
+    the start-up alone, so its neighbour (rank 2) runs the start-up again with it, the other
+    replica's pipeline goes on, and the bits are torchrun's."""
+    code, log, finals = _run(tmp_path / "tmrun", "tmrun", "1f1b", "--inject-failure", "rank=3,step=4",
+                             env={"TMRUN_TEST_PIPELINE_UNRECORDED": "3"})
+    assert code == 0, log[-4000:]
+    assert "1 in-place recoveries" in log and "group restart" not in log, log[-4000:]
+    assert "rank 2: the pipeline of rank(s) [3] runs torch's start-up again" in log, log[-4000:]
+    assert not any(f"rank {r}: the pipeline of" in log for r in (0, 1)), log[-4000:]
+    assert "ran on this joiner alone" not in log, log[-4000:]
+    assert finals == reference["1f1b"], (finals, reference["1f1b"])
+
+
+def test_a_planned_migration_of_a_stage_rank_recomputes_nothing(tmp_path: Path) -> None:
     """tm.migrate() by rank 1 (the last stage of the first replica) after step 5: the joiner is
-    handed its state (not healed), and its pipeline still starts again with it; nothing is
-    recomputed and the bits are torchrun's."""
-    work = tmp_path / "tmrun"
-    work.mkdir()
+    handed its state (not healed) and runs its pipeline's start-up alone from the leaver's
+    recording; nothing is recomputed and the bits are torchrun's. 14 paced steps: a rehearsed
+    standby is warm only after its rehearsal (the switch waits for it), and the joiner must run
+    steps after it."""
+    steps = "14"
+    work, reference_work = tmp_path / "tmrun", tmp_path / "torchrun"
+    for folder in (work, reference_work):
+        folder.mkdir()
+    args = [str(SCRIPT), "--steps", steps, "--schedule", "1f1b"]
+    code, log = run_job(torchrun_cmd("--standalone", "--nproc-per-node", str(RANKS), *args,
+                                     "--final", str(reference_work / "final-{rank}")),
+                        reference_work / "log", {}, JOB_TIMEOUT)
+    assert code == 0, log[-4000:]
     cmd = tmrun_cmd("--standalone", "--nproc-per-node", str(RANKS), "--standby", "1", "--console", "plain",
-                    str(SCRIPT), "--steps", "8", "--schedule", "1f1b", "--final", str(work / "final-{rank}"),
+                    *args, "--final", str(work / "final-{rank}"),
                     "--migrate-at", "5", "--migrate-rank", "1", "--step-time", "1.0")
     code, log = run_job(cmd, work / "log", {"TMRUN_STATE_DIR": str(work / "state")}, JOB_TIMEOUT)
     assert code == 0, log[-4000:]
     assert "planned migration, generation 1: rank 1" in log, log[-4000:]
     assert "1 in-place recoveries (1 planned), 0 steps recomputed" in log, log[-4000:]
-    assert "rank 0: the pipeline of rank(s) [1] runs torch's start-up again" in log, log[-4000:]
+    resumed = re.search(r"rank 1: recovered into generation 1 in [\d.]+s; resume at step (\d+)", log)
+    assert resumed and int(resumed.group(1)) < int(steps), log[-4000:]  # the joiner trained on
+    assert "rank 1: the pipeline start-up of schedule 0 ran on this joiner alone" in log, log[-4000:]
+    assert "runs torch's start-up again" not in log, log[-4000:]
     finals = {r: (work / f"final-{r}").read_text().strip() for r in range(RANKS)}
-    assert finals == reference["1f1b"]
+    assert finals == {r: (reference_work / f"final-{r}").read_text().strip() for r in range(RANKS)}
 
 
 def test_a_joiner_lost_during_the_recovery_is_replaced_too(tmp_path: Path,
                                                            reference: dict[str, dict[int, str]]) -> None:
     """Rank 1 (the last stage) killed at step 3's start, then its joiner killed as soon as it was
     promoted (before it built its groups and stage): the survivors give up that generation when
-    the next is published, the second standby takes rank 1, its pipeline starts again with it,
+    the next is published, the second standby takes rank 1 and runs its pipeline's start-up alone,
     and the bits are torchrun's."""
     code, log, finals = _run(tmp_path / "tmrun", "tmrun", "1f1b", "--inject-failure", "rank=1,step=3",
                              "--inject-failure", "rank=1,who=joiner")
     assert code == 0, log[-4000:]
     assert "in-place replacement, generation 2: rank 1" in log, log[-4000:]
     assert "promoted to rank 1 (generation 2) in tmrun.init()" in log, log[-4000:]
-    assert "rank 0: the pipeline of rank(s) [1] runs torch's start-up again" in log, log[-4000:]
+    assert "rank 1: the pipeline start-up of schedule 0 ran on this joiner alone" in log, log[-4000:]
+    assert "runs torch's start-up again" not in log, log[-4000:]
     assert "group restart" not in log and "Traceback" not in log, log[-4000:]
     assert finals == reference["1f1b"], (finals, reference["1f1b"])
 
@@ -137,8 +167,8 @@ THREE_D = ROOT / "examples" / "train_3d.py"
 def test_pp_tp_dp_lost_rank_is_replaced_in_place_bitwise_equal_to_torchrun(tmp_path: Path, failure: str) -> None:
     """examples/train_3d.py on a (2, 2, 2) ("dp", "pp", "tp") mesh: rank 5 (dp 1, first stage,
     tp 1) killed in 1F1B's backward is healed from rank 1 (dp 0, the same stage and tp shard);
-    its TP peers' pipelines run the start-up again with it (its own alone hung), every rank ends
-    with torchrun's bits."""
+    it runs its pipeline's start-up alone (its stage's TP collectives served locally), no other
+    rank runs it again, every rank ends with torchrun's bits."""
     finals: dict[str, dict[int, str]] = {}
     for launcher in ("torchrun", "tmrun"):
         work = tmp_path / launcher
@@ -153,7 +183,8 @@ def test_pp_tp_dp_lost_rank_is_replaced_in_place_bitwise_equal_to_torchrun(tmp_p
     assert all(finals["torchrun"][r] == finals["torchrun"][r + 4] for r in range(4))  # replicas agree
     assert "1 in-place recoveries" in log and "group restart" not in log, log[-4000:]
     assert "rank 5: recovered" in log and "from 1 donor" in log, log[-4000:]
-    assert "rank 4: every pipeline (the stages hold DTensors: TP or FSDP) runs torch's start-up again" in log, log[-4000:]
+    assert "rank 5: the pipeline start-up of schedule 0 ran on this joiner alone" in log, log[-4000:]
+    assert "runs torch's start-up again" not in log, log[-4000:]
     assert finals["tmrun"] == finals["torchrun"]
     # the standby rehearsed as rank 0 (dp 0, first stage, tp 0): nothing on the network, the
     # pipeline's start-up fed from rank 0's first step; its TP meshes replaced by rank 5's
@@ -170,7 +201,7 @@ def test_a_lost_node_of_a_pp_job_is_replaced_by_a_standby_node(tmp_path: Path,
     first replica's pipeline: stages 0 and 1), node 1 ranks 2 and 3 (the second's), node 2 stands
     by. Rank 2 is SIGKILLed at step 3's start: node 1 stops both its workers, the standby node's
     two workers take ranks 2 and 3 in one generation, each healed from its stage's replica on
-    node 0, and run their pipeline's start-up together; node 0's ranks keep their processes and
+    node 0, and each runs its pipeline's start-up alone; node 0's ranks keep their processes and
     their pipeline; the bits are torchrun's on one node."""
     work = tmp_path / "nodes"
     work.mkdir()
@@ -187,7 +218,9 @@ def test_a_lost_node_of_a_pp_job_is_replaced_by_a_standby_node(tmp_path: Path,
         assert f"promoted to rank {rank} (generation 1) in tmrun.init()" in logs[2], logs[2]
         assert re.search(rf"rank {rank}: recovered into generation 1 .*from 1 donor", logs[2]), logs[2]
     assert "rank 0: recovered into generation 1" in logs[0], logs[0]
-    assert "the pipeline of rank(s)" not in logs[0], logs[0]  # node 0's pipeline went on
+    assert "runs torch's start-up again" not in text, text[-8000:]  # node 0's pipeline went on
+    for rank in (2, 3):
+        assert f"rank {rank}: the pipeline start-up of schedule 0 ran on this joiner alone" in logs[2], logs[2]
     assert "1 in-place recoveries" in logs[0] and "Traceback" not in text, text[-8000:]
     finals = {r: (work / f"final-{r}").read_text().strip() for r in range(RANKS)}
     assert finals == reference["1f1b"], (finals, reference["1f1b"])

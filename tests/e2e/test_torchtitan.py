@@ -207,14 +207,16 @@ def test_pp_layout_rank_killed_mid_step_is_replaced_in_place(tmp_path: Path, ass
     others, each pair replicas), torchtitan's 1F1B (rank 3, the last stage, killed) and
     Interleaved 1F1B (two stages per rank; rank 1 killed): SIGKILLed mid-forward in step 4; the
     integration names each rank's stages (``tm.set_shard``) and tracks torchtitan's schedule, so
-    the joiner is healed from its stages' replica and the pipelines run torch's start-up again
-    with it; the result is torchrun's, bit for bit."""
+    the joiner is healed from its stages' replica and runs its pipelines' start-up alone, from
+    the messages the lost rank received in its own (no survivor runs it again); the result is
+    torchrun's, bit for bit."""
     reference = references(layout)
     assert reference["finals"][0] == reference["finals"][1] and reference["finals"][2] == reference["finals"][3]
     code, log, got = _run(tmp_path / "tmrun", assets, "tmrun", layout, kill=f"{killed}:{KILL_STEP}")
     _check_in_place(code, log, got, reference, killed=killed)
     assert f"rank {killed}: recovered" in log and "from 1 donor" in log, log
-    assert "runs torch's start-up again at the next step" in log, log
+    assert f"rank {killed}: the pipeline start-up of schedule 0 ran on this joiner alone" in log, log
+    assert "runs torch's start-up again" not in log, log
 
 
 def test_pure_fsdp_falls_back_to_torchtitans_own_checkpoint(tmp_path: Path, assets: Path,

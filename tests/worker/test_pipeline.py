@@ -73,6 +73,9 @@ class _Schedule(_PipelineSchedule):
         self._stage_forward_initialized = True
         self._stage_backward_initialized = True
 
+    def _initialize_stage(self, *args: Any, **kwargs: Any) -> None:
+        self._stage_forward_initialized = self._stage_backward_initialized = True
+
     def step(self, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError
 

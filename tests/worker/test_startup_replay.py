@@ -18,7 +18,7 @@ from tmrun.worker import startup_replay
 @pytest.fixture(autouse=True)
 def no_hooks() -> Iterator[None]:
     yield
-    tb.set_p2p_recorder(None)
+    tb._P2P_RECORDERS = ()
     tb.set_p2p_replay(None)
 
 
@@ -26,14 +26,14 @@ def test_rank_0_records_small_messages_and_publishes_them_once() -> None:
     store = dist.HashStore()
     recorder = startup_replay.Recorder()
     recorder.start()
-    assert tb._P2P_RECORDER is not None
+    assert len(tb._P2P_RECORDERS) == 1
     size = torch.tensor([5], dtype=torch.int64)
     blob = torch.arange(5, dtype=torch.uint8)
     big = torch.zeros(startup_replay.MAX_MESSAGE // 4 + 1)  # an activation over the cap: not recorded
     for t in (size, blob, big):
-        tb._P2P_RECORDER("3", 1, 0, t)
+        tb._P2P_RECORDERS[0]("3", 1, 0, t)
     recorder.publish(store)
-    assert tb._P2P_RECORDER is None and not recorder.active
+    assert tb._P2P_RECORDERS == () and not recorder.active
     messages = pickle.loads(store.get(keys.STARTUP_MESSAGES))
     assert [key for key, _ in messages] == [("3", 1, 0, 8, "torch.int64"), ("3", 1, 0, 5, "torch.uint8")]
     recorder.publish(dist.HashStore())  # once only
@@ -45,7 +45,7 @@ def test_the_recording_stops_at_its_total_cap(monkeypatch: pytest.MonkeyPatch) -
     recorder = startup_replay.Recorder()
     recorder.start()
     for _ in range(3):
-        tb._P2P_RECORDER("3", 1, 0, torch.zeros(2, dtype=torch.float32))  # type: ignore[misc]  (8 bytes each)
+        tb._P2P_RECORDERS[0]("3", 1, 0, torch.zeros(2, dtype=torch.float32))  # 8 bytes each
     recorder.publish(store)
     assert len(pickle.loads(store.get(keys.STARTUP_MESSAGES))) == 2
 

@@ -1395,7 +1395,7 @@ class TmrunProcessGroup(dist.ProcessGroup):
                 op.keep += [t, host]
                 if kind == "recv":
                     op.finish.append(lambda t=t, host=host: staging.from_host(t, host))
-                    if _P2P_RECORDER is not None:
+                    if _P2P_RECORDERS:
                         op.finish.append(lambda t=t, peer=peer: self._record(t, peer, tag))
             op.native.append(comm.p2p_batch_async(native_items, tag))
 
@@ -1411,8 +1411,7 @@ class TmrunProcessGroup(dist.ProcessGroup):
             t.zero_()
 
     def _record(self, t: torch.Tensor, src: int, tag: int) -> None:
-        record = _P2P_RECORDER
-        if record is not None:
+        for record in _P2P_RECORDERS:
             record(self._group_name, src, tag, t)
 
     def send(self, tensors: Any, dst: int, tag: int = 0) -> TmrunWork:
@@ -1456,7 +1455,7 @@ class TmrunProcessGroup(dist.ProcessGroup):
                 op.native.append(comm.recv_async(_raw(host), src, _tag(tag)))
                 op.keep += [t, host]
                 op.finish.append(lambda t=t, host=host: staging.from_host(t, host))
-                if _P2P_RECORDER is not None:
+                if _P2P_RECORDERS:
                     op.finish.append(lambda t=t: self._record(t, src, tag))
 
         return self._run(op, None, launch, device=("recv", (tensors, src, tag)))
@@ -1782,13 +1781,18 @@ def set_joining(generation: Optional[int]) -> None:
 # Each is called with (group name, source group rank, tag, tensor); the replayer fills the
 # tensor and returns True, or returns False (zeros then).
 P2PHook = Callable[[str, int, int, torch.Tensor], Any]
-_P2P_RECORDER: Optional[P2PHook] = None
+_P2P_RECORDERS: tuple[P2PHook, ...] = ()  # several at once: rank 0's first step and a pipeline's start-up
 _P2P_REPLAYER: Optional[P2PHook] = None
 
 
-def set_p2p_recorder(recorder: Optional[P2PHook]) -> None:
-    global _P2P_RECORDER
-    _P2P_RECORDER = recorder
+def add_p2p_recorder(recorder: P2PHook) -> None:
+    global _P2P_RECORDERS
+    _P2P_RECORDERS = (*_P2P_RECORDERS, recorder)
+
+
+def remove_p2p_recorder(recorder: P2PHook) -> None:
+    global _P2P_RECORDERS
+    _P2P_RECORDERS = tuple(r for r in _P2P_RECORDERS if r != recorder)  # bound methods: equal, not identical
 
 
 def set_p2p_replay(replayer: Optional[P2PHook]) -> None:

@@ -109,6 +109,21 @@ UNHEALABLE = "unhealable"  # why a change cannot heal in place (no live replica 
 WARM_IMPORTS_SETUP = "warm_imports/setup"  # rank 0's module names at its first step (tmrun.worker.warm_imports)
 WARM_IMPORTS_STEADY = "warm_imports/steady"  # the same once its second step committed
 STARTUP_MESSAGES = "startup_messages"  # pickled P2P messages rank 0 received in its first step (tmrun.worker.startup_replay)
+
+
+def pipeline_startup(rank: int, schedule: int) -> str:
+    """The P2P messages ``rank`` received in the start-up of its ``schedule``-th tracked pipeline
+    schedule (pickled; set once: tmrun.worker.pipeline_startup)."""
+    return f"pp_startup/{rank}/{schedule}"
+
+
+def pipeline_startup_way(gen: int, rank: int) -> str:
+    """How the joiner of ``rank`` in generation ``gen`` runs its pipeline's start-up: b"local"
+    (from the lost rank's recording) or b"network" (its pipeline's survivors run it again with it);
+    set once, by whoever asks first (compare-and-set)."""
+    return f"pp_startup_way/{gen}/{rank}"
+
+
 JOB_ID = "job_id"  # the communicator's job id (rank 0 writes it; joiners read it)
 
 

@@ -26,7 +26,7 @@ from tmrun.console import say
 from tmrun.protocol import keys, messages as proto, orphan_guard
 from tmrun.protocol.environment import LaunchEnv, Mode
 from tmrun.protocol.stores import open_job_store
-from tmrun.worker import group, rehearsal, startup_replay, warm_imports
+from tmrun.worker import group, pipeline_startup, rehearsal, startup_replay, warm_imports
 from tmrun.worker.drills import DrillRunner
 from tmrun.worker.interrupt import StepInterrupter
 from tmrun.worker.leave import exit_now
@@ -73,6 +73,9 @@ class Context:
         self.rank = 0 if standby else env.rank
         self.world_size = env.world_size
         self.tracked = TrackedState()
+        # the start-ups of tracked pipeline schedules: recorded, or a joiner's served from a recording
+        self.pipeline_startups = pipeline_startup.Startups(self._startup_peer, log)
+        self.tracked.on_pipeline = self.pipeline_startups.wrap
         self.store: dist.Store | None = None  # the in-place protocol's prefix of the agent's store
         self.job_store: dist.Store | None = None
         self.gen = 0  # this process's generation of the worker group
@@ -105,6 +108,11 @@ class Context:
         # (a plain worker too where its agent asked: a job without standbys, whose group restarts
         # the leader measures from these records; under torchrun there is no directory)
         self.progress = ProgressWriter(env.progress_dir)
+
+    def _startup_peer(self) -> tuple[dist.Store, int] | None:
+        if self.store is None or self.life.is_(Role.STANDBY):
+            return None
+        return self.store, self.rank
 
     @property
     def role(self) -> Role:

@@ -46,15 +46,25 @@ def ranks_of(schedule: Any) -> set[int]:
 def check_supported(schedule: Any) -> None:
     """A schedule whose start-up flags this torch names otherwise cannot be started again: said
     when it is tracked, not at a recovery."""
-    if not any(all(hasattr(schedule, flag) for flag in flags) for flags in _STARTED_FLAGS):
-        raise TypeError(f"tmrun: {type(schedule).__name__} keeps its start-up state in attributes this tmrun does "
-                        f"not know ({', '.join(f for flags in _STARTED_FLAGS for f in flags)} are missing): a rank "
+    if not any(all(hasattr(schedule, flag) for flag in flags) for flags in _STARTED_FLAGS) or not any(
+            callable(getattr(schedule, name, None)) for name in ("_initialize_stage", "_initialize_stages")):
+        raise TypeError(f"tmrun: {type(schedule).__name__} keeps its start-up state in attributes this tmrun does not "
+                        f"know ({', '.join(f for flags in _STARTED_FLAGS for f in flags)}, _initialize_stage(s) are "
+                        "missing): a rank "
                         "replaced in place could not run the pipeline's start-up with its neighbours")
     for stage in stages_of(schedule):
         if not isinstance(getattr(stage, "submod", None), torch.nn.Module) or not hasattr(stage, "group"):
             raise TypeError(f"tmrun: {type(schedule).__name__}'s stage {type(stage).__name__} holds its module or its "
                             "process group in attributes this tmrun does not know (submod, group): its failure "
                             "drills and its pipeline's restart after a replacement could not find them")
+
+
+def started(schedule: Any) -> bool:
+    """Whether ``schedule`` ran its start-up (forward and backward) already."""
+    for flags in _STARTED_FLAGS:
+        if all(hasattr(schedule, flag) for flag in flags):
+            return all(getattr(schedule, flag) for flag in flags)
+    return False
 
 
 def tensor_parallel(schedule: Any) -> bool:

@@ -21,14 +21,14 @@ import pickle
 import threading
 import time
 from collections.abc import Collection
-from typing import Callable, NoReturn
+from typing import Any, Callable, NoReturn
 
 import torch.distributed as dist
 
 from tmrun.comm import native
 from tmrun.comm.backend import TmrunProcessGroup
 from tmrun.protocol import keys, messages as proto
-from tmrun.worker import cpu_budget, group, pipeline, replica_check, rng, subgroups, vote
+from tmrun.worker import cpu_budget, group, pipeline, pipeline_startup, replica_check, rng, subgroups, vote
 from tmrun.worker.buffers import unsynchronised_buffers
 from tmrun.worker.context import FAST_POLL, Context, GenerationFile, RecoveryError, Superseded, log
 from tmrun.worker.device_transfer import device_link
@@ -252,6 +252,23 @@ class Recovery:
                 log(f"rank {ctx.rank}: lost a member again during recovery ({exc}); waiting for the next plan")
 
 
+def _start_pipelines(ctx: Context, store: Any, joined: set[int]) -> None:
+    """A joiner runs its pipeline's start-up alone, from the lost rank's recording
+    (tmrun.worker.pipeline_startup); where that rank left none, the survivors of its pipeline (of
+    every pipeline, where the stages hold DTensors) run the start-up again with it."""
+    schedules = len(ctx.tracked.pipelines)
+    if ctx.life.is_(Role.JOINING):  # a standby's (or a migration's) new process: its schedules never started
+        ctx.pipeline_startups.expect_join(ctx.gen, ctx.rank)
+        return
+    networked = {rank for rank in joined if not pipeline_startup.local_way(store, ctx.gen, rank, schedules)}
+    everywhere = bool(networked) and any(map(pipeline.tensor_parallel, ctx.tracked.pipelines))
+    if pipeline.restart_where_joined(ctx.tracked.pipelines, networked, everywhere):
+        whose = ("every pipeline (the stages hold DTensors: TP or FSDP) runs" if everywhere
+                 else f"the pipeline of rank(s) {sorted(networked)} runs")
+        log(f"rank {ctx.rank}: {whose} torch's start-up again at the next step, with the joiner "
+            "(its P2P warm-up and shape inference: the lost rank left no recording of its own)")
+
+
 def heal(ctx: Context, started: float, aborted_step: int, connected: float, replaced: Collection[int] = ()) -> int:
     """Agree on the last committed step, move the state to whoever is behind, restore the random
     state the resumed step needs; the rank is ACTIVE afterwards. Returns the step to resume at.
@@ -292,14 +309,8 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float, repl
     checked = _check_replicas(ctx, comm, shard_key, plan.defer)
     if plan.reset_models:  # every member alike: DDP rebuilds its buckets on all of them in one step
         ctx.interrupter.reset_models()
-    if ctx.tracked.pipelines and not ctx.fresh:  # a joiner's pipeline starts again with it
-        joined = set(replaced) | set(plan.needy)  # a migration's joiner is handed its state: not needy
-        everywhere = any(map(pipeline.tensor_parallel, ctx.tracked.pipelines))
-        if pipeline.restart_where_joined(ctx.tracked.pipelines, joined, everywhere):
-            whose = ("every pipeline (the stages hold DTensors: TP or FSDP) runs" if everywhere
-                     else f"the pipeline of rank(s) {sorted(joined)} runs")
-            log(f"rank {ctx.rank}: {whose} torch's start-up again at the next step, with the joiner "
-                "(its P2P warm-up and shape inference)")
+    if ctx.tracked.pipelines:
+        _start_pipelines(ctx, store, set(replaced) | set(plan.needy))  # a migration's joiner: not needy
     resume = plan.target_step + 1
     if ctx.fresh:
         _say_buffers_lost(ctx, plan.donors_of(comm.rank))

@@ -51,7 +51,7 @@ class Recorder:
 
     def start(self) -> None:
         self._active = True
-        tmrun_backend.set_p2p_recorder(self._record)
+        tmrun_backend.add_p2p_recorder(self._record)
 
     def _record(self, group: str, src: int, tag: int, t: torch.Tensor) -> None:
         key = _key(group, src, tag, t)
@@ -63,16 +63,19 @@ class Recorder:
                 self._messages.append((key, data))
                 self._total += len(data)
 
+    def stop(self) -> list[tuple[Key, bytes]]:
+        """Stop recording; what was recorded."""
+        self._active = False
+        tmrun_backend.remove_p2p_recorder(self._record)
+        with self._lock:
+            return list(self._messages)
+
     def publish(self, store: Any) -> None:
         """Stop recording and publish what was recorded (an empty list too: the standby's wait
         ends)."""
         if not self._active:
             return
-        self._active = False
-        tmrun_backend.set_p2p_recorder(None)
-        with self._lock:
-            messages = list(self._messages)
-        store.set(keys.STARTUP_MESSAGES, pickle.dumps(messages))
+        store.set(keys.STARTUP_MESSAGES, pickle.dumps(self.stop()))
 
     @property
     def active(self) -> bool:

@@ -13,7 +13,7 @@ import hashlib
 import io
 import pickle
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -146,6 +146,7 @@ class TrackedState:
         # pipeline schedules (tm.track(schedule=...)): no state of their own to heal; their
         # start-up runs again where a joiner enters their pipeline (tmrun.worker.pipeline)
         self.pipelines: list = []
+        self.on_pipeline: Optional[Callable[[Any], None]] = None  # told of each schedule tracked
 
     def set_shard(self, label: Any) -> None:
         """This rank holds part ``label`` of the tracked state (a pipeline stage's index): only
@@ -167,6 +168,8 @@ class TrackedState:
                 pipeline.check_supported(obj)
                 if all(obj is not known for known in self.pipelines):
                     self.pipelines.append(obj)
+                    if self.on_pipeline is not None:
+                        self.on_pipeline(obj)
                 continue
             if isinstance(obj, torch.nn.parallel.DistributedDataParallel) and _syncs_buffers(obj):
                 self._buffers_synced.add(id(obj.module))

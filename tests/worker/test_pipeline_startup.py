@@ -1,0 +1,146 @@
+"""A joiner's pipeline start-up served from the lost rank's recording (tmrun.worker.pipeline_startup):
+each rank records its first training start-up, a joiner replays its rank's alone, and survivors
+and joiner agree once on which way it goes."""
+
+from __future__ import annotations
+
+import pickle
+import weakref
+from typing import Any, Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tmrun.comm import backend as tb
+from tmrun.protocol import keys
+from tmrun.worker import pipeline_startup
+from tmrun.worker.tracked import TrackedState
+from tests.worker.test_pipeline import _Schedule
+
+
+@pytest.fixture(autouse=True)
+def no_hooks() -> Iterator[None]:
+    created = list(tb._CREATED)
+    yield
+    tb._CREATED[:] = created
+    tb._P2P_RECORDERS = ()
+    tb.set_p2p_replay(None)
+
+
+class _Comm:
+    """Stands for a group's communicator: nothing may reach it in these tests."""
+
+    world_size, rank = 2, 0
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"the network was used ({name})")
+
+
+class _StartingSchedule(_Schedule):
+    """A schedule whose start-up receives its neighbour's metadata from ``pg`` (a network
+    receive is recorded as the backend records one: its recorders are called)."""
+
+    def __init__(self, pg: tb.TmrunProcessGroup, sent: int) -> None:
+        super().__init__({0, 1})
+        self.pg, self.sent, self.got = pg, sent, None
+        self._has_backward = True
+        self._stage_forward_initialized = self._stage_backward_initialized = False
+        self.startups = 0
+
+    def _initialize_stage(self, *args: Any, **kwargs: Any) -> None:
+        if self._stage_forward_initialized and self._stage_backward_initialized:
+            return
+        self.startups += 1
+        buf = torch.full((1,), -1, dtype=torch.int64)
+        if self.pg.local:
+            self.pg.recv([buf], 1, 7).wait()
+        else:  # what a receive from the neighbour gives, recorded by the backend
+            buf.fill_(self.sent)
+            for record in tb._P2P_RECORDERS:
+                record(self.pg.group_name, 1, 7, buf)
+        self.got = int(buf.item())
+        super()._initialize_stage()
+
+
+def _group(local: bool) -> tb.TmrunProcessGroup:
+    pg = tb.TmrunProcessGroup(0, 2, local=True)
+    pg.setGroupName("pp0")
+    tb._CREATED.append(weakref.ref(pg))  # as the backend's group factory does
+    if not local:
+        pg.attach(_Comm())
+        pg.set_local(False)
+    return pg
+
+
+def _startups(store: dist.Store, rank: int, logs: list[str]) -> tuple[pipeline_startup.Startups, TrackedState]:
+    startups = pipeline_startup.Startups(lambda: (store, rank), logs.append)
+    tracked = TrackedState()
+    tracked.on_pipeline = startups.wrap
+    return startups, tracked
+
+
+def test_a_rank_records_its_first_training_start_up_once() -> None:
+    store, logs = dist.HashStore(), []
+    startups, tracked = _startups(store, 1, logs)
+    schedule = _StartingSchedule(_group(local=False), sent=42)
+    tracked.track(schedule=schedule)
+    schedule._initialize_stage()
+    schedule._initialize_stage()  # started: nothing more
+    assert schedule.startups == 1 and schedule.got == 42
+    messages = pickle.loads(store.get(keys.pipeline_startup(1, 0)))
+    assert [key for key, _ in messages] == [("pp0", 1, 7, 8, "torch.int64")]
+    assert tb._P2P_RECORDERS == ()
+    assert pipeline_startup.local_way(store, gen=1, rank=1, schedules=1)
+
+
+def test_a_joiner_runs_its_start_up_alone_from_the_lost_ranks_recording() -> None:
+    store, logs = dist.HashStore(), []
+    lost, tracked = _startups(store, 1, logs)
+    first = _StartingSchedule(_group(local=False), sent=42)
+    tracked.track(schedule=first)
+    first._initialize_stage()  # the lost rank's first step, recorded
+    assert pipeline_startup.local_way(store, gen=2, rank=1, schedules=1)  # a survivor asks first
+    joiner, tracked = _startups(store, 1, logs)
+    pg = _group(local=False)
+    schedule = _StartingSchedule(pg, sent=-5)  # a network receive would give -5; the recording gives 42
+    tracked.track(schedule=schedule)
+    joiner.expect_join(2, 1)
+    schedule._initialize_stage()
+    assert schedule.got == 42 and schedule.startups == 1 and joiner.served_locally == 1
+    assert not pg.local  # back on the network for its first step's messages
+    assert tb._P2P_REPLAYER is None
+    assert "rank 1: the pipeline start-up of schedule 0 ran on this joiner alone (1 of the 1 messages" in logs[-1]
+
+
+def test_without_the_lost_ranks_recording_the_pipeline_starts_again_with_the_joiner() -> None:
+    """The lost rank died before its first start-up ended: the survivors run the start-up again
+    with the joiner (the network way), whoever asks first; the joiner's start-up is recorded."""
+    store, logs = dist.HashStore(), []
+    joiner, tracked = _startups(store, 1, logs)
+    pg = _group(local=False)
+    schedule = _StartingSchedule(pg, sent=9)
+    tracked.track(schedule=schedule)
+    joiner.expect_join(3, 1)
+    schedule._initialize_stage()  # the joiner asks first: network
+    assert schedule.got == 9 and joiner.served_locally == 0
+    assert store.get(keys.pipeline_startup_way(3, 1)) == pipeline_startup.NETWORK
+    # its recording is in the store now, but the way was decided: every survivor reads network
+    assert store.check([keys.pipeline_startup(1, 0)])
+    assert not pipeline_startup.local_way(store, gen=3, rank=1, schedules=1)
+    assert pipeline_startup.local_way(store, gen=4, rank=1, schedules=1)  # the next joiner of rank 1: local
+
+
+def test_a_standby_and_an_evaluation_start_up_are_neither_recorded_nor_served() -> None:
+    store, logs = dist.HashStore(), []
+    standby = pipeline_startup.Startups(lambda: None, logs.append)
+    schedule = _StartingSchedule(_group(local=True), sent=1)
+    standby.wrap(schedule)
+    schedule._initialize_stage()
+    assert not store.check([keys.pipeline_startup(0, 0)])
+    active, tracked = _startups(store, 0, logs)
+    evaluation = _StartingSchedule(_group(local=False), sent=3)
+    evaluation._has_backward = False
+    tracked.track(schedule=evaluation)
+    evaluation._initialize_stage()
+    assert not store.check([keys.pipeline_startup(0, 0)])
