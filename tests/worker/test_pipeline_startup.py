@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from tmrun.comm import backend as tb
 from tmrun.protocol import keys
-from tmrun.worker import pipeline_startup
+from tmrun.worker import pipeline_startup, startup_replay
 from tmrun.worker.tracked import TrackedState
 from tests.worker.test_pipeline import _Schedule
 
@@ -144,3 +144,28 @@ def test_a_standby_and_an_evaluation_start_up_are_neither_recorded_nor_served() 
     tracked.track(schedule=evaluation)
     evaluation._initialize_stage()
     assert not store.check([keys.pipeline_startup(0, 0)])
+
+
+def test_a_message_that_cannot_be_recorded_leaves_no_recording_and_the_receive_unharmed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """(numpy is not a dependency: the recording once used it, and a receive's completion raised
+    where it was not installed.)"""
+    def unreadable(t: torch.Tensor) -> bytes:
+        raise RuntimeError("Numpy is not available")
+
+    monkeypatch.setattr(startup_replay, "tensor_bytes", unreadable)
+    store, logs = dist.HashStore(), []
+    startups, tracked = _startups(store, 1, logs)
+    schedule = _StartingSchedule(_group(local=False), sent=42)
+    tracked.track(schedule=schedule)
+    schedule._initialize_stage()
+    assert schedule.got == 42  # the receive itself went through
+    assert not store.check([keys.pipeline_startup(1, 0)])
+    assert not pipeline_startup.local_way(store, gen=1, rank=1, schedules=1)
+    assert "could not be recorded whole" in logs[-1]
+
+
+def test_tensor_bytes_needs_no_numpy() -> None:
+    t = torch.tensor([1, 258], dtype=torch.int16)
+    assert startup_replay.tensor_bytes(t) == bytes([1, 0, 2, 1])
+    assert startup_replay.tensor_bytes(torch.zeros(0)) == b""

@@ -52,8 +52,8 @@ def test_the_recording_stops_at_its_total_cap(monkeypatch: pytest.MonkeyPatch) -
 
 def test_a_rehearsals_local_receives_get_the_recorded_messages_in_order_then_zeros() -> None:
     first, second = torch.tensor([7], dtype=torch.int64), torch.tensor([9], dtype=torch.int64)
-    messages = [(("0", 1, 0, 8, "torch.int64"), first.numpy().tobytes()),
-                (("0", 1, 0, 8, "torch.int64"), second.numpy().tobytes())]
+    messages = [(("0", 1, 0, 8, "torch.int64"), startup_replay.tensor_bytes(first)),
+                (("0", 1, 0, 8, "torch.int64"), startup_replay.tensor_bytes(second))]
     replayer = startup_replay.replay(messages)
     pg = tb.TmrunProcessGroup(0, 2, local=True)
     pg.setGroupName("0")
@@ -87,7 +87,7 @@ def test_the_recording_is_fetched_at_the_rehearsals_first_receive_only() -> None
 
     def fetch() -> list:
         fetched.append(1)
-        return [(("0", 1, 0, 8, "torch.int64"), message.numpy().tobytes())]
+        return [(("0", 1, 0, 8, "torch.int64"), startup_replay.tensor_bytes(message))]
 
     replayer = startup_replay.replay(fetch)
     pg = tb.TmrunProcessGroup(0, 2, local=True)

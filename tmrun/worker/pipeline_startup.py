@@ -96,7 +96,10 @@ class Startups:
         finally:
             messages = recorder.stop()
         self._done(index)
-        if str(rank) != os.environ.get("TMRUN_TEST_PIPELINE_UNRECORDED"):  # tests only: a rank lost in its start-up
+        if recorder.incomplete:  # a joiner of this rank cannot run the start-up alone: its pipeline starts again
+            self._log(f"rank {rank}: the pipeline start-up of schedule {index} could not be recorded whole; a joiner "
+                      "of this rank will run it with its pipeline's survivors")
+        elif str(rank) != os.environ.get("TMRUN_TEST_PIPELINE_UNRECORDED"):  # tests only: a rank lost in its start-up
             store.compare_set(keys.pipeline_startup(rank, index), "", pickle.dumps(messages))
         return result
 

@@ -18,6 +18,7 @@ The replay ends with the rehearsal.
 
 from __future__ import annotations
 
+import ctypes
 import pickle
 import threading
 import time
@@ -36,6 +37,12 @@ WAIT = 30.0  # s a standby waits for rank 0's first step to end (a failure in it
 Key = tuple[str, int, int, int, str]  # (group name, source group rank, tag, bytes, dtype)
 
 
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """A tensor's bytes, without numpy (not a dependency of tmrun, nor of torch)."""
+    flat = t.detach().to("cpu").contiguous().view(-1).view(torch.uint8)
+    return ctypes.string_at(flat.data_ptr(), flat.numel()) if flat.numel() else b""
+
+
 def _key(group: str, src: int, tag: int, t: torch.Tensor) -> Key:
     return (group, int(src), int(tag), t.numel() * t.element_size(), str(t.dtype))
 
@@ -48,6 +55,7 @@ class Recorder:
         self._total = 0
         self._lock = threading.Lock()
         self._active = False
+        self.incomplete = False  # a message could not be recorded: not to be replayed
 
     def start(self) -> None:
         self._active = True
@@ -57,7 +65,11 @@ class Recorder:
         key = _key(group, src, tag, t)
         if key[3] > MAX_MESSAGE:
             return
-        data = t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        try:
+            data = tensor_bytes(t)
+        except Exception:  # noqa: BLE001 (never the receive's failure: a recording left incomplete)
+            self.incomplete = True
+            return
         with self._lock:  # receives complete on the backend's completer thread too
             if self._total + len(data) <= MAX_TOTAL:
                 self._messages.append((key, data))
@@ -75,7 +87,8 @@ class Recorder:
         ends)."""
         if not self._active:
             return
-        store.set(keys.STARTUP_MESSAGES, pickle.dumps(self.stop()))
+        messages = self.stop()
+        store.set(keys.STARTUP_MESSAGES, pickle.dumps([] if self.incomplete else messages))  # none rather than some
 
     @property
     def active(self) -> bool:
