@@ -92,6 +92,16 @@ def test_only_the_pipelines_with_a_joiner_start_again(monkeypatch: pytest.Monkey
     assert pipeline.restart_where_joined([first], {2}) == 0
 
 
+def test_a_pipeline_started_again_sets_up_its_p2p_again_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.15 keeps the P2P set-up's flag apart from the start-up's: kept, the survivor
+    skipped the set-up its joiner ran, and the link failed ("ranks called different collectives")."""
+    monkeypatch.setattr(pipeline, "ranks_of", lambda schedule: schedule.ranks)
+    schedule = _Schedule({0, 1})
+    schedule._p2p_initialized = True
+    assert pipeline.restart_where_joined([schedule], {1}) == 1
+    assert not schedule._p2p_initialized and not schedule._stage_forward_initialized
+
+
 def test_every_pipeline_starts_again_where_the_stages_are_tensor_parallel(monkeypatch: pytest.MonkeyPatch) -> None:
     """PP x TP x DP: the joiner's shape inference runs TP collectives with its "tp" peers, whose
     pipelines must run their start-up too (the joiner's pipeline alone hung)."""

@@ -20,6 +20,9 @@ import torch.distributed as dist
 # the schedule's "already started" flags: single-stage schedules, multi-stage schedules
 _STARTED_FLAGS = (("_stage_forward_initialized", "_stage_backward_initialized"),
                   ("_stages_forward_initialized", "_stages_backward_initialized"))
+# torch 2.15 keeps the P2P set-up's flag apart (its lifetime spans eval/train switches): a
+# survivor that kept it skipped the set-up its joiner ran ("ranks called different collectives")
+_P2P_FLAGS = ("_p2p_initialized",)
 
 
 def is_schedule(obj: Any) -> bool:
@@ -88,7 +91,7 @@ def restart_where_joined(schedules: list, joined: set[int], everywhere: bool = F
     for schedule in schedules:
         if not everywhere and not ranks_of(schedule) & joined:
             continue
-        for flags in _STARTED_FLAGS:
+        for flags in (*_STARTED_FLAGS, _P2P_FLAGS):
             for flag in flags:
                 if hasattr(schedule, flag):
                     setattr(schedule, flag, False)
