@@ -97,7 +97,10 @@ def test_node_whose_worker_raises_is_fenced_and_replaced(tmp_path: Path, referen
     and leaves cleanly once the standby node took its ranks; the job goes on without it."""
     codes, logs, final = _run_nodes(tmp_path / "raise", 3, "--inject-failure", "rank=3,step=4,signal=RAISE")
     assert codes == [0, 0, 0], "\n".join(logs)
-    assert "this node failed (rank 3 exit code 1)" in logs[1], logs[1]
+    # its own exit code, or, where its exit took longer than the agent's 3 s wait for it (a loaded
+    # 2-core machine: two standbys in their shadow steps), its peer's report of the loss
+    assert re.search(r"this node failed \(rank 3 (exit code 1|\(pid \d+\) lost by rank \d, its process still running)\)",
+                     logs[1]), logs[1]
     assert "ranks were taken over in place" in logs[1] and "this node leaves, the job goes on" in logs[1]
     _check_in_place(tmp_path / "raise", logs, final, reference)
 

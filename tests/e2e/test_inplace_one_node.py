@@ -160,7 +160,9 @@ def test_standby_killed_before_the_failure(tmp_path: Path, reference: str) -> No
 
     killer = threading.Thread(target=kill_first_standby, daemon=True)
     killer.start()
-    code, log, final, steps = _run(tmp_path, "standby", "--inject-failure", "rank=1,step=9", step_time=0.4)
+    # 1 s a step: the standby is warm (and killed) well before step 9's failure even on a loaded
+    # 2-core machine (at 0.4 s it was once warm 0.1 s after the failure and became its joiner)
+    code, log, final, steps = _run(tmp_path, "standby", "--inject-failure", "rank=1,step=9", step_time=1.0)
     killer.join(timeout=5)
     assert killed, log
     _check(code, log, final, steps, reference, survivors=[0])
