@@ -257,8 +257,8 @@ def _start_pipelines(ctx: Context, store: Any, joined: set[int]) -> None:
     (tmrun.worker.pipeline_startup); where that rank left none, the survivors of its pipeline (of
     every pipeline, where the stages hold DTensors) run the start-up again with it."""
     schedules = len(ctx.tracked.pipelines)
-    if ctx.life.is_(Role.JOINING):  # a standby's (or a migration's) new process: its schedules never started
-        ctx.pipeline_startups.expect_join(ctx.gen, ctx.rank)
+    if ctx.life.is_(Role.JOINING) and not any(map(pipeline.started, ctx.tracked.pipelines)):
+        ctx.pipeline_startups.expect_join(ctx.gen, ctx.rank)  # a standby's (or a migration's) new process
         return
     networked = {rank for rank in joined if not pipeline_startup.local_way(store, ctx.gen, rank, schedules)}
     everywhere = bool(networked) and any(map(pipeline.tensor_parallel, ctx.tracked.pipelines))
