@@ -23,6 +23,8 @@ _STARTED_FLAGS = (("_stage_forward_initialized", "_stage_backward_initialized"),
 # torch 2.15 keeps the P2P set-up's flag apart (its lifetime spans eval/train switches): a
 # survivor that kept it skipped the set-up its joiner ran ("ranks called different collectives")
 _P2P_FLAGS = ("_p2p_initialized",)
+# the methods that run that start-up: single- and multi-stage schedules (torch 2.14, 2.15)
+INIT_METHODS = ("_initialize_stage", "_initialize_stages")
 
 
 def is_schedule(obj: Any) -> bool:
@@ -50,7 +52,7 @@ def check_supported(schedule: Any) -> None:
     """A schedule whose start-up flags this torch names otherwise cannot be started again: said
     when it is tracked, not at a recovery."""
     if not any(all(hasattr(schedule, flag) for flag in flags) for flags in _STARTED_FLAGS) or not any(
-            callable(getattr(schedule, name, None)) for name in ("_initialize_stage", "_initialize_stages")):
+            callable(getattr(schedule, name, None)) for name in INIT_METHODS):
         raise TypeError(f"tmrun: {type(schedule).__name__} keeps its start-up state in attributes this tmrun does not "
                         f"know ({', '.join(f for flags in _STARTED_FLAGS for f in flags)}, _initialize_stage(s) are "
                         "missing): a rank "

@@ -32,7 +32,6 @@ from tmrun.protocol import keys
 from tmrun.worker import pipeline, startup_replay
 
 LOCAL, NETWORK = b"local", b"network"
-INIT_METHODS = ("_initialize_stage", "_initialize_stages")  # single- and multi-stage schedules (torch 2.14)
 
 # (store, rank) of an active rank whose start-ups are recorded and served; None for a standby
 # (its rehearsal serves every receive locally already: tmrun.worker.startup_replay)
@@ -66,7 +65,7 @@ class Startups:
             return
         index = len(self._schedules)
         self._schedules.append(schedule)
-        for name in INIT_METHODS:
+        for name in pipeline.INIT_METHODS:
             original = getattr(schedule, name, None)
             if callable(original):
                 def init(*args: Any, _original: Callable[..., Any] = original, **kwargs: Any) -> Any:
