@@ -1,7 +1,9 @@
 """Pipeline parallelism x data parallelism with torch's own APIs under the tmrun worker API: a
-stack of linear layers cut into pipeline stages (``torch.distributed.pipelining``: GPipe or 1F1B
-over the "pp" dimension of a 2-D device mesh), each stage replicated over "dp" (its gradients
-averaged over its replicas), AdamW, all tracked.
+stack of linear layers cut into pipeline stages (``torch.distributed.pipelining`` over the "pp"
+dimension of a 2-D device mesh), each stage replicated over "dp" (its gradients averaged over its
+replicas), AdamW, all tracked. Schedules: GPipe and 1F1B (one stage per rank); Interleaved 1F1B,
+Interleaved Zero Bubble (two stages per rank, looped: rank r holds stages r and r + pp), ZBV Zero
+Bubble and DualPipeV (two stages per rank, in a V: rank r holds stages r and 2 pp - 1 - r).
 
     tmrun --standalone --nproc-per-node 4 --standby 1 examples/train_pp.py --final 'out/final-{rank}'
     torchrun --standalone --nproc-per-node 4 examples/train_pp.py --final 'out/final-{rank}'
@@ -26,12 +28,30 @@ import time
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
+                                          ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+                                          ScheduleZBVZeroBubble)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import tmrun  # noqa: E402
 from train_inplace import digest  # noqa: E402
+
+
+# --schedule: the schedule class, and how a rank's stages are laid out ("" one stage, "loop", "v")
+SCHEDULES = {"gpipe": (ScheduleGPipe, ""), "1f1b": (Schedule1F1B, ""),
+             "interleaved-1f1b": (ScheduleInterleaved1F1B, "loop"),
+             "interleaved-zb": (ScheduleInterleavedZeroBubble, "loop"),
+             "zbv": (ScheduleZBVZeroBubble, "v"), "dualpipev": (ScheduleDualPipeV, "v")}
+
+
+def stage_indices(position: int, pp: int, style: str) -> list[int]:
+    """The stages the rank at ``position`` of its pipeline holds."""
+    if style == "loop":
+        return [position, position + pp]
+    if style == "v":
+        return [position, 2 * pp - 1 - position]
+    return [position]
 
 
 def build_stage(stage: int, stages: int, width: int, depth: int) -> torch.nn.Module:
@@ -56,7 +76,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--stages", type=int, default=2, help='size of the "pp" dimension')
-    parser.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
+    parser.add_argument("--schedule", choices=tuple(SCHEDULES), default="1f1b")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--depth", type=int, default=4)
@@ -73,21 +93,27 @@ def main() -> None:
 
     tm = tmrun.init()
     mesh = init_device_mesh("cpu", (tm.world_size // args.stages, args.stages), mesh_dim_names=("dp", "pp"))
-    stage_index, replica = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    position, replica = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     dp_group, pp_group = mesh["dp"].get_group(), mesh["pp"].get_group()
-    module = build_stage(stage_index, args.stages, args.width, args.depth)
+    schedule_class, style = SCHEDULES[args.schedule]
+    indices = stage_indices(position, args.stages, style)
+    total = args.stages * len(indices)
+    modules = [build_stage(index, total, args.width, args.depth) for index in indices]
+    module = modules[0] if len(modules) == 1 else torch.nn.ModuleList(modules)
     opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
-    tm.set_shard(stage_index)  # replicas are the ranks of the same stage (no DTensor says so)
+    tm.set_shard(position)  # replicas are the ranks of the same pipeline position (no DTensor says so)
     tm.track(model=module, optimizer=opt)
-    stage = PipelineStage(module, stage_index, args.stages, torch.device("cpu"), group=pp_group)
-    schedule_class = ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B
+    stages = [PipelineStage(m, index, total, torch.device("cpu"), group=pp_group) for m, index in zip(modules, indices)]
     loss_fn = torch.nn.MSELoss(reduction="sum")
-    schedule = schedule_class(stage, n_microbatches=args.microbatches, loss_fn=loss_fn, scale_grads=False)
-    tm.track(schedule=schedule)  # a joiner's pipeline runs torch's start-up again, with it
-    last = stage_index == args.stages - 1
+    schedule = schedule_class(stages[0] if not style else stages, n_microbatches=args.microbatches, loss_fn=loss_fn,
+                              scale_grads=False)
+    tm.track(schedule=schedule)  # a joiner runs its pipeline's start-up alone, from its rank's recording
+    first, last = 0 in indices, total - 1 in indices
     for step in tm.steps(args.steps):
         x, y = batch_for(step, replica, args.width, args.batch)
-        if stage_index == 0:
+        if first and last:  # a V's first rank holds the first and the last stage
+            schedule.step(x, target=y)
+        elif first:
             schedule.step(x)
         elif last:
             schedule.step(target=y)

@@ -41,7 +41,7 @@ def _run(work: Path, launcher: str, schedule: str, *launcher_args: str,
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, str]]:
     root = tmp_path_factory.mktemp("pp-reference")
     finals = {}
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in ("gpipe", "1f1b", "zbv"):
         code, log, got = _run(root / schedule, "torchrun", schedule)
         assert code == 0, log[-3000:]
         assert len(got) == RANKS and got[0] == got[2] and got[1] == got[3], got  # replicas of a stage agree
@@ -54,6 +54,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, s
     ("gpipe", "rank=0,step=3", 1),              # the first stage
     ("1f1b", "rank=2,step=4,at=backward", 3),   # the first stage, in backward (1F1B's steady state)
     ("gpipe", "rank=1,step=2,at=forward", 0),   # the last stage, in forward
+    # zero bubble, two stages per rank in a V (rank 0 holds the first and the last): its
+    # backward split into input and weight parts, rank 0 lost in it
+    ("zbv", "rank=0,step=4,at=backward", 1),
 ])
 def test_a_lost_stage_rank_is_replaced_in_place_bitwise_equal_to_torchrun(
         tmp_path: Path, reference: dict[str, dict[int, str]], schedule: str, failure: str, neighbour: int) -> None:

@@ -141,3 +141,38 @@ def test_a_schedule_whose_stage_names_its_module_otherwise_is_refused_when_track
     schedule._stage = _Stage()
     with pytest.raises(TypeError, match="submod, group"):
         TrackedState().track(schedule=schedule)
+
+
+def _schedule_classes() -> list[type]:
+    from torch.distributed.pipelining import schedules
+
+    return sorted((cls for name, cls in vars(schedules).items()
+                   if name.startswith("Schedule") and isinstance(cls, type) and issubclass(cls, _PipelineSchedule)),
+                  key=lambda cls: cls.__name__)
+
+
+@pytest.mark.parametrize("schedule_class", _schedule_classes(), ids=lambda cls: cls.__name__)
+def test_every_schedule_of_this_torch_is_supported(tmp_path: Any, schedule_class: type) -> None:
+    """Every public schedule class of the installed torch (GPipe, 1F1B, the interleaved and zero
+    bubble ones, DualPipeV) keeps its start-up state where tmrun finds it: a torch that renames it
+    fails here, not at a user's recovery. Real stages on a world of one (a V or a loop of two)."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        single = issubclass(schedule_class, PipelineScheduleSingle)
+        stages = [PipelineStage(_model(), index, 1 if single else 2, torch.device("cpu"))
+                  for index in range(1 if single else 2)]
+        schedule = schedule_class(stages[0] if single else stages, n_microbatches=2,
+                                  loss_fn=torch.nn.MSELoss())
+        pipeline.check_supported(schedule)
+        assert not pipeline.started(schedule)
+        assert [stage.submod for stage in pipeline.stages_of(schedule)] == [stage.submod for stage in stages]
+        assert pipeline.ranks_of(schedule) == {0}
+        state = TrackedState()
+        state.track(schedule=schedule)
+        assert state.pipelines == [schedule]
+    finally:
+        dist.destroy_process_group()
