@@ -1,6 +1,8 @@
 """Shared fixtures, and the ``e2e`` marker: every test under ``tests/e2e/`` starts whole jobs
 (agents, workers, standbys) and is marked ``e2e``, so ``pytest -m "not e2e"`` is the fast
-unit subset."""
+unit subset. Tests marked ``variant`` (more kill points, seeds or paths of a capability whose
+other cases stay in the default run) are deselected unless ``--variants`` is given: the
+default run is CI's (its time budget); ``pytest --variants`` is the whole suite."""
 
 from __future__ import annotations
 
@@ -12,10 +14,22 @@ import pytest
 E2E_DIR = Path(__file__).resolve().parent / "e2e"
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--variants", action="store_true",
+                     help="also run the tests marked 'variant' (more cases of a capability that a sibling test keeps "
+                          "in the default run; deselected without this flag)")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if E2E_DIR in Path(str(item.path)).resolve().parents:
             item.add_marker(pytest.mark.e2e)
+    if config.getoption("--variants"):
+        return
+    variants = [item for item in items if item.get_closest_marker("variant") is not None]
+    if variants:  # the default run (CI) keeps one case of each capability; --variants runs them all
+        config.hook.pytest_deselected(items=variants)
+        items[:] = [item for item in items if item.get_closest_marker("variant") is None]
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tests.helpers import EXAMPLES, free_port, kill_tree, run, start, torchrun_cmd
 
-RUNS = 6
+RUNS = 3
 
 
 def test_the_example_under_plain_torchrun_exits_0_every_time() -> None:

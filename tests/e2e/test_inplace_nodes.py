@@ -193,6 +193,7 @@ def test_node_whose_rank_hangs_is_fenced_and_replaced(tmp_path: Path, reference:
     _check_in_place(tmp_path / "hang", logs, final, reference)
 
 
+@pytest.mark.variant  # by default: a straggler rank migrated on one node (test_detection_one_node)
 def test_straggler_node_is_migrated_while_training_goes_on(tmp_path: Path, reference: str) -> None:
     """rank=3,slow=3x: rank 3 (node 1) does three times its peers' own work per step. Node 1's
     agent sees it over 2x the others' median for 3 steps and asks for a migration; the leader

@@ -93,7 +93,8 @@ def dp_tp_reference(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     return _torchrun(tmp_path_factory, DP_TP)
 
 
-@pytest.mark.parametrize("point", ["forward", "backward", "optimizer"])
+@pytest.mark.parametrize("point", [pytest.param("forward", marks=pytest.mark.variant), "backward",
+                                   pytest.param("optimizer", marks=pytest.mark.variant)])
 def test_hsdp_rank_killed_is_replaced_in_place(tmp_path: Path, reference: list[str], point: str) -> None:
     work = tmp_path / point
     log = _tmrun(work, "--standby", "1", "--inject-failure", f"rank=1,step=2,at={point}")
@@ -127,7 +128,7 @@ def _check_committed(done: list[tuple[int, int]], processes: int, rank: int, fai
     assert len({pid for _, pid in done}) == processes, (rank, done)
 
 
-@pytest.mark.parametrize("seed", [11, 12, 13])
+@pytest.mark.parametrize("seed", [11, pytest.param(12, marks=pytest.mark.variant), pytest.param(13, marks=pytest.mark.variant)])
 def test_hsdp_rank_killed_at_a_random_moment_is_always_healed_in_place(tmp_path: Path, reference: list[str],
                                                                        seed: int) -> None:
     """Rank 3 SIGKILLed by the test at a random moment of a step (not at a drill's fixed point):
@@ -234,6 +235,7 @@ _LONG_REFERENCE: list[str] = []
 RANDOM_STEPS = 12
 
 
+@pytest.mark.variant  # two failures in a row run by default on one node (test_inplace_one_node)
 def test_hsdp_two_failures_one_after_the_other(tmp_path: Path, reference: list[str]) -> None:
     """Rank 1 killed in step 1's forward, then rank 2 in step 3's backward: two generations, the
     second standby (started when the first was promoted) waits in tmrun.init() too; rank 1's
@@ -438,6 +440,7 @@ def _migrate_with_failure(work: Path, reference: list[str], standby: int, inject
     return log
 
 
+@pytest.mark.variant  # by default: a joiner lost in a DDP migration, and HSDP's survivor lost at the switch
 def test_hsdp_joiner_killed_during_a_planned_migration(tmp_path: Path, reference: list[str]) -> None:
     """Rank 1 asks to be moved; its joiner (promoted in tmrun.init()) is SIGKILLed at once, while
     rank 1 still trains: the controller replaces it with the other standby in an unplanned
