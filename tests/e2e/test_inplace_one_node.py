@@ -110,7 +110,11 @@ def test_killed_rank_is_replaced_on_the_device_plane(tmp_path: Path, reference: 
 def test_worker_that_raises_is_replaced(tmp_path: Path, reference: str) -> None:
     code, log, final, steps = _run(tmp_path, "raise", "--inject-failure", "rank=0,step=4,signal=RAISE")
     _check(code, log, final, steps, reference, survivors=[1])
-    assert "InjectedFailure" in log and "exit code 1" in log
+    assert "InjectedFailure" in log, log
+    # its exit code, or, where its exit (the interpreter's teardown after the traceback: over a
+    # second on a loaded 2-core machine) took longer than the agent's wait after rank 1's
+    # report, that report: the rank is fenced and replaced in place either way
+    assert re.search(r"rank 0 \(pid \d+, exit code 1\)|rank 0 \(pid \d+\) lost by rank 1", log), log
 
 
 def test_hung_rank_is_reported_by_survivors_and_fenced(tmp_path: Path, reference: str) -> None:

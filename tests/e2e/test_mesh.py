@@ -395,6 +395,7 @@ def test_hsdp_planned_migration_recomputes_nothing(tmp_path: Path) -> None:
 
 
 
+@pytest.mark.variant  # by default: HSDP's failure and HSDP's planned migration, each on its own
 def test_hsdp_failure_then_planned_migration(tmp_path: Path, reference: list[str]) -> None:
     """The example with an injected failure and a planned migration in one run (its docstring's
     command): rank 2 SIGKILLed in step 1's backward is replaced in place by one standby, then rank
@@ -458,6 +459,7 @@ def test_hsdp_joiner_killed_during_a_planned_migration(tmp_path: Path, reference
     assert "nobody to hand over to: leaving" in log, log[-6000:]
 
 
+@pytest.mark.variant  # by default: a DDP leaver killed in its handover, and HSDP's planned migration
 def test_hsdp_leaver_killed_during_the_handover(tmp_path: Path, reference: list[str]) -> None:
     """Rank 1 asks to be moved and is SIGKILLed once its joiner is connected, before it handed
     anything over: the joiner heals from rank 3 (its shard's replica) instead, in the planned
