@@ -9,11 +9,12 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,
-                                reason="torchtitan is not installed (pip install -e '.[torchtitan]')")
+# e2e: each test imports torchtitan (about 5 s on 2 cores), too slow for the unit subset
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,
+                                 reason="torchtitan is not installed (pip install -e '.[torchtitan]')"),
+              pytest.mark.e2e]
 
 
-@pytest.mark.e2e  # over half a second: waits out a timeout (the unit subset stays within a minute)
 def test_torchtitans_config_manager_builds_the_integrations_trainer_from_any_registry_config() -> None:
     from torchtitan.config import ConfigManager
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
