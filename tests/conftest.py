@@ -24,12 +24,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if E2E_DIR in Path(str(item.path)).resolve().parents:
             item.add_marker(pytest.mark.e2e)
-    if config.getoption("--variants"):
-        return
-    variants = [item for item in items if item.get_closest_marker("variant") is not None]
+    if config.getoption("--variants") or "variant" in (config.getoption("markexpr") or ""):
+        return  # the whole suite, or a selection that names the marker (-m variant)
+    named = [arg for arg in config.args if "::" in arg]  # node ids given on the command line run as asked
+    variants = [item for item in items if item.get_closest_marker("variant") is not None
+                and not any(item.nodeid == arg or item.nodeid.startswith(arg + "[") or arg.endswith(item.nodeid)
+                            for arg in named)]
     if variants:  # the default run (CI) keeps one case of each capability; --variants runs them all
         config.hook.pytest_deselected(items=variants)
-        items[:] = [item for item in items if item.get_closest_marker("variant") is None]
+        deselected = {id(item) for item in variants}
+        items[:] = [item for item in items if id(item) not in deselected]
 
 
 @pytest.fixture
