@@ -27,13 +27,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if config.getoption("--variants") or "variant" in (config.getoption("markexpr") or ""):
         return  # the whole suite, or a selection that names the marker (-m variant)
     named = [arg for arg in config.args if "::" in arg]  # node ids given on the command line run as asked
-    variants = [item for item in items if item.get_closest_marker("variant") is not None
-                and not any(item.nodeid == arg or item.nodeid.startswith(arg + "[") or arg.endswith(item.nodeid)
-                            for arg in named)]
+    kept, variants = [], []
+    for item in items:
+        deselect = item.get_closest_marker("variant") is not None and not any(
+            _names(config, arg, item) for arg in named)
+        (variants if deselect else kept).append(item)
     if variants:  # the default run (CI) keeps one case of each capability; --variants runs them all
         config.hook.pytest_deselected(items=variants)
-        deselected = {id(item) for item in variants}
-        items[:] = [item for item in items if id(item) not in deselected]
+        items[:] = kept
+
+
+def _names(config: pytest.Config, arg: str, item: pytest.Item) -> bool:
+    """Whether the command-line node id ``arg`` (``path::name``, relative to where pytest was
+    started or absolute; a parametrized test's name with or without its ``[id]``) names ``item``."""
+    path, _, name = arg.partition("::")
+    _, _, item_name = item.nodeid.partition("::")
+    return ((item_name == name or item_name.startswith(name + "["))
+            and (config.invocation_params.dir / path).resolve() == Path(str(item.path)).resolve())
 
 
 @pytest.fixture

@@ -34,3 +34,4 @@ def test_the_default_run_keeps_one_case_and_the_flag_runs_them_all() -> None:
 def test_a_variant_named_on_the_command_line_runs() -> None:
     assert _collected(f"{MODULE}::{SEEDED}[3]") == [f"{SEEDED}[3]"]
     assert sorted(_collected(f"{MODULE}::{SEEDED}")) == [f"{SEEDED}[{seed}]" for seed in (1, 2, 3)]
+    assert _collected(f"{ROOT / MODULE}::{SEEDED}[2]") == [f"{SEEDED}[2]"]  # an absolute path
