@@ -4,6 +4,13 @@ over "pp"), each block's two linear layers split over "tp" (``ColwiseParallel`` 
 ``RowwiseParallel``), every stage replicated over "dp" (its gradients averaged over its
 replicas), AdamW, all tracked. 8 ranks: a (2, 2, 2) ("dp", "pp", "tp") device mesh.
 
+``--inner fsdp``: the third dimension shards instead (torchtitan's PP x HSDP shape): a
+("pp", "dp", "shard") mesh, each stage's blocks and the stage itself ``fully_shard``-ed on its
+("dp", "shard") submesh (HSDP: sharded over "shard", replicated over "dp", FSDP averaging the
+gradients over both), kept gathered between a step's microbatches (``reshard_after_forward=False``)
+as torchtitan does with a pipeline. A lost rank is healed from the rank of the other "dp"
+replica at the same stage and "shard" position.
+
     tmrun --standalone --nproc-per-node 8 --standby 1 --inject-failure rank=5,step=4 \\
         examples/train_3d.py --final 'out/final-{rank}'
     torchrun --standalone --nproc-per-node 8 examples/train_3d.py --final 'out/final-{rank}'
@@ -28,6 +35,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -68,25 +76,38 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=4, help="MLP blocks in all")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (a slower job)")
+    parser.add_argument("--inner", choices=("tp", "fsdp"), default="tp",
+                        help='the third dimension: tensor parallel ("tp") or FSDP ("shard", HSDP with "dp")')
     parser.add_argument("--final", default="")
     parser.add_argument("--step-log", default="", help="one line per completed step (step time pid); {rank}: the rank")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
     tm = tmrun.init()
-    tp_size = tm.world_size // (args.dp * args.stages)
-    mesh = init_device_mesh("cpu", (args.dp, args.stages, tp_size), mesh_dim_names=("dp", "pp", "tp"))
+    inner = tm.world_size // (args.dp * args.stages)
+    if args.inner == "tp":
+        mesh = init_device_mesh("cpu", (args.dp, args.stages, inner), mesh_dim_names=("dp", "pp", "tp"))
+    else:
+        mesh = init_device_mesh("cpu", (args.stages, args.dp, inner), mesh_dim_names=("pp", "dp", "shard"))
     stage_index, replica = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    if args.inner == "fsdp":  # every ("dp", "shard") position is data parallel: a batch of its own
+        replica = replica * inner + mesh["shard"].get_local_rank()
     dp_group, pp_group = mesh["dp"].get_group(), mesh["pp"].get_group()
     module = build_stage(stage_index, args.stages, args.width, args.depth)
-    # src_data_rank=None: every rank shards its own copy (the same seed everywhere), no scatter
-    # that a joiner building its stage alone could not match (docs/mesh.md)
-    parallelize_module(module, mesh["tp"], {
-        **{f"{i}.up": ColwiseParallel() for i in range(len(module))},
-        **{f"{i}.down": RowwiseParallel() for i in range(len(module))},
-    }, src_data_rank=None)
+    if args.inner == "tp":
+        # src_data_rank=None: every rank shards its own copy (the same seed everywhere), no scatter
+        # that a joiner building its stage alone could not match (docs/mesh.md)
+        parallelize_module(module, mesh["tp"], {
+            **{f"{i}.up": ColwiseParallel() for i in range(len(module))},
+            **{f"{i}.down": RowwiseParallel() for i in range(len(module))},
+        }, src_data_rank=None)
+    else:
+        hsdp = mesh["dp", "shard"]
+        for block in module:
+            fully_shard(block, mesh=hsdp, reshard_after_forward=False)
+        fully_shard(module, mesh=hsdp, reshard_after_forward=False)
     opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
-    tm.set_shard(stage_index)  # a stage's replicas; DTensor's placements tell the "tp" shards apart
+    tm.set_shard(stage_index)  # a stage's replicas; DTensor's placements tell the inner shards apart
     tm.track(model=module, optimizer=opt)
     stage = PipelineStage(module, stage_index, args.stages, torch.device("cpu"), group=pp_group)
     schedule_class = ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B
@@ -102,8 +123,9 @@ def main() -> None:
             schedule.step(target=y)
         else:
             schedule.step()
-        for p in module.parameters():  # data parallel: each stage's (local) gradients averaged over "dp"
-            dist.all_reduce(local(p.grad), op=dist.ReduceOp.AVG, group=dp_group)
+        if args.inner == "tp":  # data parallel: each stage's (local) gradients averaged over "dp" (FSDP does it itself)
+            for p in module.parameters():
+                dist.all_reduce(local(p.grad), op=dist.ReduceOp.AVG, group=dp_group)
         opt.step()
         opt.zero_grad()
         if args.step_time:

@@ -4,8 +4,8 @@ step's start, in forward or in backward, is replaced in place, healed from its o
 replica (tm.set_shard), the joiner runs its pipeline's start-up alone from the messages the lost
 rank received in its own (no survivor runs it again), and every rank ends bitwise equal to the same script under plain
 torchrun. Also: a joiner lost during that recovery, a stage lost in every replica (the group
-restart), a lost node replaced by a standby node, and examples/train_3d.py (PP x TP x DP on 8
-ranks)."""
+restart), a lost node replaced by a standby node, and examples/train_3d.py (PP x TP x DP and
+PP x HSDP on 8 ranks)."""
 
 from __future__ import annotations
 
@@ -176,36 +176,109 @@ def test_a_stage_lost_in_every_replica_falls_back_to_the_group_restart(
 THREE_D = ROOT / "examples" / "train_3d.py"
 
 
-@pytest.mark.parametrize("failure", ["rank=5,step=3,at=backward"])
-def test_pp_tp_dp_lost_rank_is_replaced_in_place_bitwise_equal_to_torchrun(tmp_path: Path, failure: str) -> None:
-    """examples/train_3d.py on a (2, 2, 2) ("dp", "pp", "tp") mesh: rank 5 (dp 1, first stage,
-    tp 1) killed in 1F1B's backward is healed from rank 1 (dp 0, the same stage and tp shard);
-    it runs its pipeline's start-up alone (its stage's TP collectives served locally), no other
-    rank runs it again, every rank ends with torchrun's bits."""
-    finals: dict[str, dict[int, str]] = {}
-    for launcher in ("torchrun", "tmrun"):
-        work = tmp_path / launcher
+def _three_d_args(inner: str, schedule: str, work: Path) -> list[str]:
+    return [str(THREE_D), "--steps", "6", "--inner", inner, "--schedule", schedule, "--final", str(work / "final-{rank}")]
+
+
+def _three_d_finals(work: Path) -> dict[int, str]:
+    return {r: (work / f"final-{r}").read_text().strip() for r in range(8) if (work / f"final-{r}").exists()}
+
+
+class _ThreeDReferences(dict):
+    """(inner, schedule) -> the 8 ranks' final digests of examples/train_3d.py under plain torchrun,
+    each run the first time a test asks for it."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__()
+        self._root = root
+
+    def __missing__(self, key: tuple[str, str]) -> dict[int, str]:
+        inner, schedule = key
+        work = self._root / f"{inner}-{schedule}"
         work.mkdir()
-        args = [str(THREE_D), "--steps", "6", "--final", str(work / "final-{rank}")]
-        cmd = (torchrun_cmd("--standalone", "--nproc-per-node", "8", *args) if launcher == "torchrun" else
-               tmrun_cmd("--standalone", "--nproc-per-node", "8", "--standby", "1", "--console", "plain",
-                         "--inject-failure", failure, *args))
-        code, log = run_job(cmd, work / "log", {"TMRUN_STATE_DIR": str(work / "state")}, JOB_TIMEOUT)
+        code, log = run_job(torchrun_cmd("--standalone", "--nproc-per-node", "8", *_three_d_args(inner, schedule, work)),
+                            work / "log", {}, JOB_TIMEOUT)
         assert code == 0, log[-4000:]
-        finals[launcher] = {r: (work / f"final-{r}").read_text().strip() for r in range(8)}
-    assert all(finals["torchrun"][r] == finals["torchrun"][r + 4] for r in range(4))  # replicas agree
+        got = _three_d_finals(work)
+        # replicas agree: "dp" is the outer dimension of the tp mesh, the middle one of the fsdp mesh
+        twins = [(r, r + 4) for r in range(4)] if inner == "tp" else [(r, r + 2) for r in (0, 1, 4, 5)]
+        assert len(got) == 8 and all(got[a] == got[b] for a, b in twins), got
+        assert len(set(got.values())) == 4  # and the four (stage, inner shard) positions differ
+        self[key] = got
+        return got
+
+
+@pytest.fixture(scope="module")
+def three_d_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], dict[int, str]]:
+    return _ThreeDReferences(tmp_path_factory.mktemp("3d-reference"))
+
+
+@pytest.mark.parametrize("inner, schedule, failure", [
+    ("tp", "1f1b", "rank=5,step=3,at=backward"),
+    ("fsdp", "gpipe", "rank=2,step=3,at=forward"),
+    pytest.param("fsdp", "1f1b", "rank=5,step=3,at=backward", marks=pytest.mark.variant),
+])
+def test_3d_lost_rank_is_replaced_in_place_bitwise_equal_to_torchrun(
+        tmp_path: Path, three_d_reference: dict[tuple[str, str], dict[int, str]], inner: str, schedule: str,
+        failure: str) -> None:
+    """examples/train_3d.py on 8 ranks. ``tp``: a (2, 2, 2) ("dp", "pp", "tp") mesh; rank 5 (dp 1,
+    first stage, tp 1) killed in 1F1B's backward is healed from rank 1 (dp 0, the same stage and
+    tp shard). ``fsdp`` (torchtitan's PP x HSDP shape): a ("pp", "dp", "shard") mesh, each stage
+    fully_shard-ed on ("dp", "shard"); rank 2 (first stage, dp 1, shard 0) killed in GPipe's
+    forward is healed from rank 0, rank 5 (last stage, dp 0, shard 1) killed in 1F1B's backward
+    from rank 7. The joiner runs its pipeline's start-up alone (its stage's TP or FSDP
+    collectives served locally), no other rank runs it again, every rank ends with torchrun's
+    bits."""
+    lost = int(re.match(r"rank=(\d+)", failure).group(1))
+    work = tmp_path / "tmrun"
+    work.mkdir()
+    code, log = run_job(tmrun_cmd("--standalone", "--nproc-per-node", "8", "--standby", "1", "--console", "plain",
+                                  "--inject-failure", failure, *_three_d_args(inner, schedule, work)),
+                        work / "log", {"TMRUN_STATE_DIR": str(work / "state")}, JOB_TIMEOUT)
+    assert code == 0, log[-4000:]
     assert "1 in-place recoveries" in log and "group restart" not in log, log[-4000:]
-    assert "rank 5: recovered" in log and "from 1 donor" in log, log[-4000:]
-    assert "rank 5: the pipeline start-up of schedule 0 ran on this joiner alone" in log, log[-4000:]
+    assert re.search(rf"rank {lost}: recovered .*from 1 donor", log), log[-4000:]
+    assert f"rank {lost}: the pipeline start-up of schedule 0 ran on this joiner alone" in log, log[-4000:]
     assert "runs torch's start-up again" not in log, log[-4000:]
-    assert finals["tmrun"] == finals["torchrun"]
-    # the standby rehearsed as rank 0 (dp 0, first stage, tp 0): nothing on the network, the
-    # pipeline's start-up fed from rank 0's first step; its TP meshes replaced by rank 5's
+    assert _three_d_finals(work) == three_d_reference[inner, schedule]
+    # the standby rehearsed as rank 0 (the first stage, every inner index 0): nothing on the
+    # network, the pipeline's start-up fed from rank 0's first step; its meshes replaced by the
+    # lost rank's
     assert re.search(r"standby 0 warm after 2 shadow steps \(\d+ collectives served locally, 0 bytes on the network",
                      log), log[-4000:]
     assert re.search(r"standby 0: its rehearsal's pipeline start-up received [1-9]\d* messages", log), log[-4000:]
-    assert re.search(r"rank 5: \d+ device mesh\(es\) that torch's caches kept from the rehearsal replaced", log), \
+    assert re.search(rf"rank {lost}: \d+ device mesh\(es\) that torch's caches kept from the rehearsal replaced", log), \
         log[-4000:]
+
+
+def test_a_lost_node_of_a_3d_job_is_replaced_by_a_standby_node(
+        tmp_path: Path, three_d_reference: dict[tuple[str, str], dict[int, str]]) -> None:
+    """examples/train_3d.py (DP x PP x TP) over three agents (``--nnodes 2 --standby 1
+    --nproc-per-node 4``): node 0 runs ranks 0-3 (replica 0: both stages, both "tp" shards),
+    node 1 ranks 4-7 (replica 1), node 2 stands by with four warm workers. Rank 6 is SIGKILLed
+    at step 3's start: node 1 stops its other workers, the standby node's four take ranks 4-7 in
+    one generation, each its own role (stage and "tp" shard), healed from its twin on node 0;
+    node 0's ranks keep their processes; the bits are torchrun's on one node."""
+    work = tmp_path / "nodes"
+    work.mkdir()
+    codes, logs = run_agents(work, 3, lambda port: tmrun_cmd(
+        "--nnodes", "2", "--standby", "1", "--nproc-per-node", "4",
+        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "3d-nodes",
+        "--rdzv-conf", "heartbeat_interval=0.5", "--inject-failure", "rank=6,step=3",
+        *_three_d_args("tp", "1f1b", work),
+    ), {"OMP_NUM_THREADS": "1", "TMRUN_STATE_DIR": str(work / "state")}, JOB_TIMEOUT)  # fmt: skip
+    text = "\n".join(logs)
+    assert codes == [0, 0, 0], text[-8000:]
+    assert "replace: generation 1: node 2 replaces node 1 at group rank 1 in place" in logs[0], logs[0]
+    for rank in (4, 5, 6, 7):
+        assert f"promoted to rank {rank} (generation 1) in tmrun.init()" in logs[2], logs[2]
+        assert re.search(rf"rank {rank}: recovered into generation 1 .*from 1 donor", logs[2]), logs[2]
+        assert f"rank {rank}: the pipeline start-up of schedule 0 ran on this joiner alone" in logs[2], logs[2]
+    for rank in (0, 1, 2, 3):
+        assert f"rank {rank}: recovered into generation 1" in logs[0], logs[0]
+    assert "runs torch's start-up again" not in text, text[-8000:]  # node 0's pipelines went on
+    assert "1 in-place recoveries" in logs[0] and "Traceback" not in text, text[-8000:]
+    assert _three_d_finals(work) == three_d_reference["tp", "1f1b"]
 
 
 def test_a_lost_node_of_a_pp_job_is_replaced_by_a_standby_node(tmp_path: Path,
