@@ -110,6 +110,8 @@ def main() -> None:
                         help="a BatchNorm1d after each hidden layer (running statistics: buffers a forward changes)")
     parser.add_argument("--no-broadcast-buffers", action="store_true",
                         help="DDP's broadcast_buffers=False: each rank keeps its own buffers (per-rank state)")
+    parser.add_argument("--grad-scaler", choices=("none", "tracked", "untracked"), default="none",
+                        help="a torch.amp.GradScaler (its scale doubling every 2 steps), tracked or not (tmrun warns)")
     args = parser.parse_args()
 
     tm = tmrun.init()  # on a standby: runs in the sandbox until promoted
@@ -125,13 +127,17 @@ def main() -> None:
     start = resume(args.checkpoint, model, opt)
     model = tm.ddp(model, **({"broadcast_buffers": False} if args.no_broadcast_buffers else {}))  # DDP over tmrun's group
     tm.track(model=model, optimizer=opt)  # what a joiner receives; step and RNG state included
+    scaler = torch.amp.GradScaler(device.type, growth_interval=2, enabled=args.grad_scaler != "none")
+    if args.grad_scaler == "tracked":
+        tm.track(scaler=scaler)  # its scale goes to a joiner, and back where a failure aborted a step
     loss_fn = torch.nn.MSELoss()
     done: list[tuple[int, float]] = []  # (step, completion time) on this process
     for step in tm.steps(args.steps, start=start):  # re-yields a step that a failure aborted
         x, y = batch_for(step, tm.rank, tm.world_size, args.width, args.batch)
         loss = loss_fn(model(x.to(device)), y.to(device))
-        loss.backward()
-        opt.step()  # applied only when every rank finished the step
+        scaler.scale(loss).backward()  # without --grad-scaler: loss.backward()
+        scaler.step(opt)  # opt.step(): applied only when every rank finished the step
+        scaler.update()
         opt.zero_grad()
         if args.step_time:
             time.sleep(args.step_time)
@@ -149,7 +155,8 @@ def main() -> None:
         report(done, tm.recoveries)
     if args.final and (tm.rank == 0 or "{rank}" in args.final):  # "{rank}" in PATH: every rank writes
         with open(args.final.replace("{rank}", str(tm.rank)), "w") as out:
-            out.write(digest(model.module, opt) + "\n")
+            scale = f" scale {scaler.get_scale():g}" if scaler.is_enabled() else ""
+            out.write(digest(model.module, opt) + scale + "\n")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,13 @@ LAYOUTS = {
     "pp_dp_interleaved": (4, ["--parallelism.data_parallel_replicate_degree", "2",
                               "--parallelism.pipeline_parallel_degree", "2",
                               "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
+    # zero bubble in a V (ZBV: rank r holds stages r // 2 and 3 - r // 2, the first rank pair the
+    # first and the last stage), its backward split into input and weight parts; without
+    # activation checkpointing, which torchtitan's split backward refuses under torchrun too
+    # ("Trying to backward an extra time ... selective activation checkpoint")
+    "pp_dp_zbv": (4, ["--parallelism.data_parallel_replicate_degree", "2",
+                      "--parallelism.pipeline_parallel_degree", "2",
+                      "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "activation-checkpoint:none"]),
     # pure FSDP (one holder per shard), torchtitan's DCP checkpoint every 2 steps
     "fsdp": (2, ["--parallelism.data_parallel_shard_degree", "2", "--checkpoint.enable", "--checkpoint.interval", "2",
                  "--checkpoint.folder", "ckpt"]),
@@ -203,7 +210,8 @@ def test_tp_dp_layout_rank_killed_mid_step_is_replaced_in_place(tmp_path: Path, 
 
 
 @pytest.mark.parametrize("layout, killed", [pytest.param("pp_dp", 3, marks=pytest.mark.variant),
-                                            ("pp_dp_interleaved", 1)])
+                                            ("pp_dp_interleaved", 1),
+                                            pytest.param("pp_dp_zbv", 0, marks=pytest.mark.variant)])
 def test_pp_layout_rank_killed_mid_step_is_replaced_in_place(tmp_path: Path, assets: Path,
                                                              references: Callable[[str], dict],
                                                              layout: str, killed: int) -> None:

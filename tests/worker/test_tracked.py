@@ -177,3 +177,18 @@ def test_an_lr_scheduler_left_untracked_is_found() -> None:
         container = type("Container", (), {"schedulers": [sched], "state_dict": dict, "load_state_dict": print})()
         state.track(schedulers=container)  # torchtitan's container of schedulers
         assert state.untracked_schedules() == []
+
+
+def test_an_untracked_gradient_scaler_is_found() -> None:
+    """An enabled GradScaler nobody tracked is counted (a joiner would start from the initial
+    scale); tracked, or disabled, it is not."""
+    state = TrackedState()
+    model = torch.nn.Linear(2, 2)
+    state.track(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    before = state.untracked_scalers()  # another test's scaler may still be alive
+    scaler = torch.amp.GradScaler("cpu")
+    disabled = torch.amp.GradScaler("cpu", enabled=False)
+    assert state.untracked_scalers() == before + 1
+    state.track(scaler=scaler)
+    assert state.untracked_scalers() == before
+    del disabled

@@ -194,13 +194,19 @@ class StepLoop:
             self._record_rng(step)
 
     def _say_untracked_schedules(self) -> None:
-        """One line (rank 0) per tracked optimizer that an untracked LR scheduler steps."""
+        """One line (rank 0) per tracked optimizer that an untracked LR scheduler steps, and one
+        for the untracked gradient scalers."""
         if self._ctx.rank != 0:
             return
         for name in self._ctx.tracked.untracked_schedules():
             log(f"warning: an LR scheduler steps the tracked optimizer {name!r} but is not tracked: a step that a "
                 "failure aborts would advance it twice, and every learning rate after it would be off by one step; "
                 "give it to tm.track")
+        scalers = self._ctx.tracked.untracked_scalers()
+        if scalers:
+            log(f"warning: {scalers} gradient scaler(s) (torch.amp.GradScaler) not tracked: a joiner would start from "
+                "the initial scale and a step that a failure aborts would update the scale twice, so the ranks' "
+                "scales could part; give it to tm.track (e.g. tm.track(scaler=scaler))")
 
     def _progress(self, step: int) -> None:
         """The node's agent sees this step completed (a memory write, see worker.progress)."""
