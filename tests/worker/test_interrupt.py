@@ -529,3 +529,30 @@ def test_a_compiled_module_survives_a_doomed_step(job: Job) -> None:
         param.grad = None
     job.model(x).sum().backward()
     assert all(p.grad is not None for p in job.model.module.parameters())
+
+
+@pytest.mark.e2e  # compiles with inductor: tens of seconds on 2 cores
+def test_a_compiled_module_whose_step_is_doomed_inside_its_backward_survives(job: Job) -> None:
+    """The script compiled its module and the step is doomed while the compiled backward hands
+    out its gradients (a peer lost then: the second parameter's gradient hook dooms it). The
+    backward returns (no exception reaches the script), the doomed step's gradients are zeros
+    (its update, were it applied, would change nothing), and the next clean step, the compiled
+    graph reused, computes every gradient to the value of a step that was never doomed."""
+    job.model.module = torch.compile(job.model.module)
+    x = torch.full((2, 4), 0.5)
+    for param in job.model.module.parameters():
+        param.grad = None
+    job.model(x).sum().backward()  # compiles
+    clean = [p.grad.clone() for p in job.model.module.parameters()]
+    for param in job.model.module.parameters():
+        param.grad = None
+    job.grads, job.doom_at_grad = 0, 2
+    job.model(x).sum().backward()  # returns
+    assert job.doomed and job.grads == 2  # no parameter after the second got its gradient hook run
+    assert job.interrupter.counts.backwards_stopped == 1
+    job.doomed, job.doom_at_grad = False, -1
+    for param in job.model.module.parameters():
+        param.grad = None
+    job.model(x).sum().backward()
+    got = [p.grad for p in job.model.module.parameters()]
+    assert all(a is not None and torch.equal(a, b) for a, b in zip(got, clean)), (got, clean)
