@@ -8,7 +8,9 @@ examples), on 4 ranks (3-D: 8, the smallest (2, 2, 2) mesh), ``OMP_NUM_THREADS=1
 * ``hsdp``: examples/train_hsdp.py, a GPT under FSDP2 on a 2 x 2 ("replicate", "shard") mesh;
 * ``tp``: examples/train_dp_tp.py, a GPT whose MLPs are split over "tp" (2 x 2 "dp", "tp");
 * ``pp``: examples/train_pp.py, an MLP stack in 2 stages x 2 replicas (1F1B);
-* ``3d``: examples/train_3d.py, MLP blocks on a (2, 2, 2) ("dp", "pp", "tp") mesh.
+* ``3d``: examples/train_3d.py, MLP blocks on a (2, 2, 2) ("dp", "pp", "tp") mesh;
+* ``pp_hsdp``: the same blocks, ``--inner fsdp``: torchtitan's PP x HSDP shape on a (2, 2, 2)
+  ("pp", "dp", "shard") mesh, each stage ``fully_shard``-ed on ("dp", "shard").
 
 The sizes (``--params``, default 1.6M) are matched by the width of each model
 (:func:`layouts`: the parameter counts are printed). The standby of a job with subgroups rehearses
@@ -112,6 +114,9 @@ def layouts(params: int) -> dict[str, Layout]:
                      mlp_parameters(mlp, mlp_depth), True),
         "3d": Layout("3d", "train_3d.py", 8, ("--width", str(block), "--depth", str(block_depth)),
                      block_parameters(block, block_depth), True),
+        "pp_hsdp": Layout("pp_hsdp", "train_3d.py", 8,
+                          ("--inner", "fsdp", "--width", str(block), "--depth", str(block_depth)),
+                          block_parameters(block, block_depth), True),
     }
 
 
@@ -120,7 +125,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=2, help="runs per layout, interleaved (default 2)")
     parser.add_argument("--params", type=float, default=1.6e6, help="parameters per model (default 1.6e6)")
-    parser.add_argument("--layouts", default="ddp,hsdp,tp,pp,3d", help="which layouts (default all five)")
+    parser.add_argument("--layouts", default="ddp,hsdp,tp,pp,3d,pp_hsdp", help="which layouts (default all six)")
     parser.add_argument("--steps", type=int, default=120, help="steps per run (default 120)")
     parser.add_argument("--step-time", type=float, default=0.0,
                         help="extra seconds per step, a sleep (default 0: survivors sleeping through a loss delay its recovery)")

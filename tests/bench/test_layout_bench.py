@@ -22,10 +22,10 @@ def _bench():  # type: ignore[no-untyped-def]
 
 def test_defaults_name_every_layout_at_about_the_same_size() -> None:
     args = _bench().parse_args([])
-    assert [s.name for s in args.specs] == ["ddp", "hsdp", "tp", "pp", "3d"]
+    assert [s.name for s in args.specs] == ["ddp", "hsdp", "tp", "pp", "3d", "pp_hsdp"]
     assert all(abs(s.parameters - 1.6e6) / 1.6e6 < 0.05 for s in args.specs), args.specs
-    assert [s.ranks for s in args.specs] == [4, 4, 4, 4, 8]
-    assert [s.subgroups for s in args.specs] == [False, True, True, True, True]
+    assert [s.ranks for s in args.specs] == [4, 4, 4, 4, 8, 8]
+    assert [s.subgroups for s in args.specs] == [False, True, True, True, True, True]
 
 
 @pytest.mark.parametrize(
