@@ -188,7 +188,14 @@ def test_an_untracked_gradient_scaler_is_found() -> None:
     before = state.untracked_scalers()  # another test's scaler may still be alive
     scaler = torch.amp.GradScaler("cpu")
     disabled = torch.amp.GradScaler("cpu", enabled=False)
+    import weakref
+
+    class Gone:
+        pass
+
+    dead = weakref.proxy(Gone())  # a dead weak proxy among the collector's objects: isinstance() raises
+    holder = [dead]  # a container the collector tracks, so that the scan meets the proxy
     assert state.untracked_scalers() == before + 1
     state.track(scaler=scaler)
     assert state.untracked_scalers() == before
-    del disabled
+    del disabled, holder

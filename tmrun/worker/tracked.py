@@ -276,8 +276,11 @@ class TrackedState:
         overflow skips) could part. Found by a scan of the garbage collector's objects (once: a
         few milliseconds to a fraction of a second in a large process)."""
         tracked = {id(obj) for obj in self._objects.values()}
+        # by the type's MRO, not isinstance(): a dead weak proxy among the collector's objects
+        # raises ReferenceError when asked for its class
+        scaler = torch.amp.GradScaler
         return sum(1 for obj in gc.get_objects()
-                   if isinstance(obj, torch.amp.GradScaler) and id(obj) not in tracked and obj.is_enabled())
+                   if scaler in type(obj).__mro__ and id(obj) not in tracked and obj.is_enabled())
 
     def modules(self) -> list[torch.nn.Module]:
         """The tracked modules (a DDP model's inner module)."""
