@@ -251,6 +251,16 @@ def test_3d_lost_rank_is_replaced_in_place_bitwise_equal_to_torchrun(
         log[-4000:]
 
 
+def _on_three_agents(work: Path, nproc: int, failure: str, script_args: list[str]) -> tuple[list[int], list[str]]:
+    """The job over three agents on loopback (``--nnodes 2 --standby 1``: two active nodes of
+    ``nproc`` ranks and a standby node), ``failure`` injected; their exit codes and logs."""
+    return run_agents(work, 3, lambda port: tmrun_cmd(
+        "--nnodes", "2", "--standby", "1", "--nproc-per-node", str(nproc),
+        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"nodes-{nproc}",
+        "--rdzv-conf", "heartbeat_interval=0.5", "--inject-failure", failure, *script_args,
+    ), {"OMP_NUM_THREADS": "1", "TMRUN_STATE_DIR": str(work / "state")}, JOB_TIMEOUT)  # fmt: skip
+
+
 def test_a_lost_node_of_a_3d_job_is_replaced_by_a_standby_node(
         tmp_path: Path, three_d_reference: dict[tuple[str, str], dict[int, str]]) -> None:
     """examples/train_3d.py (DP x PP x TP) over three agents (``--nnodes 2 --standby 1
@@ -261,12 +271,7 @@ def test_a_lost_node_of_a_3d_job_is_replaced_by_a_standby_node(
     node 0's ranks keep their processes; the bits are torchrun's on one node."""
     work = tmp_path / "nodes"
     work.mkdir()
-    codes, logs = run_agents(work, 3, lambda port: tmrun_cmd(
-        "--nnodes", "2", "--standby", "1", "--nproc-per-node", "4",
-        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "3d-nodes",
-        "--rdzv-conf", "heartbeat_interval=0.5", "--inject-failure", "rank=6,step=3",
-        *_three_d_args("tp", "1f1b", work),
-    ), {"OMP_NUM_THREADS": "1", "TMRUN_STATE_DIR": str(work / "state")}, JOB_TIMEOUT)  # fmt: skip
+    codes, logs = _on_three_agents(work, 4, "rank=6,step=3", _three_d_args("tp", "1f1b", work))
     text = "\n".join(logs)
     assert codes == [0, 0, 0], text[-8000:]
     assert "replace: generation 1: node 2 replaces node 1 at group rank 1 in place" in logs[0], logs[0]
@@ -291,12 +296,8 @@ def test_a_lost_node_of_a_pp_job_is_replaced_by_a_standby_node(tmp_path: Path,
     their pipeline; the bits are torchrun's on one node."""
     work = tmp_path / "nodes"
     work.mkdir()
-    codes, logs = run_agents(work, 3, lambda port: tmrun_cmd(
-        "--nnodes", "2", "--standby", "1", "--nproc-per-node", "2",
-        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "pp-nodes",
-        "--rdzv-conf", "heartbeat_interval=0.5", "--inject-failure", "rank=2,step=3",
-        str(SCRIPT), "--steps", "8", "--schedule", "1f1b", "--final", str(work / "final-{rank}"),
-    ), {"OMP_NUM_THREADS": "1", "TMRUN_STATE_DIR": str(work / "state")}, JOB_TIMEOUT)  # fmt: skip
+    codes, logs = _on_three_agents(work, 2, "rank=2,step=3", [str(SCRIPT), "--steps", "8", "--schedule", "1f1b",
+                                                            "--final", str(work / "final-{rank}")])
     text = "\n".join(logs)
     assert codes == [0, 0, 0], text[-8000:]
     assert "replace: generation 1: node 2 replaces node 1 at group rank 1 in place" in logs[0], logs[0]
