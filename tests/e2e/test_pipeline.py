@@ -10,7 +10,9 @@ PP x HSDP on 8 ranks)."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -37,25 +39,31 @@ def _run(work: Path, launcher: str, schedule: str, *launcher_args: str,
     return code, log, finals
 
 
-class _References(dict):
-    """Schedule -> every rank's final digest under plain torchrun, each run the first time a test
-    asks for it (a selection of these tests pays only for the schedules it uses)."""
+class _Lazy(dict):
+    """Key -> ``compute(key)``, computed the first time a test asks for it (a selection of these
+    tests pays only for the torchrun references it uses)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, compute: Callable[[Any], dict[int, str]]) -> None:
         super().__init__()
-        self._root = root
+        self._compute = compute
 
-    def __missing__(self, schedule: str) -> dict[int, str]:
-        code, log, got = _run(self._root / schedule, "torchrun", schedule)
-        assert code == 0, log[-3000:]
-        assert len(got) == RANKS and got[0] == got[2] and got[1] == got[3], got  # replicas of a stage agree
-        self[schedule] = got
-        return got
+    def __missing__(self, key: Any) -> dict[int, str]:
+        self[key] = self._compute(key)
+        return self[key]
+
+
+def _pp_reference(root: Path, schedule: str) -> dict[int, str]:
+    """Every rank's final digest of examples/train_pp.py under plain torchrun."""
+    code, log, got = _run(root / schedule, "torchrun", schedule)
+    assert code == 0, log[-3000:]
+    assert len(got) == RANKS and got[0] == got[2] and got[1] == got[3], got  # replicas of a stage agree
+    return got
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, str]]:
-    return _References(tmp_path_factory.mktemp("pp-reference"))
+    root = tmp_path_factory.mktemp("pp-reference")
+    return _Lazy(lambda schedule: _pp_reference(root, schedule))
 
 
 @pytest.mark.parametrize(("schedule", "failure", "neighbour"), [
@@ -184,33 +192,26 @@ def _three_d_finals(work: Path) -> dict[int, str]:
     return {r: (work / f"final-{r}").read_text().strip() for r in range(8) if (work / f"final-{r}").exists()}
 
 
-class _ThreeDReferences(dict):
-    """(inner, schedule) -> the 8 ranks' final digests of examples/train_3d.py under plain torchrun,
-    each run the first time a test asks for it."""
-
-    def __init__(self, root: Path) -> None:
-        super().__init__()
-        self._root = root
-
-    def __missing__(self, key: tuple[str, str]) -> dict[int, str]:
-        inner, schedule = key
-        work = self._root / f"{inner}-{schedule}"
-        work.mkdir()
-        code, log = run_job(torchrun_cmd("--standalone", "--nproc-per-node", "8", *_three_d_args(inner, schedule, work)),
-                            work / "log", {}, JOB_TIMEOUT)
-        assert code == 0, log[-4000:]
-        got = _three_d_finals(work)
-        # replicas agree: "dp" is the outer dimension of the tp mesh, the middle one of the fsdp mesh
-        twins = [(r, r + 4) for r in range(4)] if inner == "tp" else [(r, r + 2) for r in (0, 1, 4, 5)]
-        assert len(got) == 8 and all(got[a] == got[b] for a, b in twins), got
-        assert len(set(got.values())) == 4  # and the four (stage, inner shard) positions differ
-        self[key] = got
-        return got
+def _three_d_reference(root: Path, inner: str, schedule: str) -> dict[int, str]:
+    """The 8 ranks' final digests of examples/train_3d.py under plain torchrun."""
+    work = root / f"{inner}-{schedule}"
+    work.mkdir()
+    code, log = run_job(torchrun_cmd("--standalone", "--nproc-per-node", "8", *_three_d_args(inner, schedule, work)),
+                        work / "log", {}, JOB_TIMEOUT)
+    assert code == 0, log[-4000:]
+    got = _three_d_finals(work)
+    # replicas agree: "dp" is the outer dimension of the tp mesh, the middle one of the fsdp mesh
+    twins = [(r, r + 4) for r in range(4)] if inner == "tp" else [(r, r + 2) for r in (0, 1, 4, 5)]
+    assert len(got) == 8 and all(got[a] == got[b] for a, b in twins), got
+    assert len(set(got.values())) == 4  # and the four (stage, inner shard) positions differ
+    return got
 
 
 @pytest.fixture(scope="module")
 def three_d_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], dict[int, str]]:
-    return _ThreeDReferences(tmp_path_factory.mktemp("3d-reference"))
+    """(inner, schedule) -> :func:`_three_d_reference`, run on first use."""
+    root = tmp_path_factory.mktemp("3d-reference")
+    return _Lazy(lambda key: _three_d_reference(root, *key))
 
 
 @pytest.mark.parametrize("inner, schedule, failure", [

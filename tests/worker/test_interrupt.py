@@ -535,8 +535,8 @@ def test_a_compiled_module_survives_a_doomed_step(job: Job) -> None:
 def test_a_compiled_module_whose_step_is_doomed_inside_its_backward_survives(job: Job) -> None:
     """The script compiled its module and the step is doomed while the compiled backward hands
     out its gradients (a peer lost then: the second parameter's gradient hook dooms it). The
-    backward returns (no exception reaches the script), the doomed step's gradients are zeros
-    (its update, were it applied, would change nothing), and the next clean step, the compiled
+    backward stops at the next parameter's hook and returns (no exception reaches the script;
+    the optimizer guard skips the doomed step's update), and the next clean step, the compiled
     graph reused, computes every gradient to the value of a step that was never doomed."""
     job.model.module = torch.compile(job.model.module)
     x = torch.full((2, 4), 0.5)

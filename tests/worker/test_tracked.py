@@ -3,6 +3,7 @@ what healing moves (the live tensors, by identity), the replica check's tensors,
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import pytest
@@ -188,7 +189,6 @@ def test_an_untracked_gradient_scaler_is_found() -> None:
     before = state.untracked_scalers()  # another test's scaler may still be alive
     scaler = torch.amp.GradScaler("cpu")
     disabled = torch.amp.GradScaler("cpu", enabled=False)
-    import weakref
 
     class Gone:
         pass

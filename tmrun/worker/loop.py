@@ -47,7 +47,7 @@ class StepLoop:
         self._rng_recorded_for = -1
         self._stateful_at_start: dict[str, Any] = {}  # tracked schedulers, scalers, loaders
         self._buffers_at_start = BufferSnapshot()  # the tracked modules' persistent buffers
-        self._schedules_checked = False  # the untracked LR schedulers were looked for (once)
+        self._untracked_state_checked = False  # the untracked LR schedulers and gradient scalers were looked for (once)
         self._per_rank_at_start: dict[str, Any] = {}  # tm.track_per_rank's objects
         # this rank's published per-rank records (tm.track_per_rank), by the step they start:
         # the current step's, and once it commits, the next one's (provisional, see below)
@@ -183,9 +183,9 @@ class StepLoop:
         ctx.fire("step")
         ctx.step_rng = rng.capture()
         if ctx.in_place and not ctx.life.is_(Role.STANDBY):
-            if not self._schedules_checked:
-                self._schedules_checked = True
-                self._say_untracked_schedules()
+            if not self._untracked_state_checked:
+                self._untracked_state_checked = True
+                self._warn_of_untracked_state()
             self._stateful_at_start = ctx.tracked.snapshot_stateful()
             self._buffers_at_start.take([b for module in ctx.tracked.modules() for b in persistent_buffers(module)])
             if ctx.tracked.per_rank:
@@ -193,7 +193,7 @@ class StepLoop:
         if self._rng_recorded_for != step:
             self._record_rng(step)
 
-    def _say_untracked_schedules(self) -> None:
+    def _warn_of_untracked_state(self) -> None:
         """One line (rank 0) per tracked optimizer that an untracked LR scheduler steps, and one
         for the untracked gradient scalers."""
         if self._ctx.rank != 0:

@@ -33,6 +33,8 @@ import types
 import weakref
 from typing import Any, Callable
 
+from tmrun.worker.live_objects import instances_of
+
 _retired_classes: dict[type, type] = {}
 
 
@@ -45,9 +47,7 @@ def _live_meshes() -> list[Any]:
     cls = _mesh_class()
     if cls is None:
         return []
-    # by the type's MRO, not isinstance(): DeviceMesh's metaclass asks the object itself, and a
-    # dead weak proxy among the collector's objects raises ReferenceError when asked
-    return [obj for obj in gc.get_objects() if cls in type(obj).__mro__]
+    return instances_of(cls)
 
 
 def _retired(cls: type) -> type:

@@ -9,7 +9,6 @@ applied after. Both sides walk the objects in the same order, so a tensor's inde
 from __future__ import annotations
 
 import copy
-import gc
 import hashlib
 import io
 import pickle
@@ -19,6 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from tmrun.worker import pipeline
+from tmrun.worker.live_objects import instances_of
 from tmrun.worker.optimizer import scheduled, unwrap as _unwrap_optimizer
 
 
@@ -273,14 +273,10 @@ class TrackedState:
         """How many enabled gradient scalers (``torch.amp.GradScaler``, CUDA's too) this process
         holds that no tracked object is: a joiner would start from its initial scale, and a step
         a failure aborts would update the scale twice, so the ranks' scales (and which steps an
-        overflow skips) could part. Found by a scan of the garbage collector's objects (once: a
-        few milliseconds to a fraction of a second in a large process)."""
+        overflow skips) could part. One scan of the garbage collector's objects
+        (:func:`tmrun.worker.live_objects.instances_of`): call it once, not per step."""
         tracked = {id(obj) for obj in self._objects.values()}
-        # by the type's MRO, not isinstance(): a dead weak proxy among the collector's objects
-        # raises ReferenceError when asked for its class
-        scaler = torch.amp.GradScaler
-        return sum(1 for obj in gc.get_objects()
-                   if scaler in type(obj).__mro__ and id(obj) not in tracked and obj.is_enabled())
+        return sum(1 for obj in instances_of(torch.amp.GradScaler) if id(obj) not in tracked and obj.is_enabled())
 
     def modules(self) -> list[torch.nn.Module]:
         """The tracked modules (a DDP model's inner module)."""
