@@ -10,6 +10,8 @@ Everything here works on one in-place prefix of the store (``keys.group_prefix``
 * :class:`MigrationInbox` hands out operators' migration requests, one change at a time;
 * :class:`ReportInbox` reads workers' reports about peers they lost;
 * :class:`Slots` holds the processes that play this node's ranks: exits, fencing, stopping;
+* :class:`Accusations` holds survivors' reports against ranks whose process still runs until
+  each is due (the rank is then fenced);
 * :func:`standbys_ready`, :func:`api_ready` and :func:`others_done` are the questions both
   policies ask the store.
 """
@@ -478,3 +480,56 @@ class Slots:
     def stop_promoted(self, timeout: float = 5.0) -> None:
         """Stop every promoted standby still running (the group is being stopped)."""
         terminate([s.process for s in [*self.by_rank.values(), *self.leavers] if s.promoted], timeout)
+
+
+REPORT_SETTLE = 0.5  # s: a report against a live rank waits this long for the loss's real cause to surface
+CASCADE_SETTLE = LEAVING_GRACE  # s: the same, when the accused rank itself reported a loss in that generation
+
+
+class Accusations:
+    """Survivors' reports that they lost a rank whose process still runs, each held until it is
+    due: the rank is then fenced (hung, or cut off).
+
+    A report is not proof. When one rank dies, the ranks that see it first abort the epoch and
+    close their links; a peer reading such a closed link blames the live rank that closed it
+    (a reset connection looks the same whoever died). Fencing on the first report would then
+    kill a healthy rank, and with it maybe the last live replica of a shard (the group restart).
+    So a report waits :data:`REPORT_SETTLE` for the real loss to show as a process exit (the
+    generation it starts makes the report stale), and :data:`CASCADE_SETTLE` when the accused
+    rank itself reported a loss in the same generation: it is alive and answering, not hung. A
+    rank that really hangs says nothing and is fenced after the short wait."""
+
+    def __init__(self, settle: float = REPORT_SETTLE, cascade_settle: float = CASCADE_SETTLE) -> None:
+        self._settle = settle
+        self._cascade_settle = cascade_settle
+        self._pending: dict[int, tuple[float, int, proto.WorkerReport]] = {}  # rank -> (since, its pid, report)
+        self._reporters: dict[int, set[int]] = {}  # generation -> ranks that reported a peer lost in it
+        self._said: set[tuple[int, int]] = set()  # (generation, rank) whose cascade wait was announced
+
+    def note(self, report: proto.WorkerReport, accused: Slot | None) -> None:
+        """A report of the current generation; ``accused``: the live slot it blames, if any."""
+        if report.lost >= 0 and report.lost != report.reporter:
+            self._reporters.setdefault(report.gen, set()).add(report.reporter)
+        if accused is not None and not accused.fenced:
+            self._pending.setdefault(accused.rank, (time.monotonic(), accused.pid, report))
+
+    def due(self, slots: Slots, gen: int) -> list[tuple[Slot, proto.WorkerReport]]:
+        """The accused slots to fence now (each once); reports of an older generation, and ranks
+        that died or were replaced meanwhile, are dropped."""
+        for old in [g for g in self._reporters if g < gen]:
+            del self._reporters[old]
+        now, due = time.monotonic(), []
+        for rank, (since, pid, report) in list(self._pending.items()):
+            slot = slots.get(rank)
+            if report.gen != gen or slot is None or slot.pid != pid or slot.poll() is not None or slot.fenced:
+                del self._pending[rank]
+                continue
+            cascade = rank in self._reporters.get(gen, set())
+            if cascade and (gen, rank) not in self._said:
+                self._said.add((gen, rank))
+                say(f"rank {rank} (pid {pid}) lost by rank {report.reporter}, but it reports a lost peer "
+                    f"itself: waiting up to {self._cascade_settle:g}s for the loss's cause before stopping it")
+            if now - since >= (self._cascade_settle if cascade else self._settle):
+                del self._pending[rank]
+                due.append((slot, report))
+        return due

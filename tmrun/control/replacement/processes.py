@@ -57,7 +57,8 @@ class Outcome:
 class ProcessReplacement:
     def __init__(self, store: Store, pool: StandbyProcesses, world_size: int, standby_wait: float,
                  max_replacements: int, events_store: Store, gen_file: str, refill_delay: float = 0.0,
-                 detection: Detection | None = None) -> None:
+                 detection: Detection | None = None,
+                 report_settle: tuple[float, float] = (core.REPORT_SETTLE, core.CASCADE_SETTLE)) -> None:
         self._store = store
         self._pool = pool
         self._world_size = world_size
@@ -70,6 +71,7 @@ class ProcessReplacement:
         self._generations = core.Generations(store, gen_file)
         self._recoveries = core.Recoveries()
         self._reports = core.ReportInbox(store)
+        self._accusations = core.Accusations(*report_settle)  # reports against live ranks, until due
         self._migrations = core.MigrationInbox(events_store, skip_older=True)
         self.slots = core.Slots()
         self.gen = 0
@@ -188,9 +190,9 @@ class ProcessReplacement:
             if report.gen != self.gen:
                 record_event(self._events, "stale", self.gen, f"report about generation {report.gen}")
                 continue
-            slot = self.slots.live_peer_lost(report, self.gen)
-            if slot is not None and not slot.fenced:
-                self._fence(slot, report)
+            self._accusations.note(report, self.slots.live_peer_lost(report, self.gen))
+        for slot, report in self._accusations.due(self.slots, self.gen):
+            self._fence(slot, report)
         for slot, report in self.slots.overdue_leavers(self.gen):
             self._fence(slot, report)
 
