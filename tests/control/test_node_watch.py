@@ -77,6 +77,25 @@ def test_a_local_exit_within_the_settle_window_wins_the_blame_over_a_report(tmp_
     assert reports == [(False, "rank 3 exit code 1")], reports
 
 
+def test_a_report_superseded_by_a_newer_generation_stops_nothing(tmp_path: Path, procs) -> None:  # type: ignore[no-untyped-def]
+    """A survivor reports rank 2 lost while its process runs (it read a link that rank 2 closed on
+    seeing a rank of another node die); within the settle window the leader publishes generation
+    1 for that death: the report is stale, this node is neither stopped nor reported."""
+    store = dist.HashStore()
+    reports: list[tuple[bool, str]] = []
+    member = NodeWatch(store, 4, str(tmp_path / "gen"), lambda by_signal, detail: reports.append((by_signal, detail)),
+                       settle=0.3)
+    alive, mate = _start(procs, SLEEP), _start(procs, SLEEP)
+    member.adopt({2: alive, 3: mate}, promoted=False)
+    store.set(keys.report(store.add(keys.REPORT_SEQ, 1) - 1), proto.WorkerReport(reporter=0, lost=2, gen=0).encode())
+    assert not member.step().failed
+    store.set(keys.GEN, "1")
+    assert not member.step().failed
+    time.sleep(0.4)
+    assert not member.step().failed and not member.step().failed
+    assert not reports and alive.poll() is None and mate.poll() is None
+
+
 def test_generation_file_and_finish(tmp_path: Path, procs) -> None:  # type: ignore[no-untyped-def]
     store, member, _ = _member(tmp_path)
     assert (tmp_path / "gen").read_text() == "0"

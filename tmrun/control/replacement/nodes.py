@@ -232,6 +232,7 @@ class NodeWatch:
         self._settle = settle  # seconds a survivor's report waits for the rank's own exit (blame)
         self._lost_since: float | None = None
         self._lost_why = ""
+        self._lost_gen = -1  # the generation of the report that started the settle window
         self._mirror_gen()
 
     def adopt(self, processes: dict[int, subprocess.Popen[bytes]], promoted: bool) -> None:
@@ -243,6 +244,11 @@ class NodeWatch:
         self._mirror_gen()
         if self.failed:
             return NodeOutcome(failed=True)
+        if self._lost_since is not None and self._lost_gen != self._gen:
+            # the loss that the report saw was elsewhere: the leader replaced it meanwhile (a rank
+            # of ours read a link that a live peer closed on seeing another rank go)
+            say(f"{self._lost_why}: generation {self._gen} superseded that report; nothing stopped")
+            self._lost_since = None
         lost = self._live_rank_lost()
         bad = self.slots.failed()
         if (lost or self._lost_since is not None) and not bad:
@@ -251,7 +257,7 @@ class NodeWatch:
             # window the local exit, the root cause, wins the blame; after it, the report does
             # (a hung or cut-off rank that never exits is fenced).
             if self._lost_since is None:
-                self._lost_since, self._lost_why = time.monotonic(), lost
+                self._lost_since, self._lost_why, self._lost_gen = time.monotonic(), lost, self._gen
                 say(f"{lost}; waiting up to {self._settle:g}s for its own exit before blaming the report")
             if time.monotonic() - self._lost_since < self._settle:
                 return NodeOutcome()
