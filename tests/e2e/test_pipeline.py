@@ -214,8 +214,10 @@ def three_d_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[st
     return _Lazy(lambda key: _three_d_reference(root, *key))
 
 
+# tp-1f1b is a variant (CI time): by default DP x PP x TP is replaced in place, node by node,
+# in test_a_lost_node_of_a_3d_job_is_replaced_by_a_standby_node
 @pytest.mark.parametrize("inner, schedule, failure", [
-    ("tp", "1f1b", "rank=5,step=3,at=backward"),
+    pytest.param("tp", "1f1b", "rank=5,step=3,at=backward", marks=pytest.mark.variant),
     ("fsdp", "gpipe", "rank=2,step=3,at=forward"),
     pytest.param("fsdp", "1f1b", "rank=5,step=3,at=backward", marks=pytest.mark.variant),
 ])
