@@ -486,6 +486,14 @@ REPORT_SETTLE = 0.5  # s: a report against a live rank waits this long for the l
 CASCADE_SETTLE = LEAVING_GRACE  # s: the same, when the accused rank itself reported a loss in that generation
 
 
+@dataclass
+class _Accusation:
+    since: float  # monotonic time of the first report
+    pid: int  # the process it blamed (a replaced rank's newer process is not blamed)
+    report: proto.WorkerReport
+    announced: bool = False  # the longer wait of a rank that reports a loss itself was said
+
+
 class Accusations:
     """Survivors' reports that they lost a rank whose process still runs, each held until it is
     due: the rank is then fenced (hung, or cut off).
@@ -502,16 +510,15 @@ class Accusations:
     def __init__(self, settle: float = REPORT_SETTLE, cascade_settle: float = CASCADE_SETTLE) -> None:
         self._settle = settle
         self._cascade_settle = cascade_settle
-        self._pending: dict[int, tuple[float, int, proto.WorkerReport]] = {}  # rank -> (since, its pid, report)
+        self._pending: dict[int, _Accusation] = {}  # accused rank -> its first report
         self._reporters: dict[int, set[int]] = {}  # generation -> ranks that reported a peer lost in it
-        self._said: set[tuple[int, int]] = set()  # (generation, rank) whose cascade wait was announced
 
     def note(self, report: proto.WorkerReport, accused: Slot | None) -> None:
         """A report of the current generation; ``accused``: the live slot it blames, if any."""
         if report.lost >= 0 and report.lost != report.reporter:
             self._reporters.setdefault(report.gen, set()).add(report.reporter)
         if accused is not None and not accused.fenced:
-            self._pending.setdefault(accused.rank, (time.monotonic(), accused.pid, report))
+            self._pending.setdefault(accused.rank, _Accusation(time.monotonic(), accused.pid, report))
 
     def due(self, slots: Slots, gen: int) -> list[tuple[Slot, proto.WorkerReport]]:
         """The accused slots to fence now (each once); reports of an older generation, and ranks
@@ -519,17 +526,17 @@ class Accusations:
         for old in [g for g in self._reporters if g < gen]:
             del self._reporters[old]
         now, due = time.monotonic(), []
-        for rank, (since, pid, report) in list(self._pending.items()):
-            slot = slots.get(rank)
-            if report.gen != gen or slot is None or slot.pid != pid or slot.poll() is not None or slot.fenced:
+        for rank, accusation in list(self._pending.items()):
+            slot, report = slots.get(rank), accusation.report
+            if report.gen != gen or slot is None or slot.pid != accusation.pid or slot.poll() is not None or slot.fenced:
                 del self._pending[rank]
                 continue
             cascade = rank in self._reporters.get(gen, set())
-            if cascade and (gen, rank) not in self._said:
-                self._said.add((gen, rank))
-                say(f"rank {rank} (pid {pid}) lost by rank {report.reporter}, but it reports a lost peer "
+            if cascade and not accusation.announced:
+                accusation.announced = True
+                say(f"rank {rank} (pid {accusation.pid}) lost by rank {report.reporter}, but it reports a lost peer "
                     f"itself: waiting up to {self._cascade_settle:g}s for the loss's cause before stopping it")
-            if now - since >= (self._cascade_settle if cascade else self._settle):
+            if now - accusation.since >= (self._cascade_settle if cascade else self._settle):
                 del self._pending[rank]
                 due.append((slot, report))
         return due
