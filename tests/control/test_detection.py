@@ -57,6 +57,8 @@ def test_a_rank_behind_is_blamed_and_all_inside_collectives_is_undecided() -> No
     hung, notes = hang.check(5.0, seen(r0=4, r1=4), records, {}, 2.0)
     assert hung == [] and len(notes) == 1 and "cannot tell" in notes[0]
     assert hang.check(6.0, seen(r0=4, r1=4), records, {}, 2.0) == ([], [])  # said once per stall
+    hung, notes = HangDetector(3.0).check(5.0, seen(r0=4, r1=4), {}, {}, 2.0)
+    assert hung == [] and "no rank inside a collective" in notes[0]
 
 
 def test_only_the_stalled_rank_when_others_progress() -> None:
@@ -64,6 +66,21 @@ def test_only_the_stalled_rank_when_others_progress() -> None:
     ranks[1].changed = 4.0
     hung, _ = HangDetector(3.0).check(5.0, ranks, {}, {}, 0.0)
     assert [r for r, _ in hung] == [0]
+
+
+def test_a_rank_seen_later_at_the_same_step_is_not_progress() -> None:
+    """CI: rank 3 stalls in its forward, rank 2 waits in the collective; the agent saw rank 2
+    complete the same step a moment later (a loaded machine). Rank 2 is not progressing: no verdict
+    until both are quiet, then the one outside the collective is blamed, for that reason."""
+    ranks = seen(r2=3, r3=3)
+    ranks[2].changed = 1.5
+    records = {2: Rec(step=3, comm_since=102.0), 3: Rec(step=3)}
+    hang = HangDetector(3.0)
+    assert hang.check(4.0, ranks, records, {}, 104.0) == ([], [])
+    # both quiet now, rank 2 inside its collective for less than the timeout: no verdict, no note
+    assert hang.check(4.6, ranks, records, {}, 104.6) == ([], [])
+    hung, _ = hang.check(5.5, ranks, records, {}, 105.5)
+    assert [r for r, _ in hung] == [3] and "outside any collective while rank(s) 2 wait in one" in hung[0][1]
 
 
 # -- straggler ------------------------------------------------------------------------------------

@@ -6,14 +6,16 @@ outside collectives, whether a collective is outstanding and since when); the ag
 at most every ``read_interval`` seconds and publishes them per node in the store
 (:class:`~tmrun.protocol.messages.NodeProgress`, at most every ``publish_interval`` seconds).
 
-* **Hang** (``hang_timeout`` > 0): no rank completed a step for ``hang_timeout`` seconds (measured
-  by the agent, from the last step it saw completed by the current processes; the clock starts
-  once every rank completed a step, and restarts after every change). Data parallel ranks wait for each other, so every rank stalls together; the
-  one to blame is a stopped process (``/proc`` state T), else the ranks *not* inside a collective
-  while others have waited inside one for ``hang_timeout`` (stuck in their own compute), else the
-  ranks behind the others' step. It is fenced (SIGKILL) and replaced like a failed rank. When
-  every rank waits inside a collective at the same step, nothing tells which one hangs: that is
-  logged once per stall and left to the communicator's timeout.
+* **Hang** (``hang_timeout`` > 0): no rank completed a step for ``hang_timeout`` seconds
+  (measured by the agent, from the last step it saw completed by the current processes; the clock
+  starts once every rank completed a step, and restarts after every change). Data parallel ranks
+  wait for each other, so every rank stalls together; the one to blame is a stopped process
+  (``/proc`` state T), else the ranks *not* inside a collective while others have waited inside
+  one for ``hang_timeout`` (stuck in their own compute), else the ranks behind the others' step.
+  A rank stalled while others complete later steps hangs; one stalled at the step the others were
+  only seen completing later waits for the group's view. It is fenced (SIGKILL) and replaced like
+  a failed rank. When every rank waits inside a collective at the same step, nothing tells which
+  one hangs: that is logged once per stall and left to the communicator's timeout.
 * **Straggler** (``straggler_factor`` > 1): a rank whose own work per step (``busy_seconds``)
   exceeds ``straggler_factor`` x the median of the other ranks' (and that median by at least
   ``straggler_min_seconds``) for ``straggler_steps`` consecutive steps is migrated to a standby
@@ -83,9 +85,13 @@ class HangDetector:
         if not stalled:
             self._noted_at = -1.0
             return [], []
-        if len(stalled) < len(seen):  # others progress: the stalled ones hang
+        if len(stalled) < len(seen):
+            # Others progress past a stalled rank's step: that one hangs. Others merely seen later at
+            # the same step (the agent reads every read_interval, a loaded machine skews them) are
+            # not progress: they stall too within that skew, and the whole group's view decides.
+            ahead = max(s.step for r, s in seen.items() if r not in stalled)
             return [(r, f"no step completed for {t:.1f}s while the other ranks progress")
-                    for r, t in sorted(stalled.items())], []
+                    for r, t in sorted(stalled.items()) if seen[r].step < ahead], []
         quiet = min(stalled.values())
         blamed = [(r, f"process stopped, no step completed for {quiet:.1f}s") for r in sorted(seen) if stopped.get(r)]
         if blamed:
@@ -99,10 +105,14 @@ class HangDetector:
         behind = [r for r in sorted(steps) if steps[r] < max(steps.values())]
         if behind:
             return [(r, f"no step completed for {quiet:.1f}s, behind the others (step {steps[r]})") for r in behind], []
+        if outside and waiting:
+            return [], []  # the ranks inside a collective have not waited hang_timeout yet: a verdict soon
         if self._noted_at < 0:
             self._noted_at = now
-            return [], [f"no step completed for {quiet:.1f}s on any rank, every rank inside a collective: "
-                        "cannot tell which rank hangs (the communicator's timeout decides)"]
+            where = ("every rank inside a collective" if not outside
+                     else "no rank inside a collective (a long computation?)")
+            return [], [f"no step completed for {quiet:.1f}s on any rank, {where}: cannot tell which rank "
+                        "hangs" + (" (the communicator's timeout decides)" if not outside else "")]
         return [], []
 
 
