@@ -384,7 +384,6 @@ class Slots:
     def __init__(self) -> None:
         self.by_rank: dict[int, Slot] = {}
         self.leavers: list[Slot] = []  # migrated ranks' old processes, leaving on their own
-        self._leaving: dict[int, tuple[float, proto.WorkerReport]] = {}  # said goodbye: rank -> (fence after, report)
 
     def adopt(self, processes: dict[int, subprocess.Popen[bytes]], promoted: bool = False) -> None:
         self.by_rank = {rank: Slot(rank, process, promoted=promoted) for rank, process in processes.items()}
@@ -410,33 +409,6 @@ class Slots:
 
     def all_succeeded(self) -> bool:
         return all(code == 0 for code in self.codes().values())
-
-    def live_peer_lost(self, report: proto.WorkerReport, gen: int) -> Slot | None:
-        """The slot a survivor's report says it lost in generation ``gen`` while its process
-        lives on (hung, cut off), or None."""
-        slot = self.by_rank.get(report.lost)
-        if report.gen != gen or slot is None or slot.poll() is not None or report.lost == report.reporter:
-            return None
-        if LEFT_MARK in report.detail:
-            # it closed its communicator (its goodbye): its process is on its way out, and its own
-            # exit says why (a worker that raised: exit code 1, not our SIGKILL); overdue_leavers()
-            # gives it up after LEAVING_GRACE
-            self._leaving.setdefault(report.lost, (time.monotonic() + LEAVING_GRACE, report))
-            return None
-        return slot
-
-    def overdue_leavers(self, gen: int) -> list[tuple[Slot, proto.WorkerReport]]:
-        """Ranks of generation ``gen`` that said goodbye and still run :data:`LEAVING_GRACE` later
-        (a report of each, as :meth:`live_peer_lost` would have returned it)."""
-        now, overdue = time.monotonic(), []
-        for rank, (deadline, report) in list(self._leaving.items()):
-            slot = self.by_rank.get(rank)
-            if report.gen != gen or slot is None or slot.poll() is not None or slot.fenced:
-                del self._leaving[rank]
-            elif now >= deadline:
-                del self._leaving[rank]
-                overdue.append((slot, report))
-        return overdue
 
     def replace(self, rank: int, process: subprocess.Popen[bytes], leaving: bool) -> Slot:
         """A promoted standby plays ``rank`` now; the old process leaves on its own (``leaving``,
@@ -491,52 +463,86 @@ class _Accusation:
     since: float  # monotonic time of the first report
     pid: int  # the process it blamed (a replaced rank's newer process is not blamed)
     report: proto.WorkerReport
+    goodbye: bool  # a report said the rank closed its communicator: it is on its way out
     announced: bool = False  # the longer wait of a rank that reports a loss itself was said
 
 
 class Accusations:
     """Survivors' reports that they lost a rank whose process still runs, each held until it is
-    due: the rank is then fenced (hung, or cut off).
+    due: the rank is then fenced (hung, or cut off). Both topologies hold reports here: the
+    one-node controller fences the rank, a node's agent fails its node.
 
     A report is not proof. When one rank dies, the ranks that see it first abort the epoch and
     close their links; a peer reading such a closed link blames the live rank that closed it
     (a reset connection looks the same whoever died). Fencing on the first report would then
     kill a healthy rank, and with it maybe the last live replica of a shard (the group restart).
-    So a report waits :data:`REPORT_SETTLE` for the real loss to show as a process exit (the
-    generation it starts makes the report stale), and :data:`CASCADE_SETTLE` when the accused
-    rank itself reported a loss in the same generation: it is alive and answering, not hung. A
-    rank that really hangs says nothing and is fenced after the short wait."""
+    So a report waits ``settle`` for the real loss to show as a process exit (the generation it
+    starts makes the report stale), and ``cascade_settle`` when the accused rank itself reported
+    a loss in the same generation: it is alive and answering, not hung. A rank that said goodbye
+    (it closed its communicator: :data:`LEFT_MARK`) is on its way out, and its own exit says why
+    (a worker that raised: exit code 1, not our SIGKILL): it has ``goodbye_grace``. A rank that
+    really hangs says nothing and is fenced after the short wait."""
 
-    def __init__(self, settle: float = REPORT_SETTLE, cascade_settle: float = CASCADE_SETTLE) -> None:
+    def __init__(self, settle: float = REPORT_SETTLE, cascade_settle: float = CASCADE_SETTLE,
+                 goodbye_grace: float = LEAVING_GRACE) -> None:
         self._settle = settle
         self._cascade_settle = cascade_settle
+        self._goodbye_grace = goodbye_grace
         self._pending: dict[int, _Accusation] = {}  # accused rank -> its first report
         self._reporters: dict[int, set[int]] = {}  # generation -> ranks that reported a peer lost in it
 
-    def note(self, report: proto.WorkerReport, accused: Slot | None) -> None:
-        """A report of the current generation; ``accused``: the live slot it blames, if any."""
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def note(self, report: proto.WorkerReport, slots: Slots, gen: int) -> _Accusation | None:
+        """A survivor's report; returns the accusation it starts against a live rank of ``slots``
+        (None: a report of another generation, about a rank that exited, is not ours or is
+        already accused, or about the reporter itself)."""
+        if report.gen != gen:
+            return None
         if report.lost >= 0 and report.lost != report.reporter:
-            self._reporters.setdefault(report.gen, set()).add(report.reporter)
-        if accused is not None and not accused.fenced:
-            self._pending.setdefault(accused.rank, _Accusation(time.monotonic(), accused.pid, report))
+            self._reporters.setdefault(gen, set()).add(report.reporter)
+        slot = slots.get(report.lost)
+        if slot is None or slot.poll() is not None or slot.fenced or report.lost == report.reporter:
+            return None
+        goodbye = LEFT_MARK in report.detail
+        held = self._pending.get(report.lost)
+        if held is not None and held.pid == slot.pid:
+            held.goodbye = held.goodbye or goodbye  # any report of its goodbye: it is leaving
+            return None
+        self._pending[report.lost] = accusation = _Accusation(time.monotonic(), slot.pid, report, goodbye)
+        return accusation
+
+    def superseded(self, gen: int) -> list[_Accusation]:
+        """Drop (and return) the accusations of a generation older than ``gen``: the loss their
+        report saw was replaced meanwhile."""
+        for old in [g for g in self._reporters if g < gen]:
+            del self._reporters[old]
+        stale = [rank for rank, accusation in self._pending.items() if accusation.report.gen != gen]
+        return [self._pending.pop(rank) for rank in stale]
 
     def due(self, slots: Slots, gen: int) -> list[tuple[Slot, proto.WorkerReport]]:
         """The accused slots to fence now (each once); reports of an older generation, and ranks
-        that died or were replaced meanwhile, are dropped."""
-        for old in [g for g in self._reporters if g < gen]:
-            del self._reporters[old]
+        that exited or were replaced meanwhile, are dropped."""
+        self.superseded(gen)
         now, due = time.monotonic(), []
         for rank, accusation in list(self._pending.items()):
             slot, report = slots.get(rank), accusation.report
-            if report.gen != gen or slot is None or slot.pid != accusation.pid or slot.poll() is not None or slot.fenced:
+            if slot is None or slot.pid != accusation.pid or slot.poll() is not None or slot.fenced:
                 del self._pending[rank]
                 continue
             cascade = rank in self._reporters.get(gen, set())
-            if cascade and not accusation.announced:
-                accusation.announced = True
-                say(f"rank {rank} (pid {accusation.pid}) lost by rank {report.reporter}, but it reports a lost peer "
-                    f"itself: waiting up to {self._cascade_settle:g}s for the loss's cause before stopping it")
-            if now - accusation.since >= (self._cascade_settle if cascade else self._settle):
+            if accusation.goodbye:
+                wait = self._goodbye_grace
+            elif cascade:
+                wait = self._cascade_settle
+                if not accusation.announced:
+                    accusation.announced = True
+                    say(f"rank {rank} (pid {accusation.pid}) lost by rank {report.reporter}, but it reports a lost "
+                        f"peer itself: waiting up to {wait:g}s for the loss's cause before stopping it")
+            else:
+                wait = self._settle
+            if now - accusation.since >= wait:
                 del self._pending[rank]
                 due.append((slot, report))
         return due

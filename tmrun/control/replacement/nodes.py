@@ -199,9 +199,10 @@ class NodeReplacement:
         return self._recoveries.completed(final=final)
 
 
-# seconds a survivor's report waits for the rank's own exit: a worker that raised closes its
-# communicators at exit first (its goodbye, then its completer: up to about 2.5 s), and its peers
-# may report it lost meanwhile; its own exit code is the cause to report, not "still running"
+# seconds a survivor's report waits for the rank's own exit: the node's local exit, its root cause,
+# wins the blame within it (a survivor may see the hang-up first); a rank that said goodbye (a
+# worker that raised closes its communicators at exit first: its goodbye, then its completer, up
+# to about 2.5 s) has this long again, as its own exit code is the cause to report
 REPORT_SETTLE = core.LEAVING_GRACE
 
 
@@ -230,43 +231,46 @@ class NodeWatch:
         self.failed = False
         self._waiting_for_standby = core.MigrationsWaiting("this node moves")  # ranks to move once a standby node is warm
         self._settle = settle  # seconds a survivor's report waits for the rank's own exit (blame)
-        self._lost_since: float | None = None
-        self._lost_why = ""
-        self._lost_gen = -1  # the generation of the report that started the settle window
+        self._accusations = self._new_accusations()
         self._mirror_gen()
+
+    def _new_accusations(self) -> core.Accusations:
+        return core.Accusations(self._settle, self._settle, goodbye_grace=self._settle + core.LEAVING_GRACE)
 
     def adopt(self, processes: dict[int, subprocess.Popen[bytes]], promoted: bool) -> None:
         self.slots.adopt(processes, promoted=promoted)
         self.failed = False
-        self._lost_since = None
+        self._accusations = self._new_accusations()
 
     def step(self) -> NodeOutcome:
         self._mirror_gen()
         if self.failed:
             return NodeOutcome(failed=True)
-        if self._lost_since is not None and self._lost_gen != self._gen:
+        for stale in self._accusations.superseded(self._gen):
             # the loss that the report saw was elsewhere: the leader replaced it meanwhile (a rank
             # of ours read a link that a live peer closed on seeing another rank go)
-            say(f"{self._lost_why}: generation {self._gen} superseded that report; nothing stopped")
-            self._lost_since = None
-        lost = self._live_rank_lost()
-        bad = self.slots.failed()
-        if (lost or self._lost_since is not None) and not bad:
+            say(f"{_blame(stale.report, stale.pid)}: generation {self._gen} superseded that report; nothing stopped")
+        for report in self._reports:
             # A survivor lost one of our ranks while its process still runs. It may be exiting
-            # with an error right now (the survivor saw the hang-up first): within a short settle
-            # window the local exit, the root cause, wins the blame; after it, the report does
-            # (a hung or cut-off rank that never exits is fenced).
-            if self._lost_since is None:
-                self._lost_since, self._lost_why, self._lost_gen = time.monotonic(), lost, self._gen
-                say(f"{lost}; waiting up to {self._settle:g}s for its own exit before blaming the report")
-            if time.monotonic() - self._lost_since < self._settle:
-                return NodeOutcome()
-            self._fail(self._lost_why)
+            # with an error right now (the survivor saw the hang-up first): within the settle
+            # time the local exit, the root cause, wins the blame; after it, the report does (a
+            # hung or cut-off rank that never exits is fenced, with its whole node).
+            accusation = self._accusations.note(report, self.slots, self._gen)
+            if accusation is not None:
+                wait = self._settle + (core.LEAVING_GRACE if accusation.goodbye else 0.0)
+                say(f"{_blame(report, accusation.pid)}; waiting up to {wait:g}s for its own exit before blaming the report")
+        bad = self.slots.failed()
+        due = self._accusations.due(self.slots, self._gen)
+        if due and not bad:
+            slot, report = due[0]
+            self._fail(_blame(report, slot.pid))
             return NodeOutcome(failed=True)
         if bad:
             self._fail(", ".join(f"rank {rank} {core.how_it_ended(code)}" for rank, code in bad.items()),
                        by_signal=any(code < 0 for code in bad.values()))
             return NodeOutcome(failed=True)
+        if self._accusations:
+            return NodeOutcome()  # a report waits for its rank's own exit
         if self._detect():
             return NodeOutcome(failed=True)
         return NodeOutcome(finished=self.slots.all_succeeded())
@@ -322,16 +326,6 @@ class NodeWatch:
             core.write_gen_file(self._gen_file, gen)
             self._gen = gen
 
-    def _live_rank_lost(self) -> str:
-        """A survivor's report that it lost one of this node's live ranks (this generation)."""
-        for report in self._reports:
-            slot = self.slots.live_peer_lost(report, self._gen)
-            if slot is not None:
-                return f"rank {report.lost} (pid {slot.pid}) lost by rank {report.reporter}, its process still running"
-        for slot, report in self.slots.overdue_leavers(self._gen):
-            return f"rank {report.lost} (pid {slot.pid}) lost by rank {report.reporter}, its process still running"
-        return ""
-
     def _fail(self, detail: str, by_signal: bool = True) -> None:
         """Stop every worker of this node and tell the leader (a member is a node)."""
         say(f"this node failed ({detail}); stopping its workers for the standby node to take over")
@@ -341,3 +335,7 @@ class NodeWatch:
 
     def stop_promoted(self, timeout: float = 5.0) -> None:
         self.slots.stop_promoted(timeout)
+
+
+def _blame(report: proto.WorkerReport, pid: int) -> str:
+    return f"rank {report.lost} (pid {pid}) lost by rank {report.reporter}, its process still running"

@@ -190,10 +190,8 @@ class ProcessReplacement:
             if report.gen != self.gen:
                 record_event(self._events, "stale", self.gen, f"report about generation {report.gen}")
                 continue
-            self._accusations.note(report, self.slots.live_peer_lost(report, self.gen))
+            self._accusations.note(report, self.slots, self.gen)
         for slot, report in self._accusations.due(self.slots, self.gen):
-            self._fence(slot, report)
-        for slot, report in self.slots.overdue_leavers(self.gen):
             self._fence(slot, report)
 
     def _fence(self, slot: core.Slot, report: proto.WorkerReport) -> None:
