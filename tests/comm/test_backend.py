@@ -641,6 +641,33 @@ def test_a_group_created_in_join_mode_refuses_collectives_until_the_joiner_is_he
         other.shutdown()
 
 
+def test_a_join_waits_through_the_getter_join_mode_was_given() -> None:
+    """A survivor lost while the joiner builds its groups never publishes its address in them:
+    the join waits through the getter join mode was given (the worker's gives up once a newer
+    generation is published), not the store's own wait of its whole timeout, and ends when it
+    raises; set_joining(None) drops it."""
+    class Gone(Exception):
+        pass
+
+    asked: list[str] = []
+
+    def get(store: Any, key: str) -> str:
+        asked.append(key)
+        raise Gone(key)
+
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=20))
+    tb.set_joining(3, get=get, watch=lambda: None)
+    started = time.monotonic()
+    try:
+        with pytest.raises(Gone):
+            tb.create_process_group(store, 1, 2, TIMEOUT, "7", tb.Options(local=False))
+    finally:
+        tb.set_joining(None)
+    assert time.monotonic() - started < 10 and asked and "/replace" in asked[0], asked
+    assert tb._JOIN_WAITS == (None, None)
+
+
 def test_set_local_on_a_connected_group(groups) -> None:
     n = 3
     pgs = groups(n)

@@ -33,6 +33,7 @@ def test_each_kind_of_report_waits_its_own_time(procs) -> None:  # type: ignore[
     said goodbye (goodbye grace). Each is due after its own wait, once."""
     slots = _slots(procs, [1, 2, 3])
     accusations = Accusations(settle=0.1, cascade_settle=0.4, goodbye_grace=0.8)
+    start = time.monotonic()  # before the reports: each wait counts from its report
     assert accusations.note(WorkerReport(reporter=0, lost=1, gen=2), slots, 2) is not None
     assert accusations.note(WorkerReport(reporter=0, lost=2, gen=2), slots, 2) is not None
     assert accusations.note(WorkerReport(reporter=2, lost=0, gen=2), slots, 2) is None  # rank 0 is not ours
@@ -41,7 +42,6 @@ def test_each_kind_of_report_waits_its_own_time(procs) -> None:  # type: ignore[
     assert accusations.note(WorkerReport(reporter=0, lost=1, gen=2), slots, 2) is None  # held already
     assert len(accusations) == 3 and _due_ranks(accusations, slots, 2) == []
     due: dict[int, float] = {}
-    start = time.monotonic()
     while len(due) < 3:
         assert time.monotonic() - start < 10
         for rank in _due_ranks(accusations, slots, 2):

@@ -270,6 +270,25 @@ def test_hsdp_joiner_killed_before_it_rebuilt_its_groups(tmp_path: Path, referen
         _check_committed(_steps(work, rank), processes=1, rank=rank)
 
 
+def test_hsdp_survivor_killed_while_the_joiner_builds_its_groups(tmp_path: Path, reference: list[str]) -> None:
+    """Rank 1 killed in step 2; rank 0 (rank 1's shard group partner) killed once its default
+    group took the joiner in, before it repaired rank 1's subgroups: the joiner is building its
+    mesh and waits for rank 0's address in their shard group, which never comes. The joiner
+    gives up as soon as generation 2 is published (not after the store's timeout: minutes,
+    the survivors long gone) and leaves in one line; the remaining standbys take ranks 0 and 1
+    (rank 2 heals rank 0's shard, rank 3 rank 1's), and the job ends with torchrun's bits in
+    place, ranks 2 and 3 in their first processes."""
+    work = tmp_path / "build"
+    log = _tmrun(work, "--standby", "3", "--inject-failure", "rank=1,step=2",
+                 "--inject-failure", "rank=0,at=subgroups")
+    assert _finals(work) == reference, log[-8000:]
+    assert re.search(r"joiner of rank 1: generation \d+ superseded generation 1 while waiting for .*, while the "
+                     r"script built its groups \(a survivor was lost\); this joiner leaves", log), log[-8000:]
+    assert "group restart" not in log and "Traceback" not in log, log[-8000:]
+    for rank in (2, 3):
+        _check_committed(_steps(work, rank), processes=1, rank=rank)
+
+
 def test_every_replica_of_a_shard_lost_falls_back_to_the_group_restart(tmp_path: Path,
                                                                        reference: list[str]) -> None:
     """Ranks 1 and 3 hold the same shard (HSDP: replicas along "replicate"); both killed at the

@@ -1722,8 +1722,10 @@ def create_process_group(store: Any, rank: int, world_size: int, timeout: Option
     if comm is None and not local and joining is not None:
         # a joiner re-creating the job's groups: take this rank in the survivors' repaired
         # communicator of the same group (they called pg.prepare_replacement(..., joining))
+        get, watch = _JOIN_WAITS
         comm = join_via_store(store, rank, world_size, job_id, joining,
-                              options=_native_options(timeout, options.native), prefix=REPLACE_PREFIX)
+                              options=_native_options(timeout, options.native), prefix=REPLACE_PREFIX,
+                              get=get, watch=watch)
     elif comm is None and not local:
         # every rank adds 1: ranks of the same creation read the same group_seq
         group_seq = (int(store.add(_GROUP_COUNT_KEY, 1)) - 1) // world_size
@@ -1762,17 +1764,23 @@ class JoiningCollectiveError(RuntimeError):
 
 REPLACE_PREFIX = f"{STORE_PREFIX}/replace"  # a group's addresses for a replacement (keys carry the generation)
 _JOINING: Optional[int] = None
+_JOIN_WAITS: tuple[Optional[Callable[[Any, str], str]], Optional[Callable[[], None]]] = (None, None)
 
 
-def set_joining(generation: Optional[int]) -> None:
+def set_joining(generation: Optional[int], get: Optional[Callable[[Any, str], str]] = None,
+                watch: Optional[Callable[[], None]] = None) -> None:
     """Join mode (docs/mesh.md): every tmrun group this process creates from now on (the default
     group, ``new_group``, a device mesh's groups) joins the survivors' communicator of that group
     for ``generation`` instead of bootstrapping a new one: the survivors repaired it with
     :meth:`TmrunProcessGroup.prepare_replacement`. ``None`` ends it. The joiner must create its
     groups in the order the job did (torch requires that of every rank anyway): survivors
-    repair them in that order, each waiting for the joiner's address."""
-    global _JOINING
+    repair them in that order, each waiting for the joiner's address. ``get`` and ``watch``:
+    how each join waits for the survivors' addresses and links (:func:`tmrun.comm.native.
+    connect_via_store`); the worker's give up when a newer generation is published (a survivor
+    lost meanwhile never publishes), where the store's own wait would last its whole timeout."""
+    global _JOINING, _JOIN_WAITS
     _JOINING = None if generation is None else int(generation)
+    _JOIN_WAITS = (get, watch) if generation is not None else (None, None)
 
 
 # A receive's recording and replay (tmrun.worker.startup_replay): an active rank records the

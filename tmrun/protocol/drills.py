@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from tmrun.protocol import environment
 
 ENV = environment.ENV_INJECT_FAILURE
-POINTS = ("step", "forward", "backward", "optimizer", "transfer", "promotion", "handover", "switch", "recovery")
-ANY_STEP = ("promotion", "handover", "switch", "recovery")  # points that happen once, whatever the step
+POINTS = ("step", "forward", "backward", "optimizer", "transfer", "promotion", "handover", "switch", "recovery",
+          "subgroups")
+ANY_STEP = ("promotion", "handover", "switch", "recovery", "subgroups")  # points that happen once, whatever the step
 STEP_OPTIONAL = (*ANY_STEP, "transfer")  # without step=, a transfer drill fires at the first donation
 
 

@@ -16,7 +16,9 @@ forward), ``backward`` (while gradients are being reduced), ``optimizer`` (insid
 ``promotion`` (a joiner, after it joined and before it received the state), ``handover`` (a
 migration's leaver, once its joiner is connected and before it sends anything), ``switch`` (a
 rank that stays during a migration, once it prepared its links to the joiner, before the switch),
-``recovery`` (a survivor that read the next generation's plan, before it publishes its address). ``time=SECONDS`` fires that many seconds
+``recovery`` (a survivor that read the next generation's plan, before it publishes its address),
+``subgroups`` (a survivor whose default group took the joiner in, before it repairs the joiner's
+subgroups: the joiner is building its groups and model). ``time=SECONDS`` fires that many seconds
 after the worker's runtime started instead of at a step.
 
 ``signal=STALL`` does not end the process: it stops the training loop at that point for good

@@ -230,6 +230,7 @@ class Recovery:
                 def move_default(comm=comm, replaced=replaced, gen=plan.gen, get=get) -> None:
                     native.prepare_replacement(ctx.comm_store(), comm, replaced, gen, get=get)
                     native.commit_unless(comm, lambda: ctx.newest_gen() > gen)  # ends if a newer plan comes
+                    ctx.fire("subgroups")  # drills: a survivor lost while the joiner builds its groups
 
                 subgroups.move_all(replaced, plan.gen, get, move_default)
                 self._folded = set()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Callable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -177,7 +177,7 @@ class Standby:
         connected = time.time()
         group.init_joined(dist.PrefixStore(keys.PG_PREFIX, store), comm, ctx.env.comm_timeout)
         group.set_failure_handler(self._recovery.on_comm_failure)
-        tmrun_backend.set_joining(assignment.gen)
+        tmrun_backend.set_joining(assignment.gen, *self._join_waits(assignment))
         ctx.rank = assignment.rank
         ctx.gen = assignment.gen
         ctx.life.to(Role.JOINING)
@@ -188,6 +188,36 @@ class Standby:
         log(f"promoted to rank {ctx.rank} (generation {ctx.gen}) in tmrun.init(); the script builds its groups "
             f"and model as rank {ctx.rank}")
         ctx.fire("promotion")
+
+    def _join_waits(self, assignment: proto.Assignment) -> tuple[Callable[[Any, str], str], Callable[[], None]]:
+        """How the groups the script creates next wait for the survivors' addresses and links
+        (join mode): given up once a newer generation is published. A survivor lost while the
+        script builds its groups never publishes its address in them, and the store's own wait
+        would last its whole timeout (minutes), long after the survivors moved on. The script is
+        half-way through its set-up then, which cannot be resumed as another generation: this
+        joiner leaves in one line and its rank goes to another standby, as a lost joiner's does."""
+        ctx = self._ctx
+        get_address = ctx.address_getter(assignment.gen)
+        watch_generation = ctx.generation_watch(assignment.gen, f"the groups of generation {assignment.gen}")
+
+        def leave(exc: Superseded) -> NoReturn:
+            log(f"joiner of rank {assignment.rank}: {exc}, while the script built its groups (a survivor was lost); "
+                "this joiner leaves, its rank goes to another standby")
+            exit_now(1)
+
+        def get(store: Any, key: str) -> str:
+            try:
+                return get_address(store, key)
+            except Superseded as exc:
+                leave(exc)
+
+        def watch() -> None:
+            try:
+                watch_generation()
+            except Superseded as exc:
+                leave(exc)
+
+        return get, watch
 
     def _await_in_init(self, store: dist.Store) -> tuple[proto.Assignment, float]:
         """A cold standby of a job with subgroups: report warm, then wait for the assignment,
