@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,8 @@ from tmrun.worker.leave import exit_now
 from tmrun.worker.migration import Migration
 from tmrun.worker.recovery import Recovery, heal
 from tmrun.worker.roles import Role
+
+_T = TypeVar("_T")
 
 
 class Standby:
@@ -197,27 +199,20 @@ class Standby:
         half-way through its set-up then, which cannot be resumed as another generation: this
         joiner leaves in one line and its rank goes to another standby, as a lost joiner's does."""
         ctx = self._ctx
-        get_address = ctx.address_getter(assignment.gen)
-        watch_generation = ctx.generation_watch(assignment.gen, f"the groups of generation {assignment.gen}")
 
-        def leave(exc: Superseded) -> NoReturn:
-            log(f"joiner of rank {assignment.rank}: {exc}, while the script built its groups (a survivor was lost); "
-                "this joiner leaves, its rank goes to another standby")
-            exit_now(1)
+        def or_leave(wait: Callable[..., _T]) -> Callable[..., _T]:
+            def waiting(*args: Any) -> _T:
+                try:
+                    return wait(*args)
+                except Superseded as exc:
+                    log(f"joiner of rank {assignment.rank}: {exc}, while the script built its groups (a survivor "
+                        "was lost); this joiner leaves, its rank goes to another standby")
+                    exit_now(1)
 
-        def get(store: Any, key: str) -> str:
-            try:
-                return get_address(store, key)
-            except Superseded as exc:
-                leave(exc)
+            return waiting
 
-        def watch() -> None:
-            try:
-                watch_generation()
-            except Superseded as exc:
-                leave(exc)
-
-        return get, watch
+        return (or_leave(ctx.address_getter(assignment.gen)),
+                or_leave(ctx.generation_watch(assignment.gen, f"the groups of generation {assignment.gen}")))
 
     def _await_in_init(self, store: dist.Store) -> tuple[proto.Assignment, float]:
         """A cold standby of a job with subgroups: report warm, then wait for the assignment,

@@ -513,6 +513,16 @@ class Accusations:
         self._pending[report.lost] = accusation = _Accusation(time.monotonic(), slot.pid, report, goodbye)
         return accusation
 
+    def wait(self, accusation: _Accusation) -> float:
+        """How long ``accusation`` is held (from its first report), as things stand now."""
+        if accusation.goodbye:
+            return self._goodbye_grace
+        return self._cascade_settle if self._cascade(accusation) else self._settle
+
+    def _cascade(self, accusation: _Accusation) -> bool:
+        """The accused rank itself reported a peer lost in the accusation's generation."""
+        return accusation.report.lost in self._reporters.get(accusation.report.gen, set())
+
     def superseded(self, gen: int) -> list[_Accusation]:
         """Drop (and return) the accusations of a generation older than ``gen``: the loss their
         report saw was replaced meanwhile."""
@@ -531,17 +541,11 @@ class Accusations:
             if slot is None or slot.pid != accusation.pid or slot.poll() is not None or slot.fenced:
                 del self._pending[rank]
                 continue
-            cascade = rank in self._reporters.get(gen, set())
-            if accusation.goodbye:
-                wait = self._goodbye_grace
-            elif cascade:
-                wait = self._cascade_settle
-                if not accusation.announced:
-                    accusation.announced = True
-                    say(f"rank {rank} (pid {accusation.pid}) lost by rank {report.reporter}, but it reports a lost "
-                        f"peer itself: waiting up to {wait:g}s for the loss's cause before stopping it")
-            else:
-                wait = self._settle
+            wait = self.wait(accusation)
+            if self._cascade(accusation) and not accusation.goodbye and not accusation.announced:
+                accusation.announced = True
+                say(f"rank {rank} (pid {accusation.pid}) lost by rank {report.reporter}, but it reports a lost "
+                    f"peer itself: waiting up to {wait:g}s for the loss's cause before stopping it")
             if now - accusation.since >= wait:
                 del self._pending[rank]
                 due.append((slot, report))

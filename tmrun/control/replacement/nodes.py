@@ -257,8 +257,8 @@ class NodeWatch:
             # hung or cut-off rank that never exits is fenced, with its whole node).
             accusation = self._accusations.note(report, self.slots, self._gen)
             if accusation is not None:
-                wait = self._settle + (core.LEAVING_GRACE if accusation.goodbye else 0.0)
-                say(f"{_blame(report, accusation.pid)}; waiting up to {wait:g}s for its own exit before blaming the report")
+                say(f"{_blame(report, accusation.pid)}; waiting up to {self._accusations.wait(accusation):g}s "
+                    "for its own exit before blaming the report")
         bad = self.slots.failed()
         due = self._accusations.due(self.slots, self._gen)
         if due and not bad:
