@@ -111,7 +111,11 @@ def main() -> None:
     parser.add_argument("--no-broadcast-buffers", action="store_true",
                         help="DDP's broadcast_buffers=False: each rank keeps its own buffers (per-rank state)")
     parser.add_argument("--grad-scaler", choices=("none", "tracked", "untracked"), default="none",
-                        help="a torch.amp.GradScaler (its scale doubling every 2 steps), tracked or not (tmrun warns)")
+                        help="a torch.amp.GradScaler (its scale doubling every 2 steps), given to tm.track or not "
+                             "(then tmrun tracks it for the script)")
+    parser.add_argument("--lr-schedule", choices=("none", "tracked", "untracked"), default="none",
+                        help="an LR scheduler (StepLR, x0.9 every step), given to tm.track or not "
+                             "(then tmrun tracks it for the script)")
     args = parser.parse_args()
 
     tm = tmrun.init()  # on a standby: runs in the sandbox until promoted
@@ -130,6 +134,9 @@ def main() -> None:
     scaler = torch.amp.GradScaler(device.type, growth_interval=2, enabled=args.grad_scaler != "none")
     if args.grad_scaler == "tracked":
         tm.track(scaler=scaler)  # its scale goes to a joiner, and back where a failure aborted a step
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9) if args.lr_schedule != "none" else None
+    if args.lr_schedule == "tracked":
+        tm.track(lr_schedule=schedule)  # its epoch goes to a joiner, and back where a failure aborted a step
     loss_fn = torch.nn.MSELoss()
     done: list[tuple[int, float]] = []  # (step, completion time) on this process
     for step in tm.steps(args.steps, start=start):  # re-yields a step that a failure aborted
@@ -139,6 +146,8 @@ def main() -> None:
         scaler.step(opt)  # opt.step(): applied only when every rank finished the step
         scaler.update()
         opt.zero_grad()
+        if schedule is not None:
+            schedule.step()
         if args.step_time:
             time.sleep(args.step_time)
         if not tm.is_shadow:
@@ -156,7 +165,8 @@ def main() -> None:
     if args.final and (tm.rank == 0 or "{rank}" in args.final):  # "{rank}" in PATH: every rank writes
         with open(args.final.replace("{rank}", str(tm.rank)), "w") as out:
             scale = f" scale {scaler.get_scale():g}" if scaler.is_enabled() else ""
-            out.write(digest(model.module, opt) + scale + "\n")
+            lr = f" lr {opt.param_groups[0]['lr']:.9g}" if schedule is not None else ""
+            out.write(digest(model.module, opt) + scale + lr + "\n")
 
 
 if __name__ == "__main__":

@@ -422,34 +422,45 @@ def test_batch_norm_statistics_of_an_aborted_step_are_put_back(tmp_path: Path, b
     assert "no collective synchronises" not in log, log  # DDP broadcasts its buffers: nothing is lost
 
 
-def test_a_tracked_gradient_scaler_is_handed_to_the_joiner(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
-                                                           ) -> None:
-    """``--grad-scaler tracked``: a torch.amp.GradScaler whose scale doubles every 2 steps, given
-    to tm.track. Rank 1 killed in step 4's backward: the joiner receives the scale the survivors
-    reached (a fresh scaler would start at 2**16), the aborted step's ``update()`` is undone on
-    the survivor, and both ranks end with torchrun's parameters, optimizer state and scale.
-    Untracked, rank 0 says so in one line."""
+@pytest.fixture(scope="module")
+def scaler_schedule_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
+    """torchrun's final lines (every rank) with a gradient scaler and an LR scheduler."""
     from tests.helpers import free_port, torchrun_cmd
 
     work = tmp_path_factory.mktemp("scaler-torchrun")
     code, log = run_job(torchrun_cmd(
         "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
         str(EXAMPLES / "train_inplace.py"), "--steps", str(STEPS), "--width", "48", "--batch", "16",
-        "--grad-scaler", "tracked", "--final", str(work / "final-{rank}"),
+        "--grad-scaler", "tracked", "--lr-schedule", "tracked", "--final", str(work / "final-{rank}"),
     ), work / "torchrun.log", {}, JOB_TIMEOUT)  # fmt: skip
     assert code == 0, log
     reference = {r: (work / f"final-{r}").read_text().strip() for r in (0, 1)}
-    assert reference[0] == reference[1] and reference[0].endswith(f" scale {2.0 ** (16 + STEPS // 2):g}"), reference
-    finals = str(tmp_path / "tracked" / "final-{rank}")
-    code, log, _, steps = _run(tmp_path, "tracked", "--inject-failure", "rank=1,step=4,at=backward",
-                               script_args=("--grad-scaler", "tracked", "--final", finals))
+    assert reference[0] == reference[1] and f" scale {2.0 ** (16 + STEPS // 2):g} lr " in reference[0], reference
+    return reference
+
+
+@pytest.mark.parametrize("tracking", ["tracked", "untracked"])
+def test_a_gradient_scaler_and_an_lr_scheduler_are_handed_to_the_joiner(
+        tmp_path: Path, scaler_schedule_reference: dict[int, str], tracking: str) -> None:
+    """A torch.amp.GradScaler whose scale doubles every 2 steps and a StepLR (x0.9 a step),
+    given to tm.track or (``untracked``) not: then tmrun tracks them for the script and rank 0
+    says so in one line. Rank 1 killed in step 4's backward: the joiner receives the scale and
+    the scheduler's epoch the survivors reached (fresh ones would start at 2**16 and the first
+    learning rate), the aborted step's ``update()`` and scheduler step are undone on the
+    survivor, and both ranks end with torchrun's parameters, optimizer state, scale and rate."""
+    script_args = ("--grad-scaler", tracking, "--lr-schedule", tracking)
+    reference = scaler_schedule_reference
+    finals = str(tmp_path / tracking / "final-{rank}")
+    code, log, _, steps = _run(tmp_path, tracking, "--inject-failure", "rank=1,step=4,at=backward",
+                               script_args=(*script_args, "--final", finals))
     _check(code, log, reference[0], steps, reference[0], survivors=[0])
     assert {r: Path(finals.format(rank=r)).read_text().strip() for r in (0, 1)} == reference
-    assert "gradient scaler" not in log, log
-    code, log, _, _ = _run(tmp_path, "untracked", steps=2, script_args=("--grad-scaler", "untracked"))
-    assert code == 0, log
-    assert re.search(r"warning: 1 gradient scaler\(s\) \(torch\.amp\.GradScaler\) not tracked: a joiner would start "
-                     r"from the initial scale .* give it to tm\.track", log), log
+    assert "not tracked" not in log, log
+    adopted = re.findall(r"tracked for the script: (.*?): a joiner receives", log)
+    if tracking == "tracked":
+        assert adopted == [], log
+    else:  # said once, by rank 0 (the joiner, rank 1, tracks them too and says nothing)
+        assert adopted == ["'optimizer/lr_scheduler' (StepLR), 'tmrun/grad_scaler' (GradScaler)"], log
 
 
 def test_buffers_kept_per_rank_are_flagged_when_their_rank_is_lost(tmp_path: Path) -> None:

@@ -3,7 +3,6 @@ what healing moves (the live tensors, by identity), the replica check's tensors,
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import pytest
@@ -144,58 +143,3 @@ def test_per_rank_refuses_modules_duplicates_and_objects_without_state() -> None
     state.track_per_rank(loader=Position())
     with pytest.raises(TrackError, match="already"):
         state.track(loader=Position())
-
-
-def test_an_lr_scheduler_left_untracked_is_found() -> None:
-    """A tracked optimizer that an LR scheduler steps, the scheduler itself not tracked: named
-    (an aborted step would advance it twice); tracked, or absent: nothing to say. Schedulers
-    made before and after the guard are both seen."""
-    from tmrun.worker.optimizer import guard_in_place
-
-    class Gate:
-        def step_aborted(self) -> bool:
-            return False
-
-        def before_optimizer_step(self) -> None:
-            pass
-
-        def after_optimizer_step(self) -> None:
-            pass
-
-    for scheduler_first in (True, False):
-        model = torch.nn.Linear(2, 2)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        state = TrackedState()
-        state.track(model=model, optimizer=opt)
-        assert state.untracked_schedules() == []
-        if scheduler_first:
-            sched = torch.optim.lr_scheduler.StepLR(opt, 1)
-            guard_in_place(opt, Gate())
-        else:
-            guard_in_place(opt, Gate())
-            sched = torch.optim.lr_scheduler.StepLR(opt, 1)
-        assert state.untracked_schedules() == ["optimizer"], scheduler_first
-        container = type("Container", (), {"schedulers": [sched], "state_dict": dict, "load_state_dict": print})()
-        state.track(schedulers=container)  # torchtitan's container of schedulers
-        assert state.untracked_schedules() == []
-
-
-def test_an_untracked_gradient_scaler_is_found() -> None:
-    """An enabled GradScaler nobody tracked is counted (a joiner would start from the initial
-    scale); tracked, or disabled, it is not."""
-    state = TrackedState()
-    model = torch.nn.Linear(2, 2)
-    state.track(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-    before = state.untracked_scalers()  # another test's scaler may still be alive
-    scaler = torch.amp.GradScaler("cpu")
-    disabled = torch.amp.GradScaler("cpu", enabled=False)
-
-    class Gone:
-        pass
-
-    dead = weakref.proxy(Gone())  # a dead weak proxy among the collector's objects: isinstance() raises
-    holder = [dead]  # a container the collector tracks, so that the scan meets the proxy
-    assert state.untracked_scalers() == before + 1
-    state.track(scaler=scaler)
-    assert state.untracked_scalers() == before
-    del disabled, holder

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from tmrun.protocol import environment, keys, orphan_guard
-from tmrun.worker import group, rng, startup_replay, subgroups, vote, warm_imports
+from tmrun.worker import group, rng, startup_replay, subgroups, untracked_state, vote, warm_imports
 from tmrun.worker.buffers import BufferSnapshot, persistent_buffers
 from tmrun.worker.context import Context, Rejoin, log
 from tmrun.worker.migration import Migration
@@ -47,7 +47,7 @@ class StepLoop:
         self._rng_recorded_for = -1
         self._stateful_at_start: dict[str, Any] = {}  # tracked schedulers, scalers, loaders
         self._buffers_at_start = BufferSnapshot()  # the tracked modules' persistent buffers
-        self._untracked_state_checked = False  # the untracked LR schedulers and gradient scalers were looked for (once)
+        self._untracked_state_adopted = False  # the untracked LR schedulers and gradient scalers were looked for (once)
         self._per_rank_at_start: dict[str, Any] = {}  # tm.track_per_rank's objects
         # this rank's published per-rank records (tm.track_per_rank), by the step they start:
         # the current step's, and once it commits, the next one's (provisional, see below)
@@ -75,6 +75,10 @@ class StepLoop:
             ctx.committed_step = start - 1  # resumed from the script's checkpoint of step start - 1
         if not ctx.life.is_(Role.STANDBY):
             ctx.progress.resume_at(start)
+        if ctx.in_place and not self._untracked_state_adopted:
+            # every role, before any healing: a joiner must track what its donors track
+            self._untracked_state_adopted = True
+            self._adopt_untracked_state()
         if ctx.pending_join is not None:  # a standby promoted in tmrun.init(): its model is built now
             step = self._standby.heal_after_init()
         while True:
@@ -183,9 +187,6 @@ class StepLoop:
         ctx.fire("step")
         ctx.step_rng = rng.capture()
         if ctx.in_place and not ctx.life.is_(Role.STANDBY):
-            if not self._untracked_state_checked:
-                self._untracked_state_checked = True
-                self._warn_of_untracked_state()
             self._stateful_at_start = ctx.tracked.snapshot_stateful()
             self._buffers_at_start.take([b for module in ctx.tracked.modules() for b in persistent_buffers(module)])
             if ctx.tracked.per_rank:
@@ -193,20 +194,14 @@ class StepLoop:
         if self._rng_recorded_for != step:
             self._record_rng(step)
 
-    def _warn_of_untracked_state(self) -> None:
-        """One line (rank 0) per tracked optimizer that an untracked LR scheduler steps, and one
-        for the untracked gradient scalers."""
-        if self._ctx.rank != 0:
-            return
-        for name in self._ctx.tracked.untracked_schedules():
-            log(f"warning: an LR scheduler steps the tracked optimizer {name!r} but is not tracked: a step that a "
-                "failure aborts would advance it twice, and every learning rate after it would be off by one step; "
-                "give it to tm.track")
-        scalers = self._ctx.tracked.untracked_scalers()
-        if scalers:
-            log(f"warning: {scalers} gradient scaler(s) (torch.amp.GradScaler) not tracked: a joiner would start from "
-                "the initial scale and a step that a failure aborts would update the scale twice, so the ranks' "
-                "scales could part; give it to tm.track (e.g. tm.track(scaler=scaler))")
+    def _adopt_untracked_state(self) -> None:
+        """Track the script's untracked LR schedulers and gradient scaler where unambiguous
+        (tmrun.worker.untracked_state); rank 0 (not a standby) says what, in a line each."""
+        ctx = self._ctx
+        adopted = untracked_state.adopt(ctx.tracked)
+        if ctx.rank == 0 and not ctx.life.is_(Role.STANDBY):
+            for line in untracked_state.describe(adopted):
+                log(line)
 
     def _progress(self, step: int) -> None:
         """The node's agent sees this step completed (a memory write, see worker.progress)."""

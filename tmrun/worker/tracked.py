@@ -18,8 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from tmrun.worker import pipeline
-from tmrun.worker.live_objects import instances_of
-from tmrun.worker.optimizer import scheduled, unwrap as _unwrap_optimizer
+from tmrun.worker.optimizer import unwrap as _unwrap_optimizer
 
 
 class TrackError(ValueError):
@@ -258,26 +257,6 @@ class TrackedState:
         return {id(param) for optimizer in self._optimizers().values()
                 for group in optimizer.param_groups for param in group["params"]}
 
-    def untracked_schedules(self) -> list[str]:
-        """Names of the tracked optimizers that an LR scheduler steps while no tracked object is
-        a scheduler of theirs: a step a failure aborts would advance that scheduler twice."""
-        kinds = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
-        followed: set[int] = set()
-        for obj in self._objects.values():  # a scheduler, or a container of some (torchtitan's, SequentialLR)
-            for candidate in [obj, *(getattr(obj, "schedulers", None) or []), *(getattr(obj, "_schedulers", None) or [])]:
-                if isinstance(candidate, kinds):
-                    followed.add(id(getattr(candidate, "optimizer", None)))
-        return [name for name, opt in self._optimizers().items() if id(opt) not in followed and scheduled(opt)]
-
-    def untracked_scalers(self) -> int:
-        """How many enabled gradient scalers (``torch.amp.GradScaler``, CUDA's too) this process
-        holds that no tracked object is: a joiner would start from its initial scale, and a step
-        a failure aborts would update the scale twice, so the ranks' scales (and which steps an
-        overflow skips) could part. One scan of the garbage collector's objects
-        (:func:`tmrun.worker.live_objects.instances_of`): call it once, not per step."""
-        tracked = {id(obj) for obj in self._objects.values()}
-        return sum(1 for obj in instances_of(torch.amp.GradScaler) if id(obj) not in tracked and obj.is_enabled())
-
     def modules(self) -> list[torch.nn.Module]:
         """The tracked modules (a DDP model's inner module)."""
         return [obj for obj in self._objects.values() if isinstance(obj, torch.nn.Module)]
@@ -292,6 +271,15 @@ class TrackedState:
 
     def _optimizers(self) -> dict[str, torch.optim.Optimizer]:
         return {name: obj for name, obj in self._objects.items() if isinstance(obj, torch.optim.Optimizer)}
+
+    def optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        """The tracked optimizers by name (a guard's optimizer)."""
+        return self._optimizers()
+
+    def objects(self) -> dict[str, Any]:
+        """The tracked objects by name (modules, optimizers, objects with a state_dict), not the
+        plain values nor the per-rank ones."""
+        return dict(self._objects)
 
     def snapshot_stateful(self) -> dict[str, Any]:
         """A copy of what a step may change besides tensors: the state of every tracked object
