@@ -12,7 +12,6 @@ connection (the job token's challenge on every native link).
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import socket

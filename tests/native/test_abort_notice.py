@@ -220,7 +220,6 @@ def test_a_notice_on_a_link_whose_part_is_over_ends_the_operation():
             x = torch.ones(8 * 1024 * 1024, dtype=torch.float32) * (c.rank + 1)
             if c.rank == 2:  # busy until well after the notice
                 time.sleep(6.0)
-            t0 = time.monotonic()
             try:
                 c.broadcast(buf(x), root=0, dtype=dt(x))
                 res = ("completed", time.monotonic())

@@ -97,7 +97,6 @@ def test_kill_then_replace_with_a_joiner_process(procs):
     joiner = procs("--rank", str(victim), "--world", str(n), "--timeout", "2.0", "--epoch", "1", "--job", "replace")
     jaddr = joiner.expect("address")["address"]
     survivors = [r for r in range(n) if r != victim]
-    before = {}
     for r in survivors:
         ps[r].send({"op": "replace", "replaced": [victim], "new_addresses": {str(victim): jaddr}, "new_epoch": 1})
     joiner.send({"addresses": [jaddr if r == victim else ps[r].address for r in range(n)]})

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from conftest import close_all, make_group, tn
+from conftest import close_all, make_group
 from tmrun.worker.loss_watch import LossWatcher
 
 BOUND = 10.0  # seconds; far below the 75 s to the next idle tick

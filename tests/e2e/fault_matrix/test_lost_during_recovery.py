@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.fault_matrix.conftest import STEPS
 from tests.e2e.test_inplace_one_node import _check, _run
 from tests.helpers import wait_until
 
