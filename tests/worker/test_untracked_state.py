@@ -42,8 +42,8 @@ def only_this_tests_objects(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callabl
 
     hide_earlier()
     real = untracked_state.instances_of
-    monkeypatch.setattr(untracked_state, "instances_of",
-                        lambda cls: [obj for obj in real(cls) if id(obj) not in known])
+    monkeypatch.setattr(untracked_state, "instances_of", lambda *classes: {
+        cls: [obj for obj in objects if id(obj) not in known] for cls, objects in real(*classes).items()})
     yield hide_earlier
     earlier.clear()
 

@@ -47,7 +47,7 @@ def _live_meshes() -> list[Any]:
     cls = _mesh_class()
     if cls is None:
         return []
-    return instances_of(cls)
+    return instances_of(cls)[cls]
 
 
 def _retired(cls: type) -> type:

@@ -58,14 +58,6 @@ def _held_schedulers(obj: Any) -> list[Any]:
     return [*(getattr(obj, "schedulers", None) or []), *(getattr(obj, "_schedulers", None) or [])]
 
 
-def _live_schedulers() -> list[Any]:
-    found: dict[int, Any] = {}
-    for kind in SCHEDULER_KINDS:
-        for obj in instances_of(kind):
-            found[id(obj)] = obj
-    return list(found.values())
-
-
 def adopt(state: TrackedState) -> Adopted:
     """Track the unambiguous untracked LR schedulers and gradient scaler (see the module's
     docstring); return what was tracked and what was left."""
@@ -76,7 +68,8 @@ def adopt(state: TrackedState) -> Adopted:
         for candidate in [obj, *_held_schedulers(obj)]:
             if isinstance(candidate, SCHEDULER_KINDS):
                 followed.add(id(unwrap_optimizer(getattr(candidate, "optimizer", None))))
-    schedulers = _live_schedulers()
+    live = instances_of(*SCHEDULER_KINDS, torch.amp.GradScaler)  # one scan of the collector's objects
+    schedulers = list({id(obj): obj for kind in SCHEDULER_KINDS for obj in live[kind]}.values())
     held = {id(inner) for outer in schedulers for inner in _held_schedulers(outer)}
     tracked_ids = {id(obj) for obj in tracked_objects.values()}
     for name, optimizer in state.optimizers().items():
@@ -91,7 +84,7 @@ def adopt(state: TrackedState) -> Adopted:
             # several (which one is which on another rank cannot be told), or one the scan
             # cannot reach (the optimizer's step is wrapped by a scheduler it does not find)
             out.unsure_schedules.append(name)
-    scalers = [s for s in instances_of(torch.amp.GradScaler) if id(s) not in tracked_ids and s.is_enabled()]
+    scalers = [s for s in live[torch.amp.GradScaler] if id(s) not in tracked_ids and s.is_enabled()]
     if len(scalers) == 1 and SCALER_NAME not in state.names:
         state.track(**{SCALER_NAME: scalers[0]})
         out.tracked[SCALER_NAME] = type(scalers[0]).__name__
