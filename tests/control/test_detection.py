@@ -193,6 +193,22 @@ def test_detection_reads_records_and_publishes_node_progress(tmp_path: Path) -> 
                                                     pid=11, role="active")
 
 
+def test_the_last_records_are_published_whatever_the_interval(tmp_path: Path) -> None:
+    """The workers finished: their last records are published at once, not a second later (the
+    leader reads them as the job closes, to tell when a restarted group got back)."""
+    job = dist.HashStore()
+    det = Detection(DetectionSettings(progress_dir=str(tmp_path), read_interval=0.0, publish_interval=60.0,
+                                      gpu_health=False), job, node=0, local_ranks={0: 0})
+    record = progress.ProgressFile(progress.path_for(str(tmp_path), 0))
+    record.write(Rec(step=3, step_end=5.0, pid=11, role="active"))
+    det.publish_progress({0: 11}, now=100.0)
+    record.write(Rec(step=9, step_end=8.0, pid=11, role="active"))
+    det.publish_progress({0: 11}, now=101.0)  # within the interval: not published
+    assert [r.step for r in proto.NodeProgress.decode("k", job.get(keys.node_progress(0))).ranks] == [3]
+    det.publish_last({0: 11})
+    assert [r.step for r in proto.NodeProgress.decode("k", job.get(keys.node_progress(0))).ranks] == [9]
+
+
 def test_detection_finds_a_straggler_and_a_bad_gpu(tmp_path: Path) -> None:
     files = {r: progress.ProgressFile(progress.path_for(str(tmp_path), r)) for r in (0, 1)}
     nvml = fake(tmp_path / "..", {})

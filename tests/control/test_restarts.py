@@ -85,6 +85,22 @@ def test_a_restart_that_never_got_back_is_counted_until_the_end_or_the_next_rest
     assert second.old_epoch == 2 and second.seconds is None  # no record of epoch 3 yet: not measured
 
 
+def test_a_group_back_since_the_last_poll_is_closed_at_its_return_when_the_job_ends() -> None:
+    """The job ends between two polls, after the group got back: the restart ends where the
+    records say it got back, not at the job's end (which counted the whole rest of the training
+    as the restart's cost, and its summary said it never got back)."""
+    store, clock = _Store(), [0.0]
+    accounts = RestartAccounts(store)
+    accounts.begin(1, 2, 1, 1, failed=10.0)
+    store.set(keys.final_progress(1, 0), _progress(0, 1, (0, 4, 9.0, 1.0, 0), (1, 4, 9.0, 1.0, 0)))
+    store.set(keys.node_progress(0), _progress(0, 2, (0, 2, 14.0, 1.0, 0), (1, 2, 14.0, 1.0, 0)))
+    assert _polled(accounts, clock) == []  # back at step 2 of 5: not back yet
+    store.set(keys.node_progress(0), _progress(0, 2, (0, 9, 21.0, 1.0, 0), (1, 9, 21.0, 1.0, 0)))
+    [ended] = accounts.finish(22.0)  # no poll since: the job ended first
+    assert ended.back == 17.0 and ended.seconds == 7.0 and ended.steps_recomputed == 5, ended
+    assert "did not get back" not in ended.describe(), ended.describe()
+
+
 def test_nothing_completed_before_the_failure_recomputes_nothing() -> None:
     store = _Store()
     accounts = RestartAccounts(store)

@@ -45,7 +45,7 @@ ENV = {"OMP_NUM_THREADS": "1"}
 def _run(cmd: list[str], log: Path, expect_ok: bool = True, env: dict[str, str] | None = None) -> str:
     proc = start(cmd, log=log, env={**ENV, **(env or {})})
     try:
-        code = proc.wait(timeout=150)
+        code = proc.wait(timeout=240)
     finally:
         kill_tree(proc)
     text = log.read_text()

@@ -116,12 +116,13 @@ def test_a_rank_lost_before_its_start_up_was_recorded_starts_its_pipeline_again(
 
 
 def test_a_planned_migration_of_a_stage_rank_recomputes_nothing(tmp_path: Path) -> None:
-    """tm.migrate() by rank 1 (the last stage of the first replica) after step 5: the joiner is
+    """tm.migrate() by rank 1 (the last stage of the first replica) after step 8: the joiner is
     handed its state (not healed) and runs its pipeline's start-up alone from the leaver's
-    recording; nothing is recomputed and the bits are torchrun's. 14 paced steps: a rehearsed
-    standby is warm only after its rehearsal (the switch waits for it), and the joiner must run
-    steps after it."""
-    steps = "14"
+    recording; nothing is recomputed and the bits are torchrun's. 18 paced steps: a rehearsed
+    standby is warm only after rank 0's first step, its rehearsal and two paced shadow steps
+    (a request before then is refused: "no warm standby"), and the joiner must run steps after
+    the switch."""
+    steps = "18"
     work, reference_work = tmp_path / "tmrun", tmp_path / "torchrun"
     for folder in (work, reference_work):
         folder.mkdir()
@@ -132,7 +133,7 @@ def test_a_planned_migration_of_a_stage_rank_recomputes_nothing(tmp_path: Path) 
     assert code == 0, log[-4000:]
     cmd = tmrun_cmd("--standalone", "--nproc-per-node", str(RANKS), "--standby", "1", "--console", "plain",
                     *args, "--final", str(work / "final-{rank}"),
-                    "--migrate-at", "5", "--migrate-rank", "1", "--step-time", "1.0")
+                    "--migrate-at", "8", "--migrate-rank", "1", "--step-time", "1.0")
     code, log = run_job(cmd, work / "log", {"TMRUN_STATE_DIR": str(work / "state")}, JOB_TIMEOUT)
     assert code == 0, log[-4000:]
     assert "planned migration, generation 1: rank 1" in log, log[-4000:]

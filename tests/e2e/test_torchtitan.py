@@ -165,7 +165,7 @@ def test_rank_killed_at_a_random_moment_is_replaced_in_place(tmp_path: Path, ass
 
     def kill_rank_1() -> None:
         path = work / "steps-1"
-        if wait_until(lambda: path.exists() and len(path.read_text().splitlines()) >= 3, 200):
+        if wait_until(lambda: path.exists() and len(path.read_text().splitlines()) >= 3, JOB_TIMEOUT):
             time.sleep(delay)
             pid = int(path.read_text().split()[1])
             try:
@@ -174,9 +174,9 @@ def test_rank_killed_at_a_random_moment_is_replaced_in_place(tmp_path: Path, ass
             except ProcessLookupError:
                 pass
 
+    reference = references(layout)  # first: the killer's wait counts from the job's start
     killer = threading.Thread(target=kill_rank_1, daemon=True)
     killer.start()
-    reference = references(layout)
     code, log, got = _run(work, assets, "tmrun", layout)
     killer.join(timeout=10)
     assert killed, log

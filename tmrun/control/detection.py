@@ -222,6 +222,15 @@ class Detection:
         self._read(pids, now)
         self._publish(pids)
 
+    def publish_last(self, pids: dict[int, int]) -> None:
+        """The workers finished: read and publish their records once more, whatever the interval
+        (the leader's count of a group restart reads them as the job closes: a record a second
+        old may predate the step at which the group got back)."""
+        if not self.settings.progress_dir:
+            return
+        self._read(pids, time.monotonic())
+        self._publish(pids)
+
     def retry(self, rank: int) -> None:
         """A migration asked for ``rank`` was refused (no warm standby yet): ask again later."""
         seen = self._seen.get(rank)

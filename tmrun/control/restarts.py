@@ -118,10 +118,13 @@ class RestartAccounts:
         return done
 
     def finish(self, end: float) -> list[Restarted]:
-        """The job ends at ``end`` (Unix time): the restarts still open, counted until then."""
+        """The job ends at ``end`` (Unix time): the restarts still open, each closed at the instant
+        its group got back if the records read now show it did (the job can end between two
+        polls), else counted until ``end``."""
+        ended = []
         for account in self._open:
-            self._look(account)
-        ended = [self._close(o, end, back=None) for o in self._open]
+            back = self._look(account)
+            ended.append(self._close(account, back, back=back) if back is not None else self._close(account, end, back=None))
         self._open = []
         return ended
 

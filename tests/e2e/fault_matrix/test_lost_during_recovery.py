@@ -15,7 +15,6 @@ import re
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -41,7 +40,6 @@ def test_a_rank_lost_while_a_generation_recovers_gets_one_more_generation(tmp_pa
             hog.kill()
 
     thread = threading.Thread(target=starve, daemon=True)
-    started = time.monotonic()
     thread.start()
     try:
         code, log, final, steps = _run(
@@ -54,11 +52,13 @@ def test_a_rank_lost_while_a_generation_recovers_gets_one_more_generation(tmp_pa
             hog.kill()
             hog.wait()
     assert len(hogs) == 2, "the hogs never ran"
-    elapsed = time.monotonic() - started
     _check(code, log, final, steps, reference3, survivors=[0])
     assert "falling back" not in log and "fallback" not in log, log
     assert re.search(r"generation 2: rank 1's joiner \(standby \d+, pid \d+\) had not recovered into generation 1: "
                      r"it reconnects for generation 2", log), log
     assert "joining generation 2" in log, log
-    assert "generation 2: all 3 ranks recovered" in log, log
-    assert elapsed < 60, f"{elapsed:.0f}s: a stale wait ran into a timeout"
+    recovered = re.search(r"generation 2: all 3 ranks recovered, ([\d.]+)s after the change began", log)
+    assert recovered, log
+    # a stale wait would run into a 60 s timeout inside the recovery (the job's wall time also
+    # counts its start-up and steps under the hogs: not a measure of the recovery)
+    assert float(recovered.group(1)) < 30, f"{recovered.group(0)}: a stale wait ran into a timeout\n{log}"

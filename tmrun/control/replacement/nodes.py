@@ -275,6 +275,12 @@ class NodeWatch:
             return NodeOutcome(failed=True)
         return NodeOutcome(finished=self.slots.all_succeeded())
 
+    def publish_last_progress(self) -> None:
+        """Every rank finished: the progress records published once more (each rank's last
+        process, exited now), for the leader's count of a group restart as the job closes."""
+        if self.detection is not None:
+            self.detection.publish_last({slot.rank: slot.pid for slot in self.slots.by_rank.values()})
+
     def _detect(self) -> bool:
         """A hung rank of this node fails the node (fenced, reported: the leader replaces it); a
         straggler or a rank on an unhealthy GPU asks the leader for a planned migration of the

@@ -136,6 +136,12 @@ class ProcessReplacement:
             record_event(self._events, "recovered", recovered.gen,
                          f"{recovered.world_size} ranks back in {recovered.seconds:.3f}s", **recovered.fields())
 
+    def publish_last_progress(self) -> None:
+        """Every rank finished: the progress records published once more (each rank's last
+        process, exited now), for the leader's count of a group restart as the job closes."""
+        if self.detection is not None:
+            self.detection.publish_last({slot.rank: slot.pid for slot in self.slots.by_rank.values()})
+
     def _detect(self) -> None:
         """Hung ranks are fenced (and replaced below, as failed ranks); stragglers and ranks on an
         unhealthy GPU are migrated (planned: no step lost)."""

@@ -108,6 +108,7 @@ class LocalStandbyRole(AgentRole):
             pids = {slot.rank: slot.pid for slot in controller.slots.by_rank.values()}
             self.agent.publish(worker_group, pids, self.standby_members())
         if outcome.finished:
+            controller.publish_last_progress()  # before the leader closes the job
             return succeeded(worker_group)
         if not outcome.failed:
             return HEALTHY

@@ -136,7 +136,10 @@ class NodeRole(AgentRole):
             # workers handed over and left); if the leader falls back to a new epoch instead, the
             # elastic loop restarts the group (num_nodes_waiting)
             self._handler.check_retired()
-        return succeeded(worker_group) if outcome.finished else HEALTHY
+        if outcome.finished:
+            watch.publish_last_progress()  # before the leader closes the job
+            return succeeded(worker_group)
+        return HEALTHY
 
     # -- standing by ---------------------------------------------------------------------------
 

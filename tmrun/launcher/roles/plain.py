@@ -15,7 +15,7 @@ import tempfile
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 
 from tmrun.control.detection import Detection
 from tmrun.launcher.roles.base import AgentRole
@@ -54,7 +54,10 @@ class PlainRole(AgentRole):
         result = super().monitor(worker_group)
         if self._progress is not None:
             pids = {self._ranks[local]: pid for local, pid in self.agent.group_pids().items() if local in self._ranks}
-            self._progress.publish_progress(pids)
+            if result.state is WorkerState.SUCCEEDED:
+                self._progress.publish_last(pids)  # before the leader closes the job and reads them
+            else:
+                self._progress.publish_progress(pids)
         return result
 
     def close(self) -> None:
