@@ -86,7 +86,10 @@ def test_rank_on_an_unhealthy_gpu_is_migrated(tmp_path: Path, migration_referenc
     code, log, final, by_rank = _run(tmp_path, "gpu", steps=MIGRATION_STEPS, step_time=0.15,
                                      env={"TMRUN_FAKE_NVML": str(nvml)})
     assert code == 0, log
-    assert "rank 1: GPU 1 unhealthy: Xid 79; it moves once a standby is warm" in log, log
+    # "it moves once a standby is warm" is said only when the standby is not warm yet at the
+    # first look at the GPUs (a starved agent may look after it is): the move itself is checked
+    waited = re.findall(r"rank 1: GPU 1 unhealthy: Xid 79; it moves once a standby is warm", log)
+    assert len(waited) <= 1, log
     assert re.search(r"planned migration, generation 1: rank 1 \(pid \d+\) -> standby 0 \(pid \d+\): "
                      r"GPU 1 unhealthy: Xid 79", log), log
     assert "migration of rank 1 refused" not in log

@@ -346,7 +346,9 @@ def test_a_group_restart_counts_its_downtime_and_the_steps_it_recomputed(tmp_pat
                                script_args=("--checkpoint", str(tmp_path / "ckpt.pt"), "--checkpoint-every", "4"))
     assert code == 0, log
     done = [s for s, _ in steps[0]]
-    assert done == list(range(10)) + list(range(8, 14)), done  # what the script itself did
+    # what the script itself did (rank 0's line of step 9 comes after its paced sleep: the group's
+    # stop, right after rank 1's death at the start of step 10, may come first on a loaded machine)
+    assert done in (list(range(10)) + list(range(8, 14)), list(range(9)) + list(range(8, 14))), done
     events = [json.loads(line) for path in (tmp_path / "restart" / "state").rglob("*.events.jsonl")
               for line in path.read_text().splitlines()]
     restarted = [e for e in events if e["kind"] == "restarted"]
@@ -360,7 +362,7 @@ def test_a_group_restart_counts_its_downtime_and_the_steps_it_recomputed(tmp_pat
     # every rank (estimated from records published about once a second): rank 0 logged it then
     logged = [float(line.split()[1]) for line in (tmp_path / "restart" / "steps-0.log").read_text().splitlines()
               if line.split()[0] == "10"]
-    assert len(logged) == 1 and abs(back - logged[0]) < 0.5, (logged, event)
+    assert len(logged) == 1 and abs(back - logged[0]) < 0.8, (logged, event)  # a record up to 3 steps later
     assert event["seconds"] >= 2 * 0.2, event  # at least the two recomputed steps
     totals = re.search(r"recovery totals: downtime ([\d.]+)s over [\d.]+s, ETTR [\d.]+%, 0 in-place recoveries "
                        r"\(0 planned\), 2 steps recomputed, 1 group restart \(counted above\)", log)

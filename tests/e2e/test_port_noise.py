@@ -203,8 +203,8 @@ def _report(thread: Noise, log: str) -> str:
 
 def _check_log(log: str, killed: bool = False) -> None:
     # a port scanner does not flood the log: the liveness refusal is said at most every 10 s
-    # (it was one line per connection: hundreds in a 30 s job)
-    assert log.count("liveness: refused a connection") <= 6, log
+    # (it was one line per connection: hundreds in a 30 s job; 12 allows a job twice as slow)
+    assert log.count("liveness: refused a connection") <= 12, log
     assert killed or "Traceback" not in log, log
 
 

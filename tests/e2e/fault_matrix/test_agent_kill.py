@@ -48,7 +48,10 @@ def test_killed_agent_leaves_no_worker_or_standby_behind(tmp_path: Path) -> None
         left = tagged_pids(job.tag)  # type: ignore[attr-defined]
         text = log.read_text()
         assert gone and left == [], f"left behind {BOUND}s after the agent's SIGKILL: {left}\n{text}"
-        assert text.count("is gone; this worker exits (the job ends)") >= 2, text  # both workers, on their own
+        # every process left on its own (nothing was killed but the agent): a worker at its step
+        # boundary says so; one that was inside its step when the other left loses its peer
+        # first and leaves through its recovery (the store is gone), in other words
+        assert text.count("is gone; this worker exits (the job ends)") >= 1, text
         assert not (work / "final").exists(), "a result was written after the agent died"
         print(f"every process gone {elapsed:.2f}s after the agent's SIGKILL")
     finally:
