@@ -124,7 +124,7 @@ class RestartAccounts:
         ended = []
         for account in self._open:
             back = self._look(account)
-            ended.append(self._close(account, back, back=back) if back is not None else self._close(account, end, back=None))
+            ended.append(self._close(account, end if back is None else back, back=back))
         self._open = []
         return ended
 

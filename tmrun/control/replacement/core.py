@@ -400,6 +400,10 @@ class Slots:
     def pids(self) -> list[int]:
         return [s.pid for s in self.by_rank.values() if s.poll() is None]
 
+    def rank_pids(self) -> dict[int, int]:
+        """Every rank's current process id, running or exited."""
+        return {s.rank: s.pid for s in self.by_rank.values()}
+
     def codes(self) -> dict[int, int | None]:
         return {s.rank: s.poll() for s in self.by_rank.values()}
 

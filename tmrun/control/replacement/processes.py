@@ -140,7 +140,7 @@ class ProcessReplacement:
         """Every rank finished: the progress records published once more (each rank's last
         process, exited now), for the leader's count of a group restart as the job closes."""
         if self.detection is not None:
-            self.detection.publish_last({slot.rank: slot.pid for slot in self.slots.by_rank.values()})
+            self.detection.publish_last(self.slots.rank_pids())
 
     def _detect(self) -> None:
         """Hung ranks are fenced (and replaced below, as failed ranks); stragglers and ranks on an

@@ -105,8 +105,7 @@ class LocalStandbyRole(AgentRole):
         before = controller.replacements
         outcome = controller.step()
         if controller.replacements != before or self._pool.changed() or self._standbys_warmed(controller):
-            pids = {slot.rank: slot.pid for slot in controller.slots.by_rank.values()}
-            self.agent.publish(worker_group, pids, self.standby_members())
+            self.agent.publish(worker_group, controller.slots.rank_pids(), self.standby_members())
         if outcome.finished:
             controller.publish_last_progress()  # before the leader closes the job
             return succeeded(worker_group)
