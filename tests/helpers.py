@@ -40,14 +40,15 @@ def torchrun_cmd(*args: str) -> list[str]:
 TAG_VAR = "TMRUN_TEST_TAG"
 
 
-def start(cmd: Sequence[str], log: Path | None = None, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+def start(cmd: Sequence[str], log: Path | None = None, env: dict[str, str] | None = None,
+          cwd: Path | None = None) -> subprocess.Popen[bytes]:
     """Start a command tagged through its environment: every descendant (torch puts workers in
     sessions of their own) inherits the tag, so the test finds and kills exactly what it started."""
     out = open(log, "wb") if log else subprocess.PIPE
     full_env = dict(os.environ)
     full_env.update(env or {})
     full_env[TAG_VAR] = uuid.uuid4().hex
-    proc = subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT, env=full_env)
+    proc = subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=cwd)
     proc.tag = full_env[TAG_VAR]  # type: ignore[attr-defined]
     return proc
 
@@ -82,10 +83,11 @@ def leftovers(proc: subprocess.Popen[bytes], grace: float = 5.0) -> list[int]:
     return tagged_pids(proc.tag)  # type: ignore[attr-defined]
 
 
-def run_job(cmd: Sequence[str], log: Path, env: dict[str, str], timeout: float) -> tuple[int, str]:
-    """Start a job (its output to ``log``), wait up to ``timeout`` for it, kill whatever of it is
-    left (asserting nothing survives); returns its exit code and its log."""
-    job = start(cmd, log=log, env=env)
+def run_job(cmd: Sequence[str], log: Path, env: dict[str, str], timeout: float,
+            cwd: Path | None = None) -> tuple[int, str]:
+    """Start a job (its output to ``log``, in ``cwd``), wait up to ``timeout`` for it, kill
+    whatever of it is left (asserting nothing survives); returns its exit code and its log."""
+    job = start(cmd, log=log, env=env, cwd=cwd)
     try:
         code = job.wait(timeout=timeout)
     finally:

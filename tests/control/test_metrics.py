@@ -54,6 +54,24 @@ def test_totals() -> None:
     assert "ETTR 97.00%" in describe(t)
 
 
+def test_a_recovery_whose_survivors_had_committed_recomputed_nothing() -> None:
+    """A rank lost in its optimizer step: every survivor's step committed, the group resumes at
+    the next one (the event says 0); an event that says nothing counts the step in flight."""
+    events = [
+        _e(1, 100.0, "formed", "formed with 1 active, 0 standby"),
+        _e(2, 150.0, "replace", "rank 1 (pid 5, killed by SIGKILL) -> standby 0 (pid 7)"),
+        _e(3, 151.0, "recovered", "2 ranks back in 1.000s", steps_recomputed=0),
+        _e(4, 160.0, "replace", "rank 0 (pid 4, killed by SIGKILL) -> standby 1 (pid 9)", epoch=2),
+        _e(5, 161.0, "recovered", "2 ranks back in 1.000s", epoch=2, steps_recomputed=1),
+        _e(6, 170.0, "replace", "rank 1 (pid 7, killed by SIGKILL) -> standby 2 (pid 11)", epoch=3),
+        _e(7, 171.0, "recovered", "2 ranks back in 1.000s", epoch=3),
+        _e(8, 172.0, "replace", "rank 0 (pid 9, killed by SIGKILL) -> standby 3 (pid 12)", epoch=4),
+        _e(9, 173.0, "recovered", "2 ranks back in 1.000s", epoch=4, steps_recomputed="x"),  # malformed: the default
+        _e(10, 200.0, "closed", "succeeded: workers finished"),
+    ]
+    assert totals(events, now=999.0)["steps_recomputed"] == 0 + 1 + 1 + 1
+
+
 def test_restarts_are_counted_and_flagged() -> None:
     events = [
         _e(0, 0.0, "formed", "formed with 2 active, 0 standby"),

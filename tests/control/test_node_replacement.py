@@ -66,9 +66,10 @@ def test_a_dead_node_is_replaced_in_place(store: dist.Store) -> None:
         ip.set(keys.timing(1, rank), proto.RecoveryTiming(rank, 1, connected=now, healed=now + 0.1).encode())
     ip.add(keys.recovered(1), 4)
     assert coordinator.recovered() == []  # the event waits for every rank's first step after it
-    for rank in range(4):
+    for rank in range(4):  # ranks 2 and 3 are the joiners; survivor 0 redoes its step, survivor 1 had committed it
         ip.set(keys.timing(1, rank), proto.RecoveryTiming(rank, 1, connected=now, healed=now + 0.1,
-                                                          first_step=now + 0.5 + rank).encode())
+                                                          first_step=now + 0.5 + rank,
+                                                          redone={0: True, 1: False}.get(rank)).encode())
     ip.add(keys.first_steps(1), 4)
     (recovered,) = coordinator.recovered()
     assert recovered.describe().startswith("generation 1: all 4 ranks back in")
@@ -77,6 +78,7 @@ def test_a_dead_node_is_replaced_in_place(store: dist.Store) -> None:
     # differences of two epoch seconds each rounded to 6 decimals: within 1e-6, plus the doubles' own error
     assert fields["phases"]["first_step"] == pytest.approx(3.4, abs=2e-6)
     assert fields["phases"]["transfer"] == pytest.approx(0.1, abs=2e-6) and fields["phases"]["total"] == fields["seconds"]
+    assert fields["steps_recomputed"] == 1  # one survivor redoes the step it was in
 
 
 def test_waits_for_a_warm_standby_node_then_falls_back(store: dist.Store) -> None:

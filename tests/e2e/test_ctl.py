@@ -65,6 +65,6 @@ def test_status_events_log_and_totals(tmp_path: Path) -> None:
     assert rows[kinds.index("replace")]["ranks"] == [1]
     # the totals at the end of the job
     totals = re.search(r"recovery totals: downtime ([\d.]+)s over ([\d.]+)s, ETTR ([\d.]+)%, 1 in-place recoveries "
-                       r"\(0 planned\), 1 steps recomputed", log)
+                       r"\(0 planned\), [01] steps recomputed", log)  # 0: rank 0 learned of it before its step 8
     assert totals, log[-3000:]
     assert abs(float(totals.group(1)) - recovered["seconds"]) < 0.0011

@@ -156,11 +156,15 @@ def test_recovery_timing_round_trip_and_bad_input() -> None:
     assert proto.RecoveryTiming.decode("t", timing.encode()) == timing
     later = proto.RecoveryTiming(rank=1, gen=2, connected=10.5, healed=10.75, first_step=11.5)
     assert proto.RecoveryTiming.decode("t", later.encode()).first_step == 11.5
+    survivor = proto.RecoveryTiming(rank=1, gen=2, connected=10.5, healed=10.75, redone=False)
+    assert proto.RecoveryTiming.decode("t", survivor.encode()).redone is False
+    assert proto.RecoveryTiming.decode("t", '{"rank": 1, "gen": 1, "connected": 1, "healed": 1}').redone is None
     for raw, match in [('{"rank": 1, "gen": 0, "connected": 1, "healed": 1}', "gen"),
                        ('{"rank": 1, "gen": 1, "connected": -1, "healed": 1}', "connected"),
                        ('{"rank": 1, "gen": 1, "connected": 1, "healed": "x"}', "healed"),
                        ('{"rank": 1, "gen": 1, "connected": 1, "healed": 1, "first_step": true}', "first_step"),
-                       ('{"rank": 1, "gen": 1, "connected": 1, "healed": 1, "noticed": NaN}', "noticed")]:
+                       ('{"rank": 1, "gen": 1, "connected": 1, "healed": 1, "noticed": NaN}', "noticed"),
+                       ('{"rank": 1, "gen": 1, "connected": 1, "healed": 1, "redone": 1}', "redone")]:
         with pytest.raises(proto.ProtocolMessageError, match=match) as info:
             proto.RecoveryTiming.decode("timing/1/1", raw)
         assert str(info.value).startswith("timing/1/1: ") and "\n" not in str(info.value)

@@ -9,8 +9,10 @@ Pure functions over event dicts (the JSON of :class:`~tmrun.protocol.messages.Ev
   earliest evidence of the failure until the restarted group completed again the first step it
   had not completed before, :mod:`tmrun.control.restarts`). A restart without a measured
   ``restarted`` event (its workers write no progress) is counted in ``restarts`` and flagged.
-* ``steps_recomputed``: one per in-place recovery that followed a failure (the runtime redoes
-  exactly the aborted step: it resumes at the first step not committed everywhere), zero per
+* ``steps_recomputed``: per in-place recovery that followed a failure, the event's
+  ``steps_recomputed`` (1 when a survivor redoes the step it was in, 0 when every survivor's step
+  had committed: a rank lost in or after its optimizer step), else one (the runtime resumes at
+  the first step not committed everywhere: at most the aborted step); zero per
   planned migration (nothing is recomputed), and a restart's ``steps_recomputed`` (the steps
   completed before the failure and again after it, from the checkpoint the script resumed).
 * ``ettr``: (wall - downtime) / wall, wall from the first ``formed`` event (else the first
@@ -129,8 +131,9 @@ def totals(events: list[dict[str, Any]], now: float | None = None) -> dict[str, 
         elif kind == "recovered":
             recoveries += 1
             downtime += float(event.get("seconds") or 0.0)
-            if not planned_pending:
-                recomputed += 1
+            if not planned_pending:  # what the survivors said, else the step in flight
+                said = event.get("steps_recomputed")
+                recomputed += said if isinstance(said, int) and not isinstance(said, bool) and said >= 0 else 1
             planned_pending = False
     wall = max(end - start, 0.0)
     ettr = (wall - downtime) / wall if wall > 0 else 1.0

@@ -412,7 +412,8 @@ class RecoveryTiming(_Json):
     change from the plan, or is the joiner); in a migration, when it stopped at the switch step; ``connected``: its links to the new generation are
     up (a survivor's commit, a joiner's connection); ``healed``: the state agreed and moved,
     just before it counted itself recovered; ``first_step``: the end of its first step after
-    the recovery (None until then)."""
+    the recovery (None until then); ``redone``: a survivor that resumes at the step it was in
+    (the step is recomputed), False for one whose step had committed, None for a joiner."""
 
     rank: int
     gen: int
@@ -420,6 +421,7 @@ class RecoveryTiming(_Json):
     healed: float
     noticed: float | None = None
     first_step: float | None = None
+    redone: bool | None = None
 
     @classmethod
     def decode(cls, key: str, raw: bytes | str) -> RecoveryTiming:
@@ -430,7 +432,14 @@ class RecoveryTiming(_Json):
 
         return cls(rank=_int(key, data, "rank"), gen=_int(key, data, "gen", 1),
                    connected=_number(key, data, "connected"), healed=_number(key, data, "healed"),
-                   noticed=optional("noticed"), first_step=optional("first_step"))
+                   noticed=optional("noticed"), first_step=optional("first_step"), redone=_optional_bool(key, data, "redone"))
+
+
+def _optional_bool(key: str, data: dict[str, Any], name: str) -> bool | None:
+    value = data.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise ProtocolMessageError(f"{key}: field {name!r} must be true, false or null, got {_show(value)}")
+    return value
 
 
 # ---- events -----------------------------------------------------------------------------------------

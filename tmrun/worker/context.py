@@ -83,6 +83,7 @@ class Context:
         self.committed_step = -1  # the last step whose update this rank applied
         self.aborted_by: int | None = None  # rank whose loss aborted the current step (-1: unknown)
         self.step_rng: dict[str, Any] | None = None  # random state at the start of the current step
+        self.rng_inherited: Any = None  # a joiner: its rank's random-state record (rng_records.Record), once
         self.fresh = False  # a joiner that has not received the state yet
         self.stop_requested = False  # SIGTERM to a standby
         self.loop_finished = False  # steps() ran its last step (a peer's exit is no loss then)
@@ -224,10 +225,11 @@ class Context:
 
     # -- the recovery's instants (docs/events.md; one clock: time.time()) ----------------------------
 
-    def publish_healed(self, connected: float) -> None:
-        """This rank's instants of its recovery into ``gen`` (before it counts itself recovered)."""
+    def publish_healed(self, connected: float, redone: bool | None = None) -> None:
+        """This rank's instants of its recovery into ``gen`` (before it counts itself recovered),
+        and whether it redoes the step it was in (None: a joiner)."""
         timing = proto.RecoveryTiming(rank=self.rank, gen=self.gen, connected=connected, healed=time.time(),
-                                      noticed=self.loss_noticed)
+                                      noticed=self.loss_noticed, redone=redone)
         self.require_store().set(keys.timing(self.gen, self.rank), timing.encode())
         self.loss_noticed = None
         self.first_step_due = timing

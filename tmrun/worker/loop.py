@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from tmrun.protocol import environment, keys, orphan_guard
-from tmrun.worker import group, rng, startup_replay, subgroups, untracked_state, vote, warm_imports
+from tmrun.worker import group, rng, rng_records, startup_replay, subgroups, untracked_state, vote, warm_imports
 from tmrun.worker.buffers import BufferSnapshot, persistent_buffers
 from tmrun.worker.context import Context, Rejoin, log
 from tmrun.worker.migration import Migration
@@ -43,7 +43,8 @@ class StepLoop:
         self._recovery = recovery
         self._migration = migration
         self._standby = standby
-        self._rng_published: dict[str, Any] | None = None
+        # the random states this rank starts its steps with, for a joiner (tmrun.worker.rng_records)
+        self._rng_records = rng_records.Publisher(ctx.require_store, lambda: ctx.rank)
         self._rng_recorded_for = -1
         self._stateful_at_start: dict[str, Any] = {}  # tracked schedulers, scalers, loaders
         self._buffers_at_start = BufferSnapshot()  # the tracked modules' persistent buffers
@@ -211,15 +212,15 @@ class StepLoop:
 
     def _record_rng(self, step: int) -> None:
         """Publish the random state this rank starts ``step`` with (a joiner taking this rank
-        over continues from it). Written when a step commits, so a rank that dies at the very
-        start of the next step has already left it behind; skipped while the state is the one
-        already published (a loop that draws no random numbers costs no store write)."""
+        over continues from it), at the boundary into ``step``, where it changed
+        (tmrun.worker.rng_records; the next step's is recorded at the commit too), and this
+        rank's per-rank state."""
         ctx = self._ctx
         if ctx.in_place and not ctx.life.is_(Role.STANDBY):
-            states = rng.capture()
-            if self._rng_published is None or not rng.same(states, self._rng_published):
-                ctx.require_store().set(keys.rng(ctx.rank), pickle.dumps((step, states)))
-                self._rng_published = states
+            if ctx.rng_inherited is not None:  # a joiner: what its rank's record knew of the script
+                self._rng_records.inherit(ctx.rng_inherited)
+                ctx.rng_inherited = None
+            self._rng_records.at_start(step)
             self._rng_recorded_for = step
             if ctx.tracked.per_rank:
                 self._record_per_rank(step)
@@ -276,6 +277,8 @@ class StepLoop:
         if self._vote and ctx.in_place and ctx.life.is_(Role.ACTIVE):
             if self._voted_for != ctx.current_step:
                 if ctx.aborted_by is None:
+                    # before the vote: a rank lost before this write has not voted, so no rank commits
+                    self._rng_records.at_commit(ctx.current_step)
                     self._voted_for = ctx.current_step
                     self._commit_vote()
                     self._ops_at_vote = subgroups.operations()
@@ -340,6 +343,8 @@ class StepLoop:
         return bool(committed)
 
     def before_optimizer_step(self) -> None:
+        if self._ctx.in_place and self._ctx.life.is_(Role.ACTIVE):
+            self._rng_records.at_commit(self._ctx.current_step)  # done at the vote already, unless it is off
         self._record_next_per_rank()
         settle_heal(self._ctx)  # deferred healing: the optimizer state read (or no longer read) here
         self._migration.finish_handover()  # a joiner of a migration: its optimizer state is complete

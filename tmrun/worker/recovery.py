@@ -28,7 +28,8 @@ import torch.distributed as dist
 from tmrun.comm import native
 from tmrun.comm.backend import TmrunProcessGroup
 from tmrun.protocol import keys, messages as proto
-from tmrun.worker import cpu_budget, group, pipeline, pipeline_startup, replica_check, rng, subgroups, vote
+from tmrun.worker import (cpu_budget, group, pipeline, pipeline_startup, replica_check, rng, rng_records, subgroups,
+                          vote)
 from tmrun.worker.buffers import unsynchronised_buffers
 from tmrun.worker.context import FAST_POLL, Context, GenerationFile, RecoveryError, Superseded, log
 from tmrun.worker.device_transfer import device_link
@@ -292,6 +293,7 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float, repl
                      overlap=overlap, reset_models=ctx.interrupter.reducers_need_reset())
         if ctx.tracked.per_rank:
             _check_per_rank_records(ctx, plan.fresh, plan.target_step + 1)
+        rng_records.check(store, plan.fresh, plan.target_step + 1)
     except NoReplicaError as exc:  # every member at once: the controller falls back without waiting
         # An expected end, not a bug: one line per worker, then exit for the group restart (a
         # RecoveryError would print a traceback through the script on every rank)
@@ -313,9 +315,10 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float, repl
     if ctx.tracked.pipelines:
         _start_pipelines(ctx, store, set(replaced) | set(plan.needy))  # a migration's joiner: not needy
     resume = plan.target_step + 1
+    redone = None if ctx.fresh else resume == aborted_step  # the step this survivor was in, recomputed
     if ctx.fresh:
         _say_buffers_lost(ctx, plan.donors_of(comm.rank))
-        _adopt_rng_of(ctx, ctx.rank, resume)
+        ctx.rng_inherited = rng_records.adopt(store, ctx.rank, resume)
         if ctx.tracked.per_rank:
             _adopt_per_rank_of(ctx, ctx.rank, resume)
     elif resume == aborted_step and ctx.step_rng is not None:
@@ -323,7 +326,7 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float, repl
     comm.barrier()
     ctx.fresh = False
     ctx.committed_step = plan.target_step
-    ctx.publish_healed(connected)
+    ctx.publish_healed(connected, redone)
     store.add(keys.recovered(ctx.gen), 1)
     elapsed = time.monotonic() - started
     ctx.recoveries.append({"gen": ctx.gen, "seconds": elapsed, "resume": resume, "bytes": healed.nbytes})
@@ -461,15 +464,3 @@ def _check_per_rank_records(ctx: Context, joiners: list[int], resume: int) -> No
 def _adopt_per_rank_of(ctx: Context, rank: int, step: int) -> None:
     """A joiner loads the per-rank state its rank published for the step it resumes at."""
     ctx.tracked.apply_per_rank(_per_rank_records(ctx, rank)[step])
-
-
-def _adopt_rng_of(ctx: Context, rank: int, step: int) -> None:
-    """A joiner continues from the random state its rank published (:mod:`tmrun.worker.loop`)."""
-    store = ctx.require_store()
-    key = keys.rng(rank)
-    if not store.check([key]):
-        return
-    recorded_step, states = pickle.loads(store.get(key))
-    if recorded_step > step:
-        log(f"rank {rank}'s random state was recorded at step {recorded_step}, after {step}; using it")
-    rng.restore(states)  # unchanged since it was recorded (only changes are written)

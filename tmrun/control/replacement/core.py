@@ -193,13 +193,19 @@ class Recovered:
     seconds: float  # from the failure (or the migration request) to the last rank's recovery
     phases: dict[str, Any] = field(default_factory=dict)  # control.phases: seconds per phase
     marks: dict[str, float | None] = field(default_factory=dict)  # control.phases: the instants
+    # 1 where a survivor redoes the step it was in, 0 where every survivor's step had committed
+    # (a rank lost in or after its optimizer step), None where no survivor said
+    steps_recomputed: int | None = None
 
     def describe(self) -> str:
         return f"generation {self.gen}: all {self.world_size} ranks back in {self.seconds:.3f}s"
 
     def fields(self) -> dict[str, Any]:
         """The ``recovered`` event's structured fields (docs/events.md)."""
-        return {"gen": self.gen, "seconds": round(self.seconds, 6), "phases": self.phases, "marks": self.marks}
+        fields = {"gen": self.gen, "seconds": round(self.seconds, 6), "phases": self.phases, "marks": self.marks}
+        if self.steps_recomputed is not None:
+            fields["steps_recomputed"] = self.steps_recomputed
+        return fields
 
 
 class Recoveries:
@@ -271,8 +277,10 @@ class Recoveries:
                                    evidence=recovery.evidence)
         seconds = recovery_phases.downtime(at, recovery.recovered_at, recovery.seconds or 0.0,
                                            planned=recovery.asked is not None)
+        said = [timing.redone for timing in timings if timing.redone is not None]  # the survivors'
         return Recovered(recovery.gen, recovery.world_size, seconds,
-                         recovery_phases.phases(at, recovery.recovered_at, seconds), at)
+                         recovery_phases.phases(at, recovery.recovered_at, seconds), at,
+                         steps_recomputed=int(any(said)) if said else None)
 
 
 # ---- inboxes --------------------------------------------------------------------------------------------
