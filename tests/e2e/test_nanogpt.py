@@ -124,3 +124,63 @@ def test_a_lost_rank_is_replaced_in_place_bitwise_equal_to_torchrun(
     assert set(lines) <= set(reference_lines), sorted(set(lines) - set(reference_lines))
     assert reference_lines[-2] in lines and len(set(reference_lines) - set(lines)) <= 1, log
     assert "Traceback" not in log, log
+
+
+def _worker_pid(work: Path, rank: int, standby: int) -> int | None:
+    """The process that runs ``rank`` of the job started in ``work`` (not its standby)."""
+    import psutil
+
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            cmdline = " ".join(proc.info["cmdline"] or [])
+            if proc.pid != standby and "train_tmrun.py" in cmdline and "tmrun.cli.main" not in cmdline \
+                    and proc.cwd() == str(work) and proc.environ().get("RANK") == str(rank):
+                return proc.pid
+        except psutil.Error:
+            continue
+    return None
+
+
+@pytest.mark.variant  # by hand: 34 such kills on 2026-11-29 (docs/status.md); the drills above run by default
+@pytest.mark.parametrize("seed", range(1, 7))
+def test_a_rank_killed_at_a_random_moment_is_replaced_in_place(
+        tmp_path: Path, torchrun_reference: tuple[tuple[int, str, float], list[str]], seed: int) -> None:
+    """Rank 0 or 1 SIGKILLed from outside at a random moment after a random iteration: never at a
+    drill's fixed point (its prefetch, its evaluation, between its commit vote and its optimizer
+    step, its logging after the step can all be hit)."""
+    import os
+    import random
+    import signal
+    import threading
+    import time
+
+    from tests.helpers import wait_until
+
+    reference_checkpoint, _ = torchrun_reference
+    pick = random.Random(seed)
+    rank, after, delay = pick.choice([0, 1]), pick.randint(3, 30), pick.uniform(0.0, 0.3)
+    work = tmp_path / "tmrun"
+    killed: list[int] = []
+
+    def kill() -> None:
+        log = work / "log"
+
+        def ready() -> bool:
+            text = log.read_text(errors="replace") if log.exists() else ""
+            return re.search(rf"^iter {after}:", text, re.M) is not None and "standby worker 0 started" in text
+
+        if wait_until(ready, JOB_TIMEOUT):
+            time.sleep(delay)
+            standby = int(re.search(r"standby worker 0 started \(pid (\d+)\)", log.read_text()).group(1))  # type: ignore[union-attr]
+            pid = _worker_pid(work, rank, standby)
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+
+    killer = threading.Thread(target=kill, daemon=True)
+    killer.start()
+    code, log, checkpoint, _ = _run(work, "tmrun")
+    killer.join(timeout=10)
+    assert killed, log
+    assert code == 0 and "1 in-place recoveries" in log and "group restart" not in log, log
+    assert checkpoint == reference_checkpoint, "rank 0's last checkpoint differs from torchrun's\n" + log

@@ -46,6 +46,7 @@ class StepLoop:
         # the random states this rank starts its steps with, for a joiner (tmrun.worker.rng_records)
         self._rng_records = rng_records.Publisher(ctx.require_store, lambda: ctx.rank)
         self._rng_recorded_for = -1
+        self._begun = -1  # the last step _begin_step began (the same again: a redo)
         self._stateful_at_start: dict[str, Any] = {}  # tracked schedulers, scalers, loaders
         self._buffers_at_start = BufferSnapshot()  # the tracked modules' persistent buffers
         self._untracked_state_adopted = False  # the untracked LR schedulers and gradient scalers were looked for (once)
@@ -194,6 +195,20 @@ class StepLoop:
                 self._per_rank_at_start = ctx.tracked.snapshot_per_rank()
         if self._rng_recorded_for != step:
             self._record_rng(step)
+        elif self._begun == step:  # recorded by this rank at its first attempt: a redo
+            self._forget_attempt(step)
+        self._begun = step
+
+    def _forget_attempt(self, step: int) -> None:
+        """``step`` is redone: the records its aborted attempt made at its commit vote (the next
+        step's, provisional) are dropped, so the redo's own commit records them anew."""
+        ctx = self._ctx
+        if not ctx.in_place or ctx.life.is_(Role.STANDBY):
+            return
+        self._rng_records.at_start(step)
+        if any(s > step for s in self._per_rank_records):
+            self._per_rank_records = {s: b for s, b in self._per_rank_records.items() if s <= step}
+            ctx.require_store().set(keys.rank_state(ctx.rank), pickle.dumps(self._per_rank_records))
 
     def _adopt_untracked_state(self) -> None:
         """Track the script's untracked LR schedulers and gradient scaler where unambiguous
@@ -244,10 +259,10 @@ class StepLoop:
             self._ctx.require_store().set(keys.rank_state(self._ctx.rank), pickle.dumps(self._per_rank_records))
 
     def _record_next_per_rank(self) -> None:
-        """At the step's commit (the vote passed, the update is about to be applied): the state
-        the next step starts with, as it stands now, published beside the current step's. A
-        rank lost in its optimizer step (or later in the step) leaves its joiner the record of
-        the step the group resumes at."""
+        """At the step's commit (just before the commit vote, or before the optimizer step where
+        the vote is off): the state the next step starts with, as it stands now, published beside
+        the current step's. A rank lost in its optimizer step (or later in the step) leaves its
+        joiner the record of the step the group resumes at."""
         ctx = self._ctx
         following = ctx.current_step + 1
         if not (ctx.in_place and ctx.tracked.per_rank and self._provisional_ok and ctx.life.is_(Role.ACTIVE)) \
@@ -277,8 +292,11 @@ class StepLoop:
         if self._vote and ctx.in_place and ctx.life.is_(Role.ACTIVE):
             if self._voted_for != ctx.current_step:
                 if ctx.aborted_by is None:
-                    # before the vote: a rank lost before this write has not voted, so no rank commits
+                    # before the vote: a rank lost before these writes has not voted, so no rank
+                    # commits the step (after it, a rank lost before its records left none for the
+                    # step the group resumes at: its per-rank state fell back to the group restart)
                     self._rng_records.at_commit(ctx.current_step)
+                    self._record_next_per_rank()
                     self._voted_for = ctx.current_step
                     self._commit_vote()
                     self._ops_at_vote = subgroups.operations()
