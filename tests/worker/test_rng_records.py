@@ -65,6 +65,18 @@ def _step(publisher: rng_records.Publisher, step: int, draws: int = 1, after_com
     return rng.capture()
 
 
+def _attempt_of_step_2(publisher: rng_records.Publisher, draws: int) -> dict:
+    """Steps 0 and 1, then step 2 up to its commit vote (drawing ``draws`` numbers); returns the
+    state step 2 started with."""
+    _step(publisher, 0)
+    _step(publisher, 1)
+    start_of_2 = rng.capture()
+    publisher.at_start(2)
+    torch.rand(draws)
+    publisher.at_commit(2)  # recorded before the vote
+    return start_of_2
+
+
 def _resumed_state(store: CountingStore, resume: int) -> dict | None:
     record = rng_records.read(store, RANK)
     assert record is not None
@@ -86,13 +98,7 @@ def test_a_rank_lost_after_its_commit_hands_over_the_next_steps_state(store: Cou
 
 
 def test_a_rank_lost_before_its_commit_hands_over_the_steps_own_state(store: CountingStore) -> None:
-    publisher = _publisher(store)
-    _step(publisher, 0)
-    _step(publisher, 1)
-    start_of_2 = rng.capture()
-    publisher.at_start(2)
-    torch.rand(3)
-    publisher.at_commit(2)  # recorded before the vote; the vote then failed: the group redoes step 2
+    start_of_2 = _attempt_of_step_2(_publisher(store), draws=3)  # the vote then failed: the group redoes step 2
     got = _resumed_state(store, 2)
     assert got is not None and rng.same(got, start_of_2)
 
@@ -155,12 +161,7 @@ def test_a_first_step_lost_after_its_commit_is_not_guessed(store: CountingStore)
 
 def test_a_redone_step_drops_the_provisional_record_of_its_failed_attempt(store: CountingStore) -> None:
     publisher = _publisher(store)
-    _step(publisher, 0)
-    _step(publisher, 1)
-    start_of_2 = rng.capture()
-    publisher.at_start(2)
-    torch.rand(5)  # the aborted attempt's draws
-    publisher.at_commit(2)
+    start_of_2 = _attempt_of_step_2(publisher, draws=5)  # an attempt that is then aborted
     rng.restore(start_of_2)  # the step is redone from its own start
     publisher.at_start(2)
     record = rng_records.read(store, RANK)
