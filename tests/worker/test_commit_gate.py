@@ -81,7 +81,7 @@ def test_the_next_steps_records_are_written_before_the_vote(monkeypatch: pytest.
 
     monkeypatch.setattr(StepLoop, "_commit_vote", vote)
     assert gate.step_aborted() is False
-    assert seen["per_rank"] == {6: b"position after step 5"}
+    assert seen["per_rank"]["records"] == {6: b"position after step 5"}  # type: ignore[index]
     record = seen["rng"]
     assert isinstance(record, rng_records.Record) and 6 in record.states
 
@@ -102,6 +102,39 @@ def test_a_redone_step_drops_the_records_of_its_aborted_attempt(monkeypatch: pyt
     ctx.tracked = SimpleNamespace(per_rank={"loader": object()}, per_rank_blob=lambda: b"position after step 5")
     assert gate.step_aborted() is False  # the attempt's vote: records of step 6 written
     gate._forget_attempt(5)
-    assert 6 not in pickle.loads(store.get(keys.rank_state(1)))
+    assert 6 not in pickle.loads(store.get(keys.rank_state(1)))["records"]
     record = rng_records.read(store, 1)
     assert record is not None and 6 not in record.states
+
+
+def test_a_commits_record_is_used_only_once_a_boundary_checked_the_script(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first commit's record of the next step cannot be checked yet (a script that changes
+    its per-rank state after ``opt.step()`` would hand a joiner the state before that change): a
+    rank lost after it makes the job fall back to its group restart. From the next boundary on,
+    where the record proved right, it is used; where it proved wrong, no commit record is made
+    again."""
+    from tmrun.worker import recovery
+    from tmrun.worker.transfer import NoReplicaError
+
+    for changes_after_step, usable_at_step_7 in ((False, True), (True, False)):
+        gate, ctx = _gate(monkeypatch, [10])
+        position = [b"5"]
+        ctx.tracked = SimpleNamespace(per_rank={"loader": object()}, per_rank_blob=lambda: position[0])
+        gate._record_per_rank(5)
+        position[0] = b"6"  # the step's batch consumed before opt.step()
+        assert gate.step_aborted() is False  # the commit: step 6's record, provisional
+        with pytest.raises(NoReplicaError, match="once a step boundary showed"):
+            recovery._check_per_rank_records(ctx, [1], 6)
+        if changes_after_step:
+            position[0] = b"6 and a bit"
+        ctx.current_step = 6
+        gate._record_per_rank(6)  # the boundary: the provisional record is checked
+        recovery._check_per_rank_records(ctx, [1], 6)  # the boundary's own record: always usable
+        position[0] = b"7"
+        gate._voted_for = -1
+        assert gate.step_aborted() is False  # step 6's commit
+        if usable_at_step_7:
+            recovery._check_per_rank_records(ctx, [1], 7)
+        else:
+            with pytest.raises(NoReplicaError):
+                recovery._check_per_rank_records(ctx, [1], 7)

@@ -54,7 +54,9 @@ class StepLoop:
         # this rank's published per-rank records (tm.track_per_rank), by the step they start:
         # the current step's, and once it commits, the next one's (provisional, see below)
         self._per_rank_records: dict[int, bytes] = {}
+        self._per_rank_boundary = -1  # the step whose record was made at its start (the others: provisional)
         self._provisional_ok = True  # the script leaves its per-rank state alone after opt.step()
+        self._per_rank_verified = False  # ... as a boundary showed (until then a provisional record is not used)
         self._voted_for = -1  # the step whose commit vote this rank took part in
         self._vote = environment.commit_vote(os.environ)  # checked by the CLI at start
         # the vote lost a peer on this rank but another survivor committed: apply the update
@@ -208,7 +210,7 @@ class StepLoop:
         self._rng_records.at_start(step)
         if any(s > step for s in self._per_rank_records):
             self._per_rank_records = {s: b for s, b in self._per_rank_records.items() if s <= step}
-            ctx.require_store().set(keys.rank_state(ctx.rank), pickle.dumps(self._per_rank_records))
+            self._publish_per_rank()
 
     def _adopt_untracked_state(self) -> None:
         """Track the script's untracked LR schedulers and gradient scaler where unambiguous
@@ -235,6 +237,9 @@ class StepLoop:
             if ctx.rng_inherited is not None:  # a joiner: what its rank's record knew of the script
                 self._rng_records.inherit(ctx.rng_inherited)
                 ctx.rng_inherited = None
+            if ctx.per_rank_trust_inherited is not None:
+                self.inherit_per_rank_trust(ctx.per_rank_trust_inherited)
+                ctx.per_rank_trust_inherited = None
             self._rng_records.at_start(step)
             self._rng_recorded_for = step
             if ctx.tracked.per_rank:
@@ -249,14 +254,33 @@ class StepLoop:
         and the end of its step then leaves no record of the next step: the job falls back to
         its group restart instead of handing the joiner a wrong data position)."""
         blob = self._ctx.tracked.per_rank_blob()
-        provisional = self._per_rank_records.get(step)
-        if provisional is not None and provisional != blob and self._provisional_ok:
+        provisional = self._per_rank_records.get(step) if step != self._per_rank_boundary else None
+        verified = self._per_rank_verified
+        if provisional is not None and provisional == blob:
+            self._per_rank_verified = True
+        elif provisional is not None and self._provisional_ok:
             self._provisional_ok = False
             log(f"rank {self._ctx.rank}: the script changes its per-rank state after opt.step(); its records are "
                 "now made at step boundaries only")
-        if self._per_rank_records != {step: blob}:
+        if self._per_rank_records != {step: blob} or self._per_rank_boundary != step \
+                or self._per_rank_verified != verified:
             self._per_rank_records = {step: blob}
-            self._ctx.require_store().set(keys.rank_state(self._ctx.rank), pickle.dumps(self._per_rank_records))
+            self._per_rank_boundary = step
+            self._publish_per_rank()
+
+    def _publish_per_rank(self) -> None:
+        """This rank's per-rank records, which of them are provisional, and whether those may be
+        used (the script was seen to leave its per-rank state alone after ``opt.step()``: a
+        provisional record made before any boundary checked it would hand a joiner the state
+        before the script's later change, a silent wrong data position)."""
+        provisional = [s for s in self._per_rank_records if s != self._per_rank_boundary]
+        trusted = self._per_rank_verified and self._provisional_ok
+        self._ctx.require_store().set(keys.rank_state(self._ctx.rank), pickle.dumps(
+            {"records": self._per_rank_records, "provisional": provisional, "trusted": trusted}))
+
+    def inherit_per_rank_trust(self, trusted: bool) -> None:
+        """A joiner: what its rank's records knew of the script (it runs the same code)."""
+        self._per_rank_verified = trusted
 
     def _record_next_per_rank(self) -> None:
         """At the step's commit (just before the commit vote, or before the optimizer step where
@@ -270,7 +294,7 @@ class StepLoop:
             return
         self._per_rank_records = {**{s: b for s, b in self._per_rank_records.items() if s == ctx.current_step},
                                   following: ctx.tracked.per_rank_blob()}
-        ctx.require_store().set(keys.rank_state(ctx.rank), pickle.dumps(self._per_rank_records))
+        self._publish_per_rank()
 
     # -- the optimizer guard's gate (tmrun.worker.optimizer.StepGate) -------------------------------
 

@@ -437,13 +437,18 @@ def settle_heal(ctx: Context, skip: Collection[int] = (), in_change: bool = Fals
             time.sleep(0.001)
 
 
-def _per_rank_records(ctx: Context, rank: int) -> dict[int, bytes]:
-    """The per-rank records ``rank`` published, by the step they start (tmrun.worker.loop)."""
+def _per_rank_records(ctx: Context, rank: int) -> tuple[dict[int, bytes], bool]:
+    """The per-rank records ``rank`` published that a joiner may use, by the step they start
+    (tmrun.worker.loop: a provisional one only once the script was seen to leave its per-rank
+    state alone after ``opt.step()``), and whether its provisional records were usable."""
     store = ctx.require_store()
     key = keys.rank_state(rank)
     if not store.check([key]):
-        return {}
-    return dict(pickle.loads(store.get(key)))
+        return {}, False
+    published = pickle.loads(store.get(key))
+    trusted = bool(published["trusted"])
+    records = {s: b for s, b in published["records"].items() if trusted or s not in published["provisional"]}
+    return records, trusted
 
 
 def _check_per_rank_records(ctx: Context, joiners: list[int], resume: int) -> None:
@@ -453,14 +458,18 @@ def _check_per_rank_records(ctx: Context, joiners: list[int], resume: int) -> No
     state for ``resume`` is gone with it, so in-place healing would hand the joiner a wrong data
     position (a silent wrong gradient); the job falls back to its group restart instead."""
     for rank in joiners:
-        recorded = sorted(_per_rank_records(ctx, rank))
-        if resume not in recorded:
+        records, trusted = _per_rank_records(ctx, rank)
+        if resume not in records:
+            unchecked = "" if trusted else " (a record made at a commit is used once a step boundary showed the script " \
+                                           "leaves its per-rank state alone after opt.step())"
             raise NoReplicaError(
-                f"rank {rank}'s per-rank state (tm.track_per_rank) is recorded for step(s) {recorded or 'none'}, and "
-                f"its joiner resumes at step {resume}: the state it needs was lost with the rank; falling back to the "
-                "group restart")
+                f"rank {rank}'s per-rank state (tm.track_per_rank) is recorded for step(s) {sorted(records) or 'none'}, "
+                f"and its joiner resumes at step {resume}{unchecked}: the state it needs was lost with the rank; falling "
+                "back to the group restart")
 
 
 def _adopt_per_rank_of(ctx: Context, rank: int, step: int) -> None:
     """A joiner loads the per-rank state its rank published for the step it resumes at."""
-    ctx.tracked.apply_per_rank(_per_rank_records(ctx, rank)[step])
+    records, trusted = _per_rank_records(ctx, rank)
+    ctx.tracked.apply_per_rank(records[step])
+    ctx.per_rank_trust_inherited = trusted
