@@ -171,7 +171,8 @@ def test_a_rank_killed_at_a_random_moment_is_replaced_in_place(
 
         if wait_until(ready, JOB_TIMEOUT):
             time.sleep(delay)
-            standby = int(re.search(r"standby worker 0 started \(pid (\d+)\)", log.read_text()).group(1))  # type: ignore[union-attr]
+            started = re.search(r"standby worker 0 started \(pid (\d+)\)", log.read_text())
+            standby = int(started.group(1))  # type: ignore[union-attr]
             pid = _worker_pid(work, rank, standby)
             if pid is not None:
                 os.kill(pid, signal.SIGKILL)

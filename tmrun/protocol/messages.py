@@ -432,7 +432,8 @@ class RecoveryTiming(_Json):
 
         return cls(rank=_int(key, data, "rank"), gen=_int(key, data, "gen", 1),
                    connected=_number(key, data, "connected"), healed=_number(key, data, "healed"),
-                   noticed=optional("noticed"), first_step=optional("first_step"), redone=_optional_bool(key, data, "redone"))
+                   noticed=optional("noticed"), first_step=optional("first_step"),
+                   redone=_optional_bool(key, data, "redone"))
 
 
 def _optional_bool(key: str, data: dict[str, Any], name: str) -> bool | None:

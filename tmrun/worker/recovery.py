@@ -321,7 +321,7 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float, repl
         ctx.rng_inherited = rng_records.adopt(store, ctx.rank, resume)
         if ctx.tracked.per_rank:
             _adopt_per_rank_of(ctx, ctx.rank, resume)
-    elif resume == aborted_step and ctx.step_rng is not None:
+    elif redone and ctx.step_rng is not None:
         rng.restore(ctx.step_rng)  # redo the aborted step from the same random state
     comm.barrier()
     ctx.fresh = False
@@ -460,12 +460,12 @@ def _check_per_rank_records(ctx: Context, joiners: list[int], resume: int) -> No
     for rank in joiners:
         records, trusted = _per_rank_records(ctx, rank)
         if resume not in records:
-            unchecked = "" if trusted else " (a record made at a commit is used once a step boundary showed the script " \
-                                           "leaves its per-rank state alone after opt.step())"
+            unchecked = "" if trusted else (" (a record made at a commit is used once a step boundary showed the "
+                                            "script leaves its per-rank state alone after opt.step())")
             raise NoReplicaError(
-                f"rank {rank}'s per-rank state (tm.track_per_rank) is recorded for step(s) {sorted(records) or 'none'}, "
-                f"and its joiner resumes at step {resume}{unchecked}: the state it needs was lost with the rank; falling "
-                "back to the group restart")
+                f"rank {rank}'s per-rank state (tm.track_per_rank) is recorded for step(s) "
+                f"{sorted(records) or 'none'}, and its joiner resumes at step {resume}{unchecked}: the state it needs "
+                "was lost with the rank; falling back to the group restart")
 
 
 def _adopt_per_rank_of(ctx: Context, rank: int, step: int) -> None:

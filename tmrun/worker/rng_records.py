@@ -100,9 +100,10 @@ class Publisher:
         else:
             kept = {step: states}
             record.boundary = {step}
-        changed = set(kept) != set(record.states) or record.trusted != trusted_before
-        record.states = kept
         record.boundary &= set(kept)
+        changed = (record.trusted != trusted_before or kept.keys() != record.states.keys()
+                   or any(kept[s] is not record.states[s] for s in kept))  # a record replaced under its step
+        record.states = kept
         if changed:
             self._publish()
 
