@@ -72,6 +72,18 @@ def batch_for(step: int, replica: int, width: int, batch: int) -> tuple[torch.Te
     return x, x.roll(1, dims=1).sin()
 
 
+def evaluate(tm: tmrun.Runtime, schedule, step: int, replica: int, first: bool, last: bool, args: argparse.Namespace) -> None:
+    """A forward-only pass of the pipeline on a held-out batch (``schedule.eval``), its summed loss
+    logged by the last stage: the step's first use of the schedule."""
+    x, y = batch_for(-1 - step, replica, args.width, args.batch)
+    losses: list[torch.Tensor] = []
+    with torch.no_grad():
+        schedule.eval(*((x,) if first else ()), target=y if last else None, losses=losses)
+    if last and args.eval_log and not tm.is_shadow and not tm.void:
+        with open(args.eval_log.replace("{rank}", str(tm.rank)), "a") as log:
+            log.write(f"{step} {sum(loss.item() for loss in losses)!r}\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=12)
@@ -88,6 +100,11 @@ def main() -> None:
                              "migration, nothing recomputed; ignored without a standby, e.g. under torchrun)")
     parser.add_argument("--migrate-rank", type=int, default=1)
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (a slower job)")
+    parser.add_argument("--eval-every", type=int, default=0,
+                        help="evaluate (schedule.eval on a held-out batch) in every Nth step")
+    parser.add_argument("--eval-at", choices=("start", "end"), default="start",
+                        help="before the step's training (raw loops: nanoGPT) or after it (torchtitan's validator)")
+    parser.add_argument("--eval-log", default="", help="the last stage's evaluation losses (step loss); {rank}: the rank")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -110,6 +127,9 @@ def main() -> None:
     tm.track(schedule=schedule)  # a joiner runs its pipeline's start-up alone, from its rank's recording
     first, last = 0 in indices, total - 1 in indices
     for step in tm.steps(args.steps):
+        evaluating = args.eval_every and step % args.eval_every == 0
+        if evaluating and args.eval_at == "start":
+            evaluate(tm, schedule, step, replica, first, last, args)
         x, y = batch_for(step, replica, args.width, args.batch)
         if first and last:  # a V's first rank holds the first and the last stage
             schedule.step(x, target=y)
@@ -123,6 +143,8 @@ def main() -> None:
             dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=dp_group)
         opt.step()
         opt.zero_grad()
+        if evaluating and args.eval_at == "end":
+            evaluate(tm, schedule, step, replica, first, last, args)
         if args.step_time:
             time.sleep(args.step_time)
         if args.step_log and not tm.is_shadow and tm.committed_step == step:  # its update was applied

@@ -25,10 +25,10 @@ RANKS = 4
 JOB_TIMEOUT = 240
 
 
-def _run(work: Path, launcher: str, schedule: str, *launcher_args: str,
-         env: dict[str, str] | None = None) -> tuple[int, str, dict[int, str]]:
+def _run(work: Path, launcher: str, schedule: str, *launcher_args: str, env: dict[str, str] | None = None,
+         script_args: tuple[str, ...] = ()) -> tuple[int, str, dict[int, str]]:
     work.mkdir()
-    args = [str(SCRIPT), "--steps", "8", "--schedule", schedule, "--final", str(work / "final-{rank}")]
+    args = [str(SCRIPT), "--steps", "8", "--schedule", schedule, "--final", str(work / "final-{rank}"), *script_args]
     if launcher == "torchrun":
         cmd = torchrun_cmd("--standalone", "--nproc-per-node", str(RANKS), *args)
     else:
@@ -97,6 +97,67 @@ def test_a_lost_stage_rank_is_replaced_in_place_bitwise_equal_to_torchrun(
     assert re.search(r"standby 0 warm after 2 shadow steps \(\d+ collectives served locally, 0 bytes on the network",
                      log), log[-4000:]
     assert f"standby 0 runs the script again as rank {lost} after its rehearsal" in log, log[-4000:]
+
+
+def _evaluations(work: Path) -> dict[tuple[int, int], set[str]]:
+    """(rank, step) -> the evaluation losses the last stage's ranks logged for that step."""
+    logged: dict[tuple[int, int], set[str]] = {}
+    for rank in range(RANKS):
+        path = work / f"eval-{rank}"
+        for line in path.read_text().splitlines() if path.exists() else ():
+            step, loss = line.split()
+            logged.setdefault((rank, int(step)), set()).add(loss)
+    return logged
+
+
+@pytest.fixture(scope="module")
+def eval_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict[int, str], dict]]:
+    """eval_at -> the torchrun run's final digests and evaluation losses (schedule.eval every 2
+    steps, at the step's start or end)."""
+    root = tmp_path_factory.mktemp("pp-eval-reference")
+
+    def compute(eval_at: str) -> tuple[dict[int, str], dict]:
+        work = root / eval_at
+        code, log, finals = _run(work, "torchrun", "1f1b", script_args=_eval_args(work, eval_at))
+        assert code == 0, log[-3000:]
+        return finals, _evaluations(work)
+
+    return _Lazy(compute)
+
+
+def _eval_args(work: Path, eval_at: str) -> tuple[str, ...]:
+    return "--eval-every", "2", "--eval-at", eval_at, "--eval-log", str(work / "eval-{rank}")
+
+
+@pytest.mark.parametrize(("eval_at", "failure"), [
+    ("start", "rank=1,step=4"),  # nanoGPT's shape: the redone step's first use of the schedule is eval()
+    ("end", "rank=0,step=4,at=backward"),  # torchtitan's validator: survivors last started for evaluation
+])
+def test_a_pipeline_that_evaluates_in_its_loop_is_replaced_in_place(
+        tmp_path: Path, eval_reference: dict[str, tuple[dict[int, str], dict]], eval_at: str, failure: str) -> None:
+    """schedule.eval() every second step, before or after the step's training: torch 2.14 starts
+    the stages again at each switch between eval() and step(). Before: a survivor's switch in the
+    doomed step read its neighbour's metadata from zeros (EOFError): three ranks died and the job
+    restarted from step 0; the joiner's first eval() ran a first start-up its peers did not; the
+    standby's rehearsal failed (a later step's switch was not in rank 0's recording). Now: in
+    place, every rank's final digest and every evaluation loss equal to torchrun's."""
+    work = tmp_path / "tmrun"
+    code, log, finals = _run(work, "tmrun", "1f1b", "--inject-failure", failure, script_args=_eval_args(work, eval_at))
+    assert code == 0, log[-4000:]
+    assert "1 in-place recoveries" in log and "group restart" not in log, log[-4000:]
+    reference_finals, reference_evaluations = eval_reference[eval_at]
+    assert finals == reference_finals, (finals, reference_finals)
+    evaluations = _evaluations(work)
+    assert evaluations.keys() == reference_evaluations.keys(), (evaluations, reference_evaluations)
+    assert evaluations == reference_evaluations, (evaluations, reference_evaluations)  # redone: the same value
+    assert re.search(r"standby 0 warm after 2 shadow steps \(\d+ collectives served locally, 0 bytes on the network",
+                     log), log[-4000:]
+    if eval_at == "start":  # the lost rank's start-ups (eval's, then training's) alone, then eval's switch with its peers
+        assert "rank 1: the pipeline 2 start-ups of schedule 0 ran on this joiner alone" in log, log[-4000:]
+        assert "runs torch's start-up again" not in log, log[-4000:]
+    else:
+        assert ("the pipeline of rank(s) [0] runs torch's start-up again at the next step, with the joiner (its P2P "
+                "warm-up and shape inference: the schedules were last started for an evaluation)") in log, log[-4000:]
 
 
 def test_a_rank_lost_before_its_start_up_was_recorded_starts_its_pipeline_again(

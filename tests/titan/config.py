@@ -142,6 +142,17 @@ def titan_debug_cpu() -> ProbedTrainer.Config:
     return tmrun_config(_small_cpu_config(), ProbedTrainer)
 
 
+def titan_debug_cpu_validate() -> ProbedTrainer.Config:
+    """The same with torchtitan's validator after every second step (one batch of the same
+    offline data; under PP, ``pp_schedule.eval()`` after the step's training)."""
+    config = _small_cpu_config()
+    config.validator.enable = True
+    config.validator.freq = 2
+    config.validator.steps = 1
+    config.validator.dataloader = dataclasses.replace(config.dataloader)
+    return tmrun_config(config, ProbedTrainer)
+
+
 def titan_debug_cpu_plain() -> PlainTrainer.Config:
     """The same on torchtitan's own trainer (``--config titan_debug_cpu_plain``: no tmrun at all)."""
     config = _small_cpu_config()

@@ -38,8 +38,10 @@ class _Comm:
 
 
 class _StartingSchedule(_Schedule):
-    """A schedule whose start-up receives its neighbour's metadata from ``pg`` (a network
-    receive is recorded as the backend records one: its recorders are called)."""
+    """A schedule whose start-ups receive from ``pg`` as torch 2.14's do: the first a warm-up
+    vote (tag 7) and the metadata (tag 9), a switch between ``eval()`` and ``step()`` the metadata
+    again (a network receive is recorded as the backend records one: its recorders are called; a
+    local one is served as the backend serves it)."""
 
     def __init__(self, pg: tb.TmrunProcessGroup, sent: int) -> None:
         super().__init__({0, 1})
@@ -47,20 +49,35 @@ class _StartingSchedule(_Schedule):
         self._has_backward = True
         self._stage_forward_initialized = self._stage_backward_initialized = False
         self.startups = 0
+        self.vote: int | None = None
 
-    def _initialize_stage(self, *args: Any, **kwargs: Any) -> None:
-        if self._stage_forward_initialized and self._stage_backward_initialized:
-            return
-        self.startups += 1
+    def _receive(self, tag: int) -> int:
         buf = torch.full((1,), -1, dtype=torch.int64)
         if self.pg.local:
-            self.pg.recv([buf], 1, 7).wait()
+            self.pg.recv([buf], 1, tag).wait()
         else:  # what a receive from the neighbour gives, recorded by the backend
-            buf.fill_(self.sent)
+            buf.fill_(self.sent + tag)
             for record in tb._P2P_RECORDERS:
-                record(self.pg.group_name, 1, 7, buf)
-        self.got = int(buf.item())
-        super()._initialize_stage()
+                record(self.pg.group_name, 1, tag, buf)
+        return int(buf.item())
+
+    def _initialize_stage(self, *args: Any, **kwargs: Any) -> None:
+        if self._stage_forward_initialized and self._has_backward == self._stage_backward_initialized:
+            return
+        self.startups += 1
+        if not self._stage_forward_initialized:
+            self.vote = self._receive(7)
+        self.got = self._receive(9)
+        if self.got == 0:  # torch unpickles the metadata: zeros fail (EOFError)
+            raise EOFError("Ran out of input")
+        self._stage_forward_initialized, self._stage_backward_initialized = True, self._has_backward
+
+    def eval(self) -> None:
+        self._has_backward = False
+        try:
+            self._initialize_stage()
+        finally:
+            self._has_backward = True
 
 
 def _group(local: bool) -> tb.TmrunProcessGroup:
@@ -87,9 +104,9 @@ def test_a_rank_records_its_first_training_start_up_once() -> None:
     tracked.track(schedule=schedule)
     schedule._initialize_stage()
     schedule._initialize_stage()  # started: nothing more
-    assert schedule.startups == 1 and schedule.got == 42
-    messages = pickle.loads(store.get(keys.pipeline_startup(1, 0)))
-    assert [key for key, _ in messages] == [("pp0", 1, 7, 8, "torch.int64")]
+    assert schedule.startups == 1 and (schedule.vote, schedule.got) == (49, 51)
+    (training, messages), = pickle.loads(store.get(keys.pipeline_startup(1, 0)))
+    assert training and [key for key, _ in messages] == [("pp0", 1, 7, 8, "torch.int64"), ("pp0", 1, 9, 8, "torch.int64")]
     assert tb._P2P_RECORDERS == ()
     assert pipeline_startup.local_way(store, gen=1, rank=1, schedules=1)
 
@@ -107,10 +124,10 @@ def test_a_joiner_runs_its_start_up_alone_from_the_lost_ranks_recording() -> Non
     tracked.track(schedule=schedule)
     joiner.expect_join(2, 1)
     schedule._initialize_stage()
-    assert schedule.got == 42 and schedule.startups == 1 and joiner.served_locally == 1
+    assert (schedule.vote, schedule.got) == (49, 51) and schedule.startups == 1 and joiner.served_locally == 1
     assert not pg.local  # back on the network for its first step's messages
     assert tb._P2P_REPLAYER is None
-    assert "rank 1: the pipeline start-up of schedule 0 ran on this joiner alone (1 of the 1 messages" in logs[-1]
+    assert "rank 1: the pipeline start-up of schedule 0 ran on this joiner alone (2 of the 2 messages" in logs[-1]
 
 
 def test_without_the_lost_ranks_recording_the_pipeline_starts_again_with_the_joiner() -> None:
@@ -123,7 +140,7 @@ def test_without_the_lost_ranks_recording_the_pipeline_starts_again_with_the_joi
     tracked.track(schedule=schedule)
     joiner.expect_join(3, 1)
     schedule._initialize_stage()  # the joiner asks first: network
-    assert schedule.got == 9 and joiner.served_locally == 0
+    assert schedule.got == 18 and joiner.served_locally == 0
     assert store.get(keys.pipeline_startup_way(3, 1)) == pipeline_startup.NETWORK
     # its recording is in the store now, but the way was decided: every survivor reads network
     assert store.check([keys.pipeline_startup(1, 0)])
@@ -131,19 +148,104 @@ def test_without_the_lost_ranks_recording_the_pipeline_starts_again_with_the_joi
     assert pipeline_startup.local_way(store, gen=4, rank=1, schedules=1)  # the next joiner of rank 1: local
 
 
-def test_a_standby_and_an_evaluation_start_up_are_neither_recorded_nor_served() -> None:
+def test_a_standbys_start_up_is_neither_recorded_nor_served() -> None:
     store, logs = dist.HashStore(), []
     standby = pipeline_startup.Startups(lambda: None, logs.append)
     schedule = _StartingSchedule(_group(local=True), sent=1)
     standby.wrap(schedule)
+    tb.set_p2p_replay(lambda group, src, tag, t: t.fill_(3) is not None)  # its rehearsal's replay
     schedule._initialize_stage()
-    assert not store.check([keys.pipeline_startup(0, 0)])
+    assert schedule.got == 3 and not store.check([keys.pipeline_startup(0, 0)])
+
+
+def test_a_rank_that_evaluates_first_publishes_both_start_ups_and_its_joiner_replays_them() -> None:
+    """nanoGPT's shape: an evaluation at the start of step 0, then training. torch 2.14 starts
+    the stages for the evaluation (with the warm-up), then again for training (a switch)."""
+    store, logs = dist.HashStore(), []
+    lost, tracked = _startups(store, 1, logs)
+    first = _StartingSchedule(_group(local=False), sent=42)
+    tracked.track(schedule=first)
+    first.eval()
+    assert not store.check([keys.pipeline_startup(1, 0)])  # published once its training start-up ran
+    first._initialize_stage()
+    history = pickle.loads(store.get(keys.pipeline_startup(1, 0)))
+    assert [(training, [key[2] for key, _ in messages]) for training, messages in history] == [(False, [7, 9]),
+                                                                                                (True, [9])]
+    assert pipeline_startup.local_way(store, gen=2, rank=1, schedules=1)
+    joiner, tracked = _startups(store, 1, logs)
+    schedule = _StartingSchedule(_group(local=False), sent=-100)  # a network receive: -100 + tag
+    tracked.track(schedule=schedule)
+    joiner.expect_join(2, 1)
+    schedule._initialize_stage()  # its first step trains: both start-ups alone, in the lost rank's order
+    assert (schedule.vote, schedule.got, schedule.startups) == (49, 51, 2) and joiner.served_locally == 2
+    assert schedule._stage_backward_initialized
+
+
+def test_a_joiner_whose_first_use_is_an_evaluation_trains_alone_then_switches_with_its_peers() -> None:
+    store, logs = dist.HashStore(), []
+    lost, tracked = _startups(store, 1, logs)
+    first = _StartingSchedule(_group(local=False), sent=42)
+    tracked.track(schedule=first)
+    first._initialize_stage()
+    assert pipeline_startup.local_way(store, gen=2, rank=1, schedules=1)
+    joiner, tracked = _startups(store, 1, logs)
+    schedule = _StartingSchedule(_group(local=False), sent=-100)
+    tracked.track(schedule=schedule)
+    joiner.expect_join(2, 1)
+    schedule.eval()  # the redone step evaluates first: its peers switch to evaluation, over the network
+    assert (schedule.vote, schedule.got, schedule.startups) == (49, -91, 2) and joiner.served_locally == 1
+    assert schedule._stage_forward_initialized and not schedule._stage_backward_initialized
+
+
+def test_survivors_last_started_for_an_evaluation_take_the_network_way() -> None:
+    store, logs = dist.HashStore(), []
+    lost, tracked = _startups(store, 1, logs)
+    first = _StartingSchedule(_group(local=False), sent=42)
+    tracked.track(schedule=first)
+    first._initialize_stage()
+    assert not pipeline_startup.local_way(store, gen=2, rank=1, schedules=1, trained=False)
+    assert not pipeline_startup.local_way(store, gen=2, rank=1, schedules=1)  # decided once
+
+
+class _DoomedMidway(_StartingSchedule):
+    """Its peer is lost after the first receive of its next start-up: the rest is served locally."""
+
+    doom = False
+
+    def _receive(self, tag: int) -> int:
+        got = super()._receive(tag)
+        if self.doom:
+            self.pg.set_local(True)
+        return got
+
+
+def test_a_start_up_in_a_doomed_step_gets_the_messages_of_the_last_start_up_of_its_kind() -> None:
+    """A survivor's schedule switches between evaluation and training in a step whose peer was
+    lost: its receives are served locally. Zeros killed it (EOFError): the survivor died and the
+    job restarted. They now get what the same receives got in the last start-up of that kind."""
+    store, logs = dist.HashStore(), []
     active, tracked = _startups(store, 0, logs)
-    evaluation = _StartingSchedule(_group(local=False), sent=3)
-    evaluation._has_backward = False
-    tracked.track(schedule=evaluation)
-    evaluation._initialize_stage()
-    assert not store.check([keys.pipeline_startup(0, 0)])
+    pg = _group(local=False)
+    schedule = _DoomedMidway(pg, sent=42)
+    tracked.track(schedule=schedule)
+    schedule._initialize_stage()  # the first start-up
+    schedule.eval()  # a switch to evaluation and back
+    schedule.sent = 1000
+    schedule._initialize_stage()
+    pg.set_local(True)  # a peer lost: the next step's evaluation is served locally
+    schedule.eval()
+    assert schedule.got == 51 and tb._P2P_REPLAYER is None and tb._P2P_RECORDERS == ()
+    schedule._initialize_stage()  # and its training again
+    assert schedule.got == 1009  # the last training switch's
+    pg.set_local(False)  # healed: the network again, and what it says is kept
+    schedule.sent = 2000
+    schedule.eval()
+    schedule._initialize_stage()
+    assert schedule.got == 2009
+    schedule._stage_forward_initialized = schedule._stage_backward_initialized = False  # its pipeline restarts
+    schedule.doom = True  # lost after the vote: the metadata is served locally
+    schedule._initialize_stage()
+    assert (schedule.vote, schedule.got) == (2007, 51)  # the vote from the network, the metadata as last time
 
 
 def test_a_message_that_cannot_be_recorded_leaves_no_recording_and_the_receive_unharmed(
@@ -159,7 +261,7 @@ def test_a_message_that_cannot_be_recorded_leaves_no_recording_and_the_receive_u
     schedule = _StartingSchedule(_group(local=False), sent=42)
     tracked.track(schedule=schedule)
     schedule._initialize_stage()
-    assert schedule.got == 42  # the receive itself went through
+    assert schedule.got == 51  # the receive itself went through
     assert not store.check([keys.pipeline_startup(1, 0)])
     assert not pipeline_startup.local_way(store, gen=1, rank=1, schedules=1)
     assert "could not be recorded whole" in logs[-1]

@@ -1808,6 +1808,11 @@ def set_p2p_replay(replayer: Optional[P2PHook]) -> None:
     _P2P_REPLAYER = replayer
 
 
+def p2p_replay() -> Optional[P2PHook]:
+    """The replayer set now (None: a receive served locally gets zeros)."""
+    return _P2P_REPLAYER
+
+
 _PLANE_STORE: Optional[Any] = None
 
 

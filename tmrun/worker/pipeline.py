@@ -72,6 +72,27 @@ def started(schedule: Any) -> bool:
     return False
 
 
+def needs_startup(schedule: Any) -> bool:
+    """Whether torch's next ``_initialize_stage(s)`` of ``schedule`` runs a start-up: the first,
+    or a switch between ``eval()`` and ``step()`` (torch 2.14 starts the stages again then)."""
+    training = bool(getattr(schedule, "_has_backward", False))
+    for forward, backward in _STARTED_FLAGS:
+        if hasattr(schedule, forward) and hasattr(schedule, backward):
+            return not getattr(schedule, forward) or training != bool(getattr(schedule, backward))
+    return True
+
+
+def p2p_done(schedule: Any) -> bool:
+    """Whether ``schedule`` ran its P2P warm-up (its first start-up) already."""
+    for flag in _P2P_FLAGS:
+        if hasattr(schedule, flag):
+            return bool(getattr(schedule, flag))
+    for forward, _ in _STARTED_FLAGS:
+        if hasattr(schedule, forward):
+            return bool(getattr(schedule, forward))
+    return False
+
+
 def tensor_parallel(schedule: Any) -> bool:
     """Whether a stage of ``schedule`` holds DTensor parameters (TP, FSDP2: its forward issues
     collectives outside the pipeline)."""

@@ -18,7 +18,25 @@ The survivors and the joiner agree, per generation and rank, through one compare
 (``keys.pipeline_startup_way``): *local* when the lost rank's recordings are all in the store,
 else *network* (it died before its first start-up ended): the survivors of its pipeline then run
 the start-up again with the joiner, as before, and the joiner's start-up is recorded for the next
-time. Whoever asks first decides; the others read the same answer.
+time. Whoever asks first decides; the others read the same answer. The survivors decide it in their
+recovery (before its last barrier, so before the joiner asks): *local* needs the lost rank's
+recordings and every survivor's schedules started for training. A survivor whose schedules were
+last started for an evaluation (a script that evaluates at the end of a step; torch 2.14 runs the
+start-up again at each switch between ``eval()`` and ``step()``) would run the next training
+step's start-up over the network, which the joiner's local start-up does not answer: the
+network way then.
+
+A joiner whose first use of a schedule is ``eval()`` (a script that evaluates at the start of a
+step, nanoGPT's shape) runs the lost rank's training start-up alone first, then the evaluation's
+switch with its peers, as they do.
+
+A start-up in a doomed step (a peer lost: its receives are served locally, with zeros) would
+read its neighbours' metadata from zeros (``EOFError``, the survivor dead). Each rank keeps the
+messages it received in the last start-up of each kind (training or evaluation, first or a
+switch) and a receive served locally in a start-up of that kind gets what the same receive got
+last time (a switch not seen yet: the first start-up's of the same mode): the metadata the step
+would have computed, never used beyond the doomed step. A standby's rehearsal does the same with
+the start-ups it replayed from rank 0's first step (a later step's switch was not in it).
 """
 
 from __future__ import annotations
@@ -27,6 +45,8 @@ import os
 import pickle
 from typing import Any, Callable
 
+import torch
+import torch.utils._pytree
 from tmrun.comm import backend as tmrun_backend
 from tmrun.protocol import keys
 from tmrun.worker import pipeline, startup_replay
@@ -42,10 +62,18 @@ def recorded(store: Any, rank: int, schedules: int) -> bool:
     return all(store.check([keys.pipeline_startup(rank, index)]) for index in range(schedules))
 
 
-def local_way(store: Any, gen: int, rank: int, schedules: int) -> bool:
-    """Whether the joiner of ``rank`` in ``gen`` runs its start-up alone (decided once)."""
-    way = LOCAL if recorded(store, rank, schedules) else NETWORK
+def local_way(store: Any, gen: int, rank: int, schedules: int, trained: bool = True) -> bool:
+    """Whether the joiner of ``rank`` in ``gen`` runs its start-up alone (decided once).
+    ``trained``: the asker's schedules are started for training (a survivor's were last started
+    for an evaluation: the network way)."""
+    way = LOCAL if trained and recorded(store, rank, schedules) else NETWORK
     return store.compare_set(keys.pipeline_startup_way(gen, rank), "", way) == LOCAL
+
+
+Kind = tuple[bool, bool]  # a start-up's (training, first): first when the P2P warm-up runs in it
+# a rank's start-ups of a schedule until its first training one: (training, messages; None where
+# they could not be recorded whole)
+History = list[tuple[bool, "startup_replay.Recording | None"]]
 
 
 class Startups:
@@ -58,6 +86,9 @@ class Startups:
         self._recorded: set[int] = set()  # schedule indices whose first training start-up was recorded
         self._join: tuple[int, int] | None = None  # (generation, rank) of this joiner, until its start-up
         self.served_locally = 0  # start-ups this process ran alone from a recording
+        # (schedule index, kind) -> the messages this rank received in its last start-up of that kind
+        self._last: dict[tuple[int, Kind], startup_replay.Recording] = {}
+        self._history: dict[int, History] = {}  # schedule index -> its start-ups until its first training one
 
     def wrap(self, schedule: Any) -> None:
         """``schedule`` was tracked: its start-up goes through :meth:`_run` from now on."""
@@ -78,28 +109,72 @@ class Startups:
         self._join = (gen, rank)
 
     def _run(self, index: int, schedule: Any, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if not pipeline.needs_startup(schedule):
+            return original(*args, **kwargs)
         peer = self._peer()
         training = bool(getattr(schedule, "_has_backward", False))
-        if peer is None or not training or pipeline.started(schedule):
-            return original(*args, **kwargs)
-        store, rank = peer
-        if self._join is not None and local_way(store, self._join[0], self._join[1], len(self._schedules)):
-            raw = store.get(keys.pipeline_startup(self._join[1], index))
-            return self._run_locally(rank, index, pickle.loads(raw), original, args, kwargs)
-        if index in self._recorded:
-            return original(*args, **kwargs)
-        recorder = startup_replay.Recorder()
-        recorder.start()
+        if peer is not None and self._join is not None and not pipeline.p2p_done(schedule) and local_way(
+                peer[0], self._join[0], self._join[1], len(self._schedules)):
+            history: History = pickle.loads(peer[0].get(keys.pipeline_startup(self._join[1], index)))
+            result = self._catch_up_locally(peer[1], index, schedule, history, original, args, kwargs)
+            if not pipeline.needs_startup(schedule):  # a training step: the lost rank's start-ups were all
+                return result
+        kind = (training, not pipeline.p2p_done(schedule))
+        # a switch not seen yet: the first start-up's messages of the same mode (its P2P vote's go unused)
+        rerun = _Rerun(self._last.get((index, kind), self._last.get((index, (training, True)))))
+        rerun.start()
         try:
             result = original(*args, **kwargs)
         finally:
-            messages = recorder.stop()
+            messages = rerun.stop()
+        if not rerun.zeroed and not rerun.incomplete:
+            self._last[(index, kind)] = messages
+        if peer is not None and index not in self._recorded:  # a standby's rehearsal publishes nothing
+            self._record(peer[0], peer[1], index, training, messages,
+                         whole=not (rerun.served_locally or rerun.incomplete))
+        return result
+
+    def _record(self, store: Any, rank: int, index: int, training: bool, messages: startup_replay.Recording,
+                whole: bool) -> None:
+        """This rank's start-ups of schedule ``index`` until its first training one (an
+        evaluation's may come first), published once that one ran: what its joiner replays."""
+        history = self._history.setdefault(index, [])
+        history.append((training, messages if whole else None))
+        if not training:
+            return
         self._done(index)
-        if recorder.incomplete:  # a joiner of this rank cannot run the start-up alone: its pipeline starts again
+        if any(recorded is None for _, recorded in history):  # a joiner of this rank cannot run them alone
             self._log(f"rank {rank}: the pipeline start-up of schedule {index} could not be recorded whole; a joiner "
                       "of this rank will run it with its pipeline's survivors")
         elif str(rank) != os.environ.get("TMRUN_TEST_PIPELINE_UNRECORDED"):  # tests only: a rank lost in its start-up
-            store.compare_set(keys.pipeline_startup(rank, index), "", pickle.dumps(messages))
+            store.compare_set(keys.pipeline_startup(rank, index), "", pickle.dumps(history))
+        del self._history[index]
+
+    def _catch_up_locally(self, rank: int, index: int, schedule: Any, history: History,
+                          original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """The lost rank's start-ups until its first training one, run alone in its order: the
+        schedule is then started for training, as its peers' are (an ``eval()`` that comes first
+        then runs its switch with them)."""
+        asked = schedule._has_backward
+        result, replayed = None, 0
+        try:
+            for position, (training, messages) in enumerate(history):
+                schedule._has_backward = training
+                if training:  # as the lost rank ran it: with autograd (the asking eval() may be under no_grad)
+                    with torch.inference_mode(False), torch.enable_grad():
+                        result, count = self._run_locally(messages or [], original, *_autograd_usable(args, kwargs))
+                else:
+                    result, count = self._run_locally(messages or [], original, args, kwargs)
+                replayed += count
+                self._last[(index, (training, position == 0))] = messages or []
+        finally:
+            schedule._has_backward = asked
+        total = sum(len(messages or []) for _, messages in history)
+        runs = f"{len(history)} start-ups" if len(history) > 1 else "start-up"
+        self._log(f"rank {rank}: the pipeline {runs} of schedule {index} ran on this joiner alone ({replayed} of the "
+                  f"{total} messages the lost rank received in it replayed, nothing sent); the survivors' pipelines go "
+                  "on")
+        self._done(index)  # the lost rank's recording is this rank's
         return result
 
     def _done(self, index: int) -> None:
@@ -107,8 +182,10 @@ class Startups:
         if self._recorded >= set(range(len(self._schedules))):
             self._join = None  # every schedule of this joiner started
 
-    def _run_locally(self, rank: int, index: int, messages: startup_replay.Recording, original: Callable[..., Any],
-                     args: tuple, kwargs: dict) -> Any:
+    def _run_locally(self, messages: startup_replay.Recording, original: Callable[..., Any], args: tuple,
+                     kwargs: dict) -> tuple[Any, int]:
+        """One start-up with every group of this process served locally, its receives from
+        ``messages``: its result, and how many messages it replayed."""
         groups = tmrun_backend.created_groups()
         was_local = [pg.local for pg in groups]
         for pg in groups:
@@ -120,10 +197,51 @@ class Startups:
             startup_replay.replay(None)
             for pg, local in zip(groups, was_local):
                 pg.set_local(local)
-        self._done(index)  # the lost rank's recording is this rank's
         self.served_locally += 1
-        replayed = replayer.replayed if replayer is not None else 0
-        self._log(f"rank {rank}: the pipeline start-up of schedule {index} ran on this joiner alone ({replayed} of "
-                  f"the {len(messages)} messages the lost rank received in it replayed, nothing sent); the "
-                  "survivors' pipelines go on")
-        return result
+        return result, replayer.replayed if replayer is not None else 0
+
+
+def _autograd_usable(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with the tensors made under ``torch.inference_mode`` cloned outside it
+    (autograd refuses to save inference tensors)."""
+    def usable(value: Any) -> Any:
+        return value.clone() if isinstance(value, torch.Tensor) and value.is_inference() else value
+
+    return torch.utils._pytree.tree_map(usable, args), torch.utils._pytree.tree_map(usable, kwargs)
+
+
+class _Rerun:
+    """A start-up's receives recorded. One served locally (a doomed step; a standby's rehearsal)
+    gets what the same receive got in the last start-up of the same kind (``previous``), else
+    what the replayer set before it gives (a rehearsal's: rank 0's first step), else zeros; a
+    receive from the network takes the place of its recorded one."""
+
+    def __init__(self, previous: startup_replay.Recording | None) -> None:
+        self._recorder = startup_replay.Recorder()
+        self._previous = startup_replay.Replayer(previous or [])
+        self._fallback: tmrun_backend.P2PHook | None = None
+        self.served_locally = False
+        self.zeroed = False  # a receive served locally got zeros
+
+    def start(self) -> None:
+        self._recorder.start()
+        tmrun_backend.add_p2p_recorder(self._previous.skip)
+        self._fallback = tmrun_backend.p2p_replay()
+        tmrun_backend.set_p2p_replay(self._serve)
+
+    def _serve(self, group: str, src: int, tag: int, t: Any) -> bool:
+        self.served_locally = True
+        if self._previous(group, src, tag, t) or (self._fallback is not None and self._fallback(group, src, tag, t)):
+            self._recorder.record(group, src, tag, t)
+            return True
+        self.zeroed = True
+        return False
+
+    def stop(self) -> startup_replay.Recording:
+        tmrun_backend.set_p2p_replay(self._fallback)
+        tmrun_backend.remove_p2p_recorder(self._previous.skip)
+        return self._recorder.stop()
+
+    @property
+    def incomplete(self) -> bool:
+        return self._recorder.incomplete

@@ -262,13 +262,18 @@ def _start_pipelines(ctx: Context, store: Any, joined: set[int]) -> None:
     if ctx.life.is_(Role.JOINING) and not any(map(pipeline.started, ctx.tracked.pipelines)):
         ctx.pipeline_startups.expect_join(ctx.gen, ctx.rank)  # a standby's (or a migration's) new process
         return
-    networked = {rank for rank in joined if not pipeline_startup.local_way(store, ctx.gen, rank, schedules)}
+    # schedules last started for an evaluation start again for training over the network: the
+    # joiner then runs its start-up with them (the network way)
+    trained = all(map(pipeline.started, ctx.tracked.pipelines))
+    networked = {rank for rank in joined if not pipeline_startup.local_way(store, ctx.gen, rank, schedules, trained)}
     everywhere = bool(networked) and any(map(pipeline.tensor_parallel, ctx.tracked.pipelines))
     if pipeline.restart_where_joined(ctx.tracked.pipelines, networked, everywhere):
         whose = ("every pipeline (the stages hold DTensors: TP or FSDP) runs" if everywhere
                  else f"the pipeline of rank(s) {sorted(networked)} runs")
+        why = ("the lost rank left no recording of its own" if trained
+               else "the schedules were last started for an evaluation")
         log(f"rank {ctx.rank}: {whose} torch's start-up again at the next step, with the joiner "
-            "(its P2P warm-up and shape inference: the lost rank left no recording of its own)")
+            f"(its P2P warm-up and shape inference: {why})")
 
 
 def heal(ctx: Context, started: float, aborted_step: int, connected: float, replaced: Collection[int] = ()) -> int:

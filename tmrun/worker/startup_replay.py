@@ -62,6 +62,10 @@ class Recorder:
         tmrun_backend.add_p2p_recorder(self._record)
 
     def _record(self, group: str, src: int, tag: int, t: torch.Tensor) -> None:
+        self.record(group, src, tag, t)
+
+    def record(self, group: str, src: int, tag: int, t: torch.Tensor) -> None:
+        """``t`` was received (from the network, or served locally from a recording)."""
         key = _key(group, src, tag, t)
         if key[3] > MAX_MESSAGE:
             return
@@ -115,6 +119,12 @@ class Replayer:
     def _queue(self, messages: Recording | None) -> None:
         for key, data in messages or []:
             self._queues[key].append(data)
+
+    def skip(self, group: str, src: int, tag: int, t: torch.Tensor) -> None:
+        """The same receive came from the network this time: its recorded message is passed over."""
+        queue = self._queues.get(_key(group, src, tag, t))
+        if queue:
+            queue.popleft()
 
     def __call__(self, group: str, src: int, tag: int, t: torch.Tensor) -> bool:
         if self._load is not None:
