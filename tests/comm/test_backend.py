@@ -1269,6 +1269,28 @@ def test_a_coalescing_managers_collectives_are_in_its_work(groups) -> None:
     assert torch.equal(got[0], torch.full((2,), 6.0)) and torch.equal(got[1], torch.full((2,), 5.0))
 
 
+def test_a_receive_cut_off_by_a_lost_peer_is_filled_as_one_served_locally(groups) -> None:
+    """A receive in flight when its peer died completed, absorbed, holding its buffer's old
+    bytes: torch.empty's, from which a survivor's pipeline read a metadata size and asked for
+    94 TB (torchtitan, a rank killed in the step after a validation). It is now filled as a
+    receive served locally: by the replayer set (a pipeline start-up's), else with zeros."""
+    pgs = groups(2, timeout=2.0)
+    pgs[0].set_failure_handler(lambda exc: True)
+    buffer = torch.full((4,), 7.0)
+    work = pgs[0].recv([buffer], 1, 3)
+    time.sleep(0.2)
+    pgs[1].comm.close()
+    assert work.wait() and pgs[0].stats()["absorbed_errors"] == 1
+    assert torch.equal(buffer, torch.zeros(4))
+    pgs[0].clear_aborted()  # (the same receive again, aborted, with a replayer set)
+    tb.set_p2p_replay(lambda group, src, tag, t: bool(t.fill_(5.0) is not None and tag == 3))
+    try:
+        again = torch.full((4,), 7.0)
+        assert pgs[0].recv([again], 1, 3).wait() and torch.equal(again, torch.full((4,), 5.0))
+    finally:
+        tb.set_p2p_replay(None)
+
+
 def test_a_local_receive_fills_a_buffer_that_requires_grad() -> None:
     """torch.distributed.pipelining receives activations into leaves that require grad; a group
     serving a doomed step locally zeroed them in place, which autograd refuses (the survivor of

@@ -97,11 +97,28 @@ def _startups(store: dist.Store, rank: int, logs: list[str]) -> tuple[pipeline_s
     return startups, tracked
 
 
-def test_a_rank_records_its_first_training_start_up_once() -> None:
+def _lost_rank(sent: int = 42) -> tuple[dist.Store, list[str], _StartingSchedule]:
+    """Rank 1's tracked schedule, in a fresh store, before any start-up."""
     store, logs = dist.HashStore(), []
-    startups, tracked = _startups(store, 1, logs)
-    schedule = _StartingSchedule(_group(local=False), sent=42)
+    _, tracked = _startups(store, 1, logs)
+    schedule = _StartingSchedule(_group(local=False), sent=sent)
     tracked.track(schedule=schedule)
+    return store, logs, schedule
+
+
+def _joiner(store: dist.Store, logs: list[str], gen: int, sent: int = -100) -> tuple[pipeline_startup.Startups,
+                                                                                     _StartingSchedule]:
+    """A joiner of rank 1 in generation ``gen``: its fresh schedule, tracked (a network receive
+    gives ``sent`` + tag)."""
+    joiner, tracked = _startups(store, 1, logs)
+    schedule = _StartingSchedule(_group(local=False), sent=sent)
+    tracked.track(schedule=schedule)
+    joiner.expect_join(gen, 1)
+    return joiner, schedule
+
+
+def test_a_rank_records_its_first_training_start_up_once() -> None:
+    store, _, schedule = _lost_rank()
     schedule._initialize_stage()
     schedule._initialize_stage()  # started: nothing more
     assert schedule.startups == 1 and (schedule.vote, schedule.got) == (49, 51)
@@ -112,10 +129,7 @@ def test_a_rank_records_its_first_training_start_up_once() -> None:
 
 
 def test_a_joiner_runs_its_start_up_alone_from_the_lost_ranks_recording() -> None:
-    store, logs = dist.HashStore(), []
-    lost, tracked = _startups(store, 1, logs)
-    first = _StartingSchedule(_group(local=False), sent=42)
-    tracked.track(schedule=first)
+    store, logs, first = _lost_rank()
     first._initialize_stage()  # the lost rank's first step, recorded
     assert pipeline_startup.local_way(store, gen=2, rank=1, schedules=1)  # a survivor asks first
     joiner, tracked = _startups(store, 1, logs)
@@ -161,10 +175,7 @@ def test_a_standbys_start_up_is_neither_recorded_nor_served() -> None:
 def test_a_rank_that_evaluates_first_publishes_both_start_ups_and_its_joiner_replays_them() -> None:
     """nanoGPT's shape: an evaluation at the start of step 0, then training. torch 2.14 starts
     the stages for the evaluation (with the warm-up), then again for training (a switch)."""
-    store, logs = dist.HashStore(), []
-    lost, tracked = _startups(store, 1, logs)
-    first = _StartingSchedule(_group(local=False), sent=42)
-    tracked.track(schedule=first)
+    store, logs, first = _lost_rank()
     first.eval()
     assert not store.check([keys.pipeline_startup(1, 0)])  # published once its training start-up ran
     first._initialize_stage()
@@ -172,36 +183,24 @@ def test_a_rank_that_evaluates_first_publishes_both_start_ups_and_its_joiner_rep
     assert [(training, [key[2] for key, _ in messages]) for training, messages in history] == [(False, [7, 9]),
                                                                                                 (True, [9])]
     assert pipeline_startup.local_way(store, gen=2, rank=1, schedules=1)
-    joiner, tracked = _startups(store, 1, logs)
-    schedule = _StartingSchedule(_group(local=False), sent=-100)  # a network receive: -100 + tag
-    tracked.track(schedule=schedule)
-    joiner.expect_join(2, 1)
+    joiner, schedule = _joiner(store, logs, gen=2)
     schedule._initialize_stage()  # its first step trains: both start-ups alone, in the lost rank's order
     assert (schedule.vote, schedule.got, schedule.startups) == (49, 51, 2) and joiner.served_locally == 2
     assert schedule._stage_backward_initialized
 
 
 def test_a_joiner_whose_first_use_is_an_evaluation_trains_alone_then_switches_with_its_peers() -> None:
-    store, logs = dist.HashStore(), []
-    lost, tracked = _startups(store, 1, logs)
-    first = _StartingSchedule(_group(local=False), sent=42)
-    tracked.track(schedule=first)
+    store, logs, first = _lost_rank()
     first._initialize_stage()
     assert pipeline_startup.local_way(store, gen=2, rank=1, schedules=1)
-    joiner, tracked = _startups(store, 1, logs)
-    schedule = _StartingSchedule(_group(local=False), sent=-100)
-    tracked.track(schedule=schedule)
-    joiner.expect_join(2, 1)
+    joiner, schedule = _joiner(store, logs, gen=2)
     schedule.eval()  # the redone step evaluates first: its peers switch to evaluation, over the network
     assert (schedule.vote, schedule.got, schedule.startups) == (49, -91, 2) and joiner.served_locally == 1
     assert schedule._stage_forward_initialized and not schedule._stage_backward_initialized
 
 
 def test_survivors_last_started_for_an_evaluation_take_the_network_way() -> None:
-    store, logs = dist.HashStore(), []
-    lost, tracked = _startups(store, 1, logs)
-    first = _StartingSchedule(_group(local=False), sent=42)
-    tracked.track(schedule=first)
+    store, _, first = _lost_rank()
     first._initialize_stage()
     assert not pipeline_startup.local_way(store, gen=2, rank=1, schedules=1, trained=False)
     assert not pipeline_startup.local_way(store, gen=2, rank=1, schedules=1)  # decided once

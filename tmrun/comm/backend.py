@@ -318,6 +318,9 @@ class CommClock:
 COMM_CLOCK = CommClock()
 
 
+_RECEIVES = ("recv", "p2p_batch")  # operations whose outputs are receive buffers
+
+
 class _Op:
     """One operation: native works, what to run after them, and everything it keeps alive."""
 
@@ -817,6 +820,11 @@ class TmrunProcessGroup(dist.ProcessGroup):
     def _fail(self, op: _Op, error: BaseException) -> None:
         if isinstance(error, tn.CommError) and self._absorb(error, op.abort_seq):
             self._stats["absorbed_errors"] += 1
+            if op.name in _RECEIVES and op.local is not None:
+                # a receive cut off by the loss holds what its buffer held (torch.empty's bytes:
+                # a pipeline's metadata size read from them asked for 94 TB); filled as one
+                # served locally instead
+                op.local()
             op.complete()
             self._abort_plane()
             return
