@@ -135,7 +135,7 @@ def test_draws_after_the_optimizer_step_are_noticed_and_never_handed_over_wrong(
     publisher = _publisher(store)
     _step(publisher, 0, after_commit=2)
     _step(publisher, 1, after_commit=2)  # its start differs from step 0's commit: noticed here
-    assert "draws random numbers after opt.step()" in capsys.readouterr().err
+    assert "draws random numbers after opt.step() (torch)" in capsys.readouterr().err
     record = rng_records.read(store, RANK)
     assert record is not None and record.after_commit and not record.trusted
     # lost after step 1's commit (after its later draws): no record of step 2 exists
@@ -189,3 +189,16 @@ def test_a_joiner_inherits_what_its_ranks_record_knew(store: CountingStore) -> N
 def test_a_rank_that_published_nothing_is_not_refused(store: CountingStore) -> None:
     rng_records.check(store, [RANK], 5)
     assert rng_records.adopt(store, RANK, 5) is None
+
+
+def test_the_generators_that_moved_are_named() -> None:
+    """What the one line names: torchtitan's validator moved "torch" (a DataLoader iterator's
+    base seed); a numpy imported after the commit is one the commit did not capture."""
+    before = {name: state for name, state in rng.capture().items() if name != "numpy"}
+    random.random()
+    after = {**rng.capture(), "numpy": ("MT19937", bytes(8), 0, 0, 0.0)}
+    assert rng.differing(before, after) == ["numpy (imported since)", "python"]
+    now = rng.capture()
+    assert rng.differing(now, now) == [] and rng.same(now, rng.capture())
+    torch.rand(1)
+    assert rng.differing(now, rng.capture()) == ["torch"]

@@ -29,13 +29,24 @@ def restore(states: dict[str, Any]) -> None:
         numpy.random.set_state(states["numpy"])
 
 
+def _same_state(name: str, x: Any, y: Any) -> bool:
+    if name == "torch":
+        return torch.equal(x, y)
+    if name == "cuda":
+        return len(x) == len(y) and all(torch.equal(p, q) for p, q in zip(x, y))
+    if name == "numpy":
+        return x[0] == y[0] and bytes(memoryview(x[1])) == bytes(memoryview(y[1])) and x[2:] == y[2:]
+    return x == y
+
+
 def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """True when two captures hold the same states (cheap: a few kB compared)."""
-    if a.keys() != b.keys() or not torch.equal(a["torch"], b["torch"]) or a["python"] != b["python"]:
-        return False
-    if "cuda" in a and not all(torch.equal(x, y) for x, y in zip(a["cuda"], b["cuda"])):
-        return False
-    if "numpy" in a:
-        na, nb = a["numpy"], b["numpy"]
-        return na[0] == nb[0] and bytes(memoryview(na[1])) == bytes(memoryview(nb[1])) and na[2:] == nb[2:]
-    return True
+    return a.keys() == b.keys() and all(_same_state(name, a[name], b[name]) for name in a)
+
+
+def differing(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """The generators whose states differ between capture ``a`` and the later ``b`` (one that
+    only ``b`` has: ``"numpy (imported since)"``)."""
+    names = [f"{name} (imported since)" for name in b.keys() - a.keys()]
+    names += [name for name in a.keys() & b.keys() if not _same_state(name, a[name], b[name])]
+    return sorted(names)

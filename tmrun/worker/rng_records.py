@@ -88,9 +88,10 @@ class Publisher:
                 record.verified = True
             elif not record.after_commit:
                 record.after_commit = True
-                log(f"rank {self._rank()}: the script draws random numbers after opt.step(); its random state is "
-                    "now recorded at step boundaries only (a rank lost after its optimizer step then makes the job "
-                    "fall back to its group restart)")
+                which = ", ".join(rng.differing(self._at_commit[1], states))
+                log(f"rank {self._rank()}: the script draws random numbers after opt.step() ({which}); its random "
+                    "state is now recorded at step boundaries only (a rank lost after its optimizer step then makes "
+                    "the job fall back to its group restart)")
         self._at_commit = None
         earlier = [s for s in record.states if s <= step]  # a redone step drops its attempt's provisional record
         last = max(earlier) if earlier else None
