@@ -1276,12 +1276,12 @@ def test_a_receive_cut_off_by_a_lost_peer_is_filled_as_one_served_locally(groups
     receive served locally: by the replayer set (a pipeline start-up's), else with zeros."""
     pgs = groups(2, timeout=2.0)
     pgs[0].set_failure_handler(lambda exc: True)
-    buffer = torch.full((4,), 7.0)
+    buffer = torch.full((4,), 7.0, requires_grad=True)  # a pipeline's: a leaf that requires grad
     work = pgs[0].recv([buffer], 1, 3)
     time.sleep(0.2)
     pgs[1].comm.close()
     assert work.wait() and pgs[0].stats()["absorbed_errors"] == 1
-    assert torch.equal(buffer, torch.zeros(4))
+    assert torch.equal(buffer.detach(), torch.zeros(4)) and buffer.requires_grad
     pgs[0].clear_aborted()  # (the same receive again, aborted, with a replayer set)
     tb.set_p2p_replay(lambda group, src, tag, t: bool(t.fill_(5.0) is not None and tag == 3))
     try:

@@ -823,8 +823,10 @@ class TmrunProcessGroup(dist.ProcessGroup):
             if op.name in _RECEIVES and op.local is not None:
                 # a receive cut off by the loss holds what its buffer held (torch.empty's bytes:
                 # a pipeline's metadata size read from them asked for 94 TB); filled as one
-                # served locally instead
-                op.local()
+                # served locally instead (no_grad: a pipeline's receive buffer is a leaf that
+                # requires grad; this may run on the completer thread)
+                with torch.no_grad():
+                    op.local()
             op.complete()
             self._abort_plane()
             return
