@@ -72,7 +72,8 @@ def batch_for(step: int, replica: int, width: int, batch: int) -> tuple[torch.Te
     return x, x.roll(1, dims=1).sin()
 
 
-def evaluate(tm: tmrun.Runtime, schedule, step: int, replica: int, first: bool, last: bool, args: argparse.Namespace) -> None:
+def evaluate(tm: tmrun.Runtime, schedule, step: int, replica: int, first: bool, last: bool,
+             args: argparse.Namespace) -> None:
     """A forward-only pass of the pipeline on a held-out batch (``schedule.eval``), its summed loss
     logged by the last stage: the step's first use of the schedule."""
     x, y = batch_for(-1 - step, replica, args.width, args.batch)
@@ -104,7 +105,8 @@ def main() -> None:
                         help="evaluate (schedule.eval on a held-out batch) in every Nth step")
     parser.add_argument("--eval-at", choices=("start", "end"), default="start",
                         help="before the step's training (raw loops: nanoGPT) or after it (torchtitan's validator)")
-    parser.add_argument("--eval-log", default="", help="the last stage's evaluation losses (step loss); {rank}: the rank")
+    parser.add_argument("--eval-log", default="",
+                        help="the last stage's evaluation losses (step loss); {rank}: the rank")
     args = parser.parse_args()
     torch.set_num_threads(1)
 

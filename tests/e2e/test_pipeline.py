@@ -152,7 +152,7 @@ def test_a_pipeline_that_evaluates_in_its_loop_is_replaced_in_place(
     assert evaluations == reference_evaluations, (evaluations, reference_evaluations)  # redone: the same value
     assert re.search(r"standby 0 warm after 2 shadow steps \(\d+ collectives served locally, 0 bytes on the network",
                      log), log[-4000:]
-    if eval_at == "start":  # the lost rank's start-ups (eval's, then training's) alone, then eval's switch with its peers
+    if eval_at == "start":  # the lost rank's start-ups (eval's, then training's) alone, then eval's switch
         assert "rank 1: the pipeline 2 start-ups of schedule 0 ran on this joiner alone" in log, log[-4000:]
         assert "runs torch's start-up again" not in log, log[-4000:]
     else:

@@ -123,7 +123,8 @@ def test_a_rank_records_its_first_training_start_up_once() -> None:
     schedule._initialize_stage()  # started: nothing more
     assert schedule.startups == 1 and (schedule.vote, schedule.got) == (49, 51)
     (training, messages), = pickle.loads(store.get(keys.pipeline_startup(1, 0)))
-    assert training and [key for key, _ in messages] == [("pp0", 1, 7, 8, "torch.int64"), ("pp0", 1, 9, 8, "torch.int64")]
+    assert training and [key for key, _ in messages] == [("pp0", 1, 7, 8, "torch.int64"),
+                                                         ("pp0", 1, 9, 8, "torch.int64")]
     assert tb._P2P_RECORDERS == ()
     assert pipeline_startup.local_way(store, gen=1, rank=1, schedules=1)
 
