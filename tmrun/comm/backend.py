@@ -321,6 +321,14 @@ COMM_CLOCK = CommClock()
 _RECEIVES = ("recv", "p2p_batch")  # operations whose outputs are receive buffers
 
 
+def _fill_locally(op: "_Op") -> None:
+    """Give ``op`` the result it has when served locally (under no_grad: a pipeline's receive
+    buffer is a leaf that requires grad; grad mode is per thread, and this may run on the
+    completer's)."""
+    with torch.no_grad():
+        op.local()
+
+
 class _Op:
     """One operation: native works, what to run after them, and everything it keeps alive."""
 
@@ -771,8 +779,7 @@ class TmrunProcessGroup(dist.ProcessGroup):
                 self._on_plane(device[1])  # a sandbox learns whether its groups will need the plane
             self._stats["local_ops"] += 1
             if op.local is not None:
-                with torch.no_grad():  # a pipeline's receive buffer is a leaf that requires grad
-                    op.local()
+                _fill_locally(op)
             op.complete()
             return TmrunWork(op)
         comm = self._comm_or_raise()
@@ -823,10 +830,8 @@ class TmrunProcessGroup(dist.ProcessGroup):
             if op.name in _RECEIVES and op.local is not None:
                 # a receive cut off by the loss holds what its buffer held (torch.empty's bytes:
                 # a pipeline's metadata size read from them asked for 94 TB); filled as one
-                # served locally instead (no_grad: a pipeline's receive buffer is a leaf that
-                # requires grad; this may run on the completer thread)
-                with torch.no_grad():
-                    op.local()
+                # served locally instead
+                _fill_locally(op)
             op.complete()
             self._abort_plane()
             return

@@ -47,6 +47,7 @@ from typing import Any, Callable
 
 import torch
 import torch.utils._pytree
+
 from tmrun.comm import backend as tmrun_backend
 from tmrun.protocol import keys
 from tmrun.worker import pipeline, startup_replay

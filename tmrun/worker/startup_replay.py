@@ -59,10 +59,7 @@ class Recorder:
 
     def start(self) -> None:
         self._active = True
-        tmrun_backend.add_p2p_recorder(self._record)
-
-    def _record(self, group: str, src: int, tag: int, t: torch.Tensor) -> None:
-        self.record(group, src, tag, t)
+        tmrun_backend.add_p2p_recorder(self.record)
 
     def record(self, group: str, src: int, tag: int, t: torch.Tensor) -> None:
         """``t`` was received (from the network, or served locally from a recording)."""
@@ -82,7 +79,7 @@ class Recorder:
     def stop(self) -> list[tuple[Key, bytes]]:
         """Stop recording; what was recorded."""
         self._active = False
-        tmrun_backend.remove_p2p_recorder(self._record)
+        tmrun_backend.remove_p2p_recorder(self.record)
         with self._lock:
             return list(self._messages)
 
