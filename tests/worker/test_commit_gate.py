@@ -6,14 +6,13 @@ discriminator), which ends the job's in-place path in one line, never half a ste
 
 from __future__ import annotations
 
-import pickle
 from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
 
 from tmrun.protocol import keys
-from tmrun.worker import loop as loop_module, rng_records
+from tmrun.worker import loop as loop_module, per_rank_records, rng_records, step_records
 from tmrun.worker.loop import StepLoop
 from tmrun.worker.roles import Role
 
@@ -26,7 +25,8 @@ class _Life:
 def _gate(monkeypatch: pytest.MonkeyPatch, ops: list[int]) -> tuple[StepLoop, SimpleNamespace]:
     store = dist.HashStore()
     ctx = SimpleNamespace(in_place=True, life=_Life(), current_step=5, committed_step=4, aborted_by=None, rank=1,
-                          require_store=lambda: store, tracked=SimpleNamespace(per_rank={}))
+                          require_store=lambda: store, tracked=SimpleNamespace(per_rank={}),
+                          rng_inherited=None, per_rank_inherited=None)
     gate = StepLoop(ctx, None, None, None)  # type: ignore[arg-type]  (only the gate is used)
     monkeypatch.setattr(StepLoop, "_commit_vote", lambda self: None)
     monkeypatch.setattr(loop_module.subgroups, "operations", lambda: ops[0])
@@ -76,12 +76,13 @@ def test_the_next_steps_records_are_written_before_the_vote(monkeypatch: pytest.
     seen: dict[str, object] = {}
 
     def vote(self: StepLoop) -> None:  # what the store holds when the vote runs
-        seen["per_rank"] = pickle.loads(store.get(keys.rank_state(1)))
+        seen["per_rank"] = step_records.read(store, per_rank_records.PER_RANK_STATE, 1)
         seen["rng"] = rng_records.read(store, 1)
 
     monkeypatch.setattr(StepLoop, "_commit_vote", vote)
     assert gate.step_aborted() is False
-    assert seen["per_rank"]["records"] == {6: b"position after step 5"}  # type: ignore[index]
+    per_rank = seen["per_rank"]
+    assert isinstance(per_rank, step_records.Record) and per_rank.states == {6: b"position after step 5"}
     record = seen["rng"]
     assert isinstance(record, rng_records.Record) and 6 in record.states
 
@@ -102,7 +103,8 @@ def test_a_redone_step_drops_the_records_of_its_aborted_attempt(monkeypatch: pyt
     ctx.tracked = SimpleNamespace(per_rank={"loader": object()}, per_rank_blob=lambda: b"position after step 5")
     assert gate.step_aborted() is False  # the attempt's vote: records of step 6 written
     gate._forget_attempt(5)
-    assert 6 not in pickle.loads(store.get(keys.rank_state(1)))["records"]
+    per_rank = step_records.read(store, per_rank_records.PER_RANK_STATE, 1)
+    assert per_rank is not None and 6 not in per_rank.states
     record = rng_records.read(store, 1)
     assert record is not None and 6 not in record.states
 
@@ -113,28 +115,28 @@ def test_a_commits_record_is_used_only_once_a_boundary_checked_the_script(monkey
     rank lost after it makes the job fall back to its group restart. From the next boundary on,
     where the record proved right, it is used; where it proved wrong, no commit record is made
     again."""
-    from tmrun.worker import recovery
     from tmrun.worker.transfer import NoReplicaError
 
     for changes_after_step, usable_at_step_7 in ((False, True), (True, False)):
         gate, ctx = _gate(monkeypatch, [10])
         position = [b"5"]
         ctx.tracked = SimpleNamespace(per_rank={"loader": object()}, per_rank_blob=lambda: position[0])
-        gate._record_per_rank(5)
+        store = ctx.require_store()
+        gate._record_rng(5)  # the boundary into step 5: its random and per-rank records
         position[0] = b"6"  # the step's batch consumed before opt.step()
         assert gate.step_aborted() is False  # the commit: step 6's record, provisional
         with pytest.raises(NoReplicaError, match="once a step boundary showed"):
-            recovery._check_per_rank_records(ctx, [1], 6)
+            per_rank_records.check(store, [1], 6)
         if changes_after_step:
             position[0] = b"6 and a bit"
         ctx.current_step = 6
-        gate._record_per_rank(6)  # the boundary: the provisional record is checked
-        recovery._check_per_rank_records(ctx, [1], 6)  # the boundary's own record: always usable
+        gate._record_rng(6)  # the boundary: the provisional record is checked
+        per_rank_records.check(store, [1], 6)  # the boundary's own record: always usable
         position[0] = b"7"
         gate._voted_for = -1
         assert gate.step_aborted() is False  # step 6's commit
         if usable_at_step_7:
-            recovery._check_per_rank_records(ctx, [1], 7)
+            per_rank_records.check(store, [1], 7)
         else:
             with pytest.raises(NoReplicaError):
-                recovery._check_per_rank_records(ctx, [1], 7)
+                per_rank_records.check(store, [1], 7)

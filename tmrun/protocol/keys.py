@@ -159,13 +159,15 @@ def report(seq: int) -> str:
 
 
 def rng(rank: int) -> str:
-    """Pickled (step, random states) of ``rank``, for the joiner that takes it over."""
+    """``rank``'s pickled random-state record (tmrun.worker.step_records.Record: its states by the step
+    they start), for the joiner that takes it over."""
     return f"rng/{rank}"
 
 
 def rank_state(rank: int) -> str:
-    """Pickled {step: per-rank state at its start} of ``rank`` (``tm.track_per_rank``): the current
-    step's, and from its commit the next one's; for the joiner that takes the rank over."""
+    """``rank``'s pickled per-rank record (``tm.track_per_rank``; tmrun.worker.step_records.Record: its
+    state by the step it starts, the current step's and from its commit the next one's), for the
+    joiner that takes it over."""
     return f"rank_state/{rank}"
 
 

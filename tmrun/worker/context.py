@@ -83,8 +83,8 @@ class Context:
         self.committed_step = -1  # the last step whose update this rank applied
         self.aborted_by: int | None = None  # rank whose loss aborted the current step (-1: unknown)
         self.step_rng: dict[str, Any] | None = None  # random state at the start of the current step
-        self.rng_inherited: Any = None  # a joiner: its rank's random-state record (rng_records.Record), once
-        self.per_rank_trust_inherited: bool | None = None  # a joiner: its rank's provisional per-rank records were usable
+        self.rng_inherited: Any = None  # a joiner: its rank's random-state record (step_records.Record), once
+        self.per_rank_inherited: Any = None  # a joiner: its rank's per-rank record (step_records.Record), once
         self.fresh = False  # a joiner that has not received the state yet
         self.stop_requested = False  # SIGTERM to a standby
         self.loop_finished = False  # steps() ran its last step (a peer's exit is no loss then)

@@ -13,7 +13,6 @@ Per step: a STANDBY runs it as a shadow step until it is assigned and warm, then
 from __future__ import annotations
 
 import os
-import pickle
 import time
 from typing import Any, Iterator
 
@@ -21,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from tmrun.protocol import environment, keys, orphan_guard
-from tmrun.worker import group, rng, rng_records, startup_replay, subgroups, untracked_state, vote, warm_imports
+from tmrun.worker import (group, per_rank_records, rng, rng_records, startup_replay, subgroups, untracked_state, vote,
+                          warm_imports)
 from tmrun.worker.buffers import BufferSnapshot, persistent_buffers
 from tmrun.worker.context import Context, Rejoin, log
 from tmrun.worker.migration import Migration
@@ -51,12 +51,9 @@ class StepLoop:
         self._buffers_at_start = BufferSnapshot()  # the tracked modules' persistent buffers
         self._untracked_state_adopted = False  # the untracked LR schedulers and gradient scalers were looked for (once)
         self._per_rank_at_start: dict[str, Any] = {}  # tm.track_per_rank's objects
-        # this rank's published per-rank records (tm.track_per_rank), by the step they start:
-        # the current step's, and once it commits, the next one's (provisional, see below)
-        self._per_rank_records: dict[int, bytes] = {}
-        self._per_rank_boundary = -1  # the step whose record was made at its start (the others: provisional)
-        self._provisional_ok = True  # the script leaves its per-rank state alone after opt.step()
-        self._per_rank_verified = False  # ... as a boundary showed (until then a provisional record is not used)
+        # ... and what this rank publishes of them for a joiner (tmrun.worker.per_rank_records)
+        self._per_rank_records = per_rank_records.Publisher(lambda: ctx.tracked.per_rank_blob(), ctx.require_store,
+                                                            lambda: ctx.rank)
         self._voted_for = -1  # the step whose commit vote this rank took part in
         self._vote = environment.commit_vote(os.environ)  # checked by the CLI at start
         # the vote lost a peer on this rank but another survivor committed: apply the update
@@ -208,9 +205,8 @@ class StepLoop:
         if not ctx.in_place or ctx.life.is_(Role.STANDBY):
             return
         self._rng_records.at_start(step)
-        if any(s > step for s in self._per_rank_records):
-            self._per_rank_records = {s: b for s, b in self._per_rank_records.items() if s <= step}
-            self._publish_per_rank()
+        if ctx.tracked.per_rank:
+            self._per_rank_records.at_start(step)
 
     def _adopt_untracked_state(self) -> None:
         """Track the script's untracked LR schedulers and gradient scaler where unambiguous
@@ -228,73 +224,33 @@ class StepLoop:
             ctx.drills.observe(ctx.progress.end_step(step, ctx.gen, ctx.life.role.value))
 
     def _record_rng(self, step: int) -> None:
-        """Publish the random state this rank starts ``step`` with (a joiner taking this rank
-        over continues from it), at the boundary into ``step``, where it changed
-        (tmrun.worker.rng_records; the next step's is recorded at the commit too), and this
-        rank's per-rank state."""
+        """Publish the state this rank starts ``step`` with, for a joiner that takes this rank
+        over, at the boundary into ``step``, where it changed: its random state
+        (tmrun.worker.rng_records) and its per-rank state (tmrun.worker.per_rank_records); the
+        next step's is recorded at the commit too (:meth:`_record_next`)."""
         ctx = self._ctx
         if ctx.in_place and not ctx.life.is_(Role.STANDBY):
-            if ctx.rng_inherited is not None:  # a joiner: what its rank's record knew of the script
+            if ctx.rng_inherited is not None:  # a joiner: what its rank's records knew of the script
                 self._rng_records.inherit(ctx.rng_inherited)
                 ctx.rng_inherited = None
-            if ctx.per_rank_trust_inherited is not None:
-                self.inherit_per_rank_trust(ctx.per_rank_trust_inherited)
-                ctx.per_rank_trust_inherited = None
+            if ctx.per_rank_inherited is not None:
+                self._per_rank_records.inherit(ctx.per_rank_inherited)
+                ctx.per_rank_inherited = None
             self._rng_records.at_start(step)
             self._rng_recorded_for = step
             if ctx.tracked.per_rank:
-                self._record_per_rank(step)
+                self._per_rank_records.at_start(step)
 
-    def _record_per_rank(self, step: int) -> None:
-        """Publish this rank's per-rank state (``tm.track_per_rank``) as it starts ``step``, tagged
-        with the step (a joiner takes only the record of the step it resumes at:
-        tmrun.worker.recovery). A provisional record of ``step`` made at the previous step's
-        commit that differs from this one means the script changes its per-rank state after
-        ``opt.step()``: no provisional record is made any more (a rank lost between its commit
-        and the end of its step then leaves no record of the next step: the job falls back to
-        its group restart instead of handing the joiner a wrong data position)."""
-        blob = self._ctx.tracked.per_rank_blob()
-        provisional = self._per_rank_records.get(step) if step != self._per_rank_boundary else None
-        verified = self._per_rank_verified
-        if provisional is not None and provisional == blob:
-            self._per_rank_verified = True
-        elif provisional is not None and self._provisional_ok:
-            self._provisional_ok = False
-            log(f"rank {self._ctx.rank}: the script changes its per-rank state after opt.step(); its records are "
-                "now made at step boundaries only")
-        if self._per_rank_records != {step: blob} or self._per_rank_boundary != step \
-                or self._per_rank_verified != verified:
-            self._per_rank_records = {step: blob}
-            self._per_rank_boundary = step
-            self._publish_per_rank()
-
-    def _publish_per_rank(self) -> None:
-        """This rank's per-rank records, which of them are provisional, and whether those may be
-        used (the script was seen to leave its per-rank state alone after ``opt.step()``: a
-        provisional record made before any boundary checked it would hand a joiner the state
-        before the script's later change, a silent wrong data position)."""
-        provisional = [s for s in self._per_rank_records if s != self._per_rank_boundary]
-        trusted = self._per_rank_verified and self._provisional_ok
-        self._ctx.require_store().set(keys.rank_state(self._ctx.rank), pickle.dumps(
-            {"records": self._per_rank_records, "provisional": provisional, "trusted": trusted}))
-
-    def inherit_per_rank_trust(self, trusted: bool) -> None:
-        """A joiner: what its rank's records knew of the script (it runs the same code)."""
-        self._per_rank_verified = trusted
-
-    def _record_next_per_rank(self) -> None:
+    def _record_next(self) -> None:
         """At the step's commit (just before the commit vote, or before the optimizer step where
         the vote is off): the state the next step starts with, as it stands now, published beside
         the current step's. A rank lost in its optimizer step (or later in the step) leaves its
-        joiner the record of the step the group resumes at."""
+        joiner the records of the step the group resumes at."""
         ctx = self._ctx
-        following = ctx.current_step + 1
-        if not (ctx.in_place and ctx.tracked.per_rank and self._provisional_ok and ctx.life.is_(Role.ACTIVE)) \
-                or following in self._per_rank_records:
-            return
-        self._per_rank_records = {**{s: b for s, b in self._per_rank_records.items() if s == ctx.current_step},
-                                  following: ctx.tracked.per_rank_blob()}
-        self._publish_per_rank()
+        if ctx.in_place and ctx.life.is_(Role.ACTIVE):
+            self._rng_records.at_commit(ctx.current_step)
+            if ctx.tracked.per_rank:
+                self._per_rank_records.at_commit(ctx.current_step)
 
     # -- the optimizer guard's gate (tmrun.worker.optimizer.StepGate) -------------------------------
 
@@ -319,8 +275,7 @@ class StepLoop:
                     # before the vote: a rank lost before these writes has not voted, so no rank
                     # commits the step (after it, a rank lost before its records left none for the
                     # step the group resumes at: its per-rank state fell back to the group restart)
-                    self._rng_records.at_commit(ctx.current_step)
-                    self._record_next_per_rank()
+                    self._record_next()
                     self._voted_for = ctx.current_step
                     self._commit_vote()
                     self._ops_at_vote = subgroups.operations()
@@ -385,9 +340,7 @@ class StepLoop:
         return bool(committed)
 
     def before_optimizer_step(self) -> None:
-        if self._ctx.in_place and self._ctx.life.is_(Role.ACTIVE):
-            self._rng_records.at_commit(self._ctx.current_step)  # done at the vote already, unless it is off
-        self._record_next_per_rank()
+        self._record_next()  # done at the vote already, unless it is off
         settle_heal(self._ctx)  # deferred healing: the optimizer state read (or no longer read) here
         self._migration.finish_handover()  # a joiner of a migration: its optimizer state is complete
         self._ctx.fire("optimizer")

@@ -17,7 +17,6 @@ socket), and the rank resumes ACTIVE at the first step not committed everywhere.
 
 from __future__ import annotations
 
-import pickle
 import threading
 import time
 from collections.abc import Collection
@@ -28,8 +27,8 @@ import torch.distributed as dist
 from tmrun.comm import native
 from tmrun.comm.backend import TmrunProcessGroup
 from tmrun.protocol import keys, messages as proto
-from tmrun.worker import (cpu_budget, group, pipeline, pipeline_startup, replica_check, rng, rng_records, subgroups,
-                          vote)
+from tmrun.worker import (cpu_budget, group, per_rank_records, pipeline, pipeline_startup, replica_check, rng,
+                          rng_records, subgroups, vote)
 from tmrun.worker.buffers import unsynchronised_buffers
 from tmrun.worker.context import FAST_POLL, Context, GenerationFile, RecoveryError, Superseded, log
 from tmrun.worker.device_transfer import device_link
@@ -297,7 +296,7 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float, repl
                      state_tensors=None if link is not None else ctx.tracked.tensors(), shard_key=shard_key,
                      overlap=overlap, reset_models=ctx.interrupter.reducers_need_reset())
         if ctx.tracked.per_rank:
-            _check_per_rank_records(ctx, plan.fresh, plan.target_step + 1)
+            per_rank_records.check(store, plan.fresh, plan.target_step + 1)
         rng_records.check(store, plan.fresh, plan.target_step + 1)
     except NoReplicaError as exc:  # every member at once: the controller falls back without waiting
         # An expected end, not a bug: one line per worker, then exit for the group restart (a
@@ -325,7 +324,7 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float, repl
         _say_buffers_lost(ctx, plan.donors_of(comm.rank))
         ctx.rng_inherited = rng_records.adopt(store, ctx.rank, resume)
         if ctx.tracked.per_rank:
-            _adopt_per_rank_of(ctx, ctx.rank, resume)
+            ctx.per_rank_inherited = per_rank_records.adopt(store, ctx.rank, resume, ctx.tracked.apply_per_rank)
     elif redone and ctx.step_rng is not None:
         rng.restore(ctx.step_rng)  # redo the aborted step from the same random state
     comm.barrier()
@@ -440,41 +439,3 @@ def settle_heal(ctx: Context, skip: Collection[int] = (), in_change: bool = Fals
             if time.monotonic() > deadline:
                 raise RecoveryError(f"rank {rank} did not finish reading the optimizer state within {READ_TIMEOUT:.0f}s")
             time.sleep(0.001)
-
-
-def _per_rank_records(ctx: Context, rank: int) -> tuple[dict[int, bytes], bool]:
-    """The per-rank records ``rank`` published that a joiner may use, by the step they start
-    (tmrun.worker.loop: a provisional one only once the script was seen to leave its per-rank
-    state alone after ``opt.step()``), and whether its provisional records were usable."""
-    store = ctx.require_store()
-    key = keys.rank_state(rank)
-    if not store.check([key]):
-        return {}, False
-    published = pickle.loads(store.get(key))
-    trusted = bool(published["trusted"])
-    records = {s: b for s, b in published["records"].items() if trusted or s not in published["provisional"]}
-    return records, trusted
-
-
-def _check_per_rank_records(ctx: Context, joiners: list[int], resume: int) -> None:
-    """Every member alike (they read the same records): each joiner's rank must have published
-    its per-rank state (``tm.track_per_rank``) for the step the group resumes at. A rank lost
-    between its optimizer step and the end of that step left the record of the step before: its
-    state for ``resume`` is gone with it, so in-place healing would hand the joiner a wrong data
-    position (a silent wrong gradient); the job falls back to its group restart instead."""
-    for rank in joiners:
-        records, trusted = _per_rank_records(ctx, rank)
-        if resume not in records:
-            unchecked = "" if trusted else (" (a record made at a commit is used once a step boundary showed the "
-                                            "script leaves its per-rank state alone after opt.step())")
-            raise NoReplicaError(
-                f"rank {rank}'s per-rank state (tm.track_per_rank) is recorded for step(s) "
-                f"{sorted(records) or 'none'}, and its joiner resumes at step {resume}{unchecked}: the state it needs "
-                "was lost with the rank; falling back to the group restart")
-
-
-def _adopt_per_rank_of(ctx: Context, rank: int, step: int) -> None:
-    """A joiner loads the per-rank state its rank published for the step it resumes at."""
-    records, trusted = _per_rank_records(ctx, rank)
-    ctx.tracked.apply_per_rank(records[step])
-    ctx.per_rank_trust_inherited = trusted

@@ -135,7 +135,7 @@ class TrackedState:
         self._objects: dict[str, Any] = {}
         self.values: dict[str, Any] = {}
         # state that differs by rank (a data loader keyed by data-parallel rank): never sent by a
-        # donor; a joiner takes the record its rank published (tmrun.worker.rank_state)
+        # donor; a joiner takes the record its rank published (tmrun.worker.per_rank_records)
         self._per_rank: dict[str, Any] = {}
         # ids of the tracked modules a DDP wrapper given to tm.track keeps the buffers of alike
         # (it broadcasts them at every forward: torch's default)
