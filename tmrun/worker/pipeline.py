@@ -64,22 +64,29 @@ def check_supported(schedule: Any) -> None:
                             "drills and its pipeline's restart after a replacement could not find them")
 
 
+def _start_flags(schedule: Any) -> tuple[str, str] | None:
+    """The names of ``schedule``'s "forward / backward started" flags (single- or multi-stage),
+    or None where it has neither pair."""
+    for forward, backward in _STARTED_FLAGS:
+        if hasattr(schedule, forward) and hasattr(schedule, backward):
+            return forward, backward
+    return None
+
+
 def started(schedule: Any) -> bool:
     """Whether ``schedule`` ran its start-up (forward and backward) already."""
-    for flags in _STARTED_FLAGS:
-        if all(hasattr(schedule, flag) for flag in flags):
-            return all(getattr(schedule, flag) for flag in flags)
-    return False
+    flags = _start_flags(schedule)
+    return flags is not None and all(getattr(schedule, flag) for flag in flags)
 
 
 def needs_startup(schedule: Any) -> bool:
     """Whether torch's next ``_initialize_stage(s)`` of ``schedule`` runs a start-up: the first,
     or a switch between ``eval()`` and ``step()`` (torch 2.14 starts the stages again then)."""
-    training = bool(getattr(schedule, "_has_backward", False))
-    for forward, backward in _STARTED_FLAGS:
-        if hasattr(schedule, forward) and hasattr(schedule, backward):
-            return not getattr(schedule, forward) or training != bool(getattr(schedule, backward))
-    return True
+    flags = _start_flags(schedule)
+    if flags is None:
+        return True
+    forward, backward = (bool(getattr(schedule, flag)) for flag in flags)
+    return not forward or bool(getattr(schedule, "_has_backward", False)) != backward
 
 
 def p2p_done(schedule: Any) -> bool:
@@ -87,10 +94,8 @@ def p2p_done(schedule: Any) -> bool:
     for flag in _P2P_FLAGS:
         if hasattr(schedule, flag):
             return bool(getattr(schedule, flag))
-    for forward, _ in _STARTED_FLAGS:
-        if hasattr(schedule, forward):
-            return bool(getattr(schedule, forward))
-    return False
+    flags = _start_flags(schedule)
+    return flags is not None and bool(getattr(schedule, flags[0]))
 
 
 def tensor_parallel(schedule: Any) -> bool:
