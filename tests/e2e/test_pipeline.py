@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import ROOT, run_agents, run_job, tmrun_cmd, torchrun_cmd
+from tests.helpers import ROOT, run_agents, run_job, tmrun_cmd, torchrun_cmd, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -158,6 +158,48 @@ def test_a_pipeline_that_evaluates_in_its_loop_is_replaced_in_place(
     else:
         assert ("the pipeline of rank(s) [0] runs torch's start-up again at the next step, with the joiner (its P2P "
                 "warm-up and shape inference: the schedules were last started for an evaluation)") in log, log[-4000:]
+
+
+@pytest.mark.parametrize(("schedule", "seed"), [
+    ("1f1b", 0),
+    pytest.param("gpipe", 1, marks=pytest.mark.variant),
+    pytest.param("zbv", 2, marks=pytest.mark.variant),
+    pytest.param("interleaved-1f1b", 3, marks=pytest.mark.variant),
+])
+def test_a_rank_killed_at_a_random_moment_is_replaced_in_place(
+        tmp_path: Path, reference: dict[str, dict[int, str]], schedule: str, seed: int) -> None:
+    """A random rank SIGKILLed by the test at a random moment of a random step (not at a drill's
+    fixed point: in a P2P exchange, between a stage's forward and backward, in the commit vote,
+    in the optimizer step): in place, every rank's final digest torchrun's (a longer campaign of
+    such kills, by hand: docs/status.md)."""
+    import os
+    import random
+    import signal
+    import threading
+    import time
+
+    pick = random.Random(seed)
+    rank, after, delay = pick.randrange(RANKS), pick.randrange(2, 5), pick.uniform(0.0, 0.2)
+    work = tmp_path / "tmrun"
+
+    def kill() -> None:  # once the rank logged ``after`` steps (steps of about 0.15 s here), ``delay`` later
+        path = work / f"steps-{rank}"
+        if wait_until(lambda: path.exists() and len(path.read_text().splitlines()) >= after, 120):
+            time.sleep(delay)
+            try:
+                os.kill(int(path.read_text().splitlines()[0].split()[2]), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    killer = threading.Thread(target=kill, daemon=True)
+    killer.start()
+    code, log, finals = _run(work, "tmrun", schedule, script_args=(
+        "--step-log", str(work / "steps-{rank}"), "--step-time", "0.1"))  # a pause does not change the bits
+    killer.join(timeout=10)
+    assert code == 0, log[-4000:]
+    assert "1 in-place recoveries" in log and "falling back" not in log and "restarted: epoch" not in log, log[-4000:]
+    assert f"in-place replacement, generation 1: rank {rank}" in log, log[-4000:]
+    assert finals == reference[schedule], (finals, reference[schedule])
 
 
 def test_a_rank_lost_before_its_start_up_was_recorded_starts_its_pipeline_again(
