@@ -20,6 +20,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                           "in the default run; deselected without this flag)")
 
 
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """The unit subset (``-m "not e2e"``) does not import tests/e2e/ at all: every test there is
+    ``e2e`` (below), and importing its modules only to deselect them is a few seconds."""
+    if (config.getoption("markexpr") or "").split() == ["not", "e2e"] and collection_path.resolve() == E2E_DIR:
+        return True
+    return None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if E2E_DIR in Path(str(item.path)).resolve().parents:
