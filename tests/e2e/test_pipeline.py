@@ -161,8 +161,8 @@ def test_a_pipeline_that_evaluates_in_its_loop_is_replaced_in_place(
 
 
 @pytest.mark.parametrize(("schedule", "seed"), [
-    ("1f1b", 0),
-    pytest.param("gpipe", 1, marks=pytest.mark.variant),
+    ("1f1b", 1),  # rank 1 (the last stage), 0.17 s after its fourth step
+    pytest.param("gpipe", 0, marks=pytest.mark.variant),
     pytest.param("zbv", 2, marks=pytest.mark.variant),
     pytest.param("interleaved-1f1b", 3, marks=pytest.mark.variant),
 ])
