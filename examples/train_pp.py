@@ -103,6 +103,8 @@ def main() -> None:
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (a slower job)")
     parser.add_argument("--eval-every", type=int, default=0,
                         help="evaluate (schedule.eval on a held-out batch) in every Nth step")
+    parser.add_argument("--eval-from", type=int, default=0,
+                        help="the first step that evaluates (then every --eval-every steps)")
     parser.add_argument("--eval-at", choices=("start", "end"), default="start",
                         help="before the step's training (raw loops: nanoGPT) or after it (torchtitan's validator)")
     parser.add_argument("--eval-log", default="",
@@ -129,7 +131,7 @@ def main() -> None:
     tm.track(schedule=schedule)  # a joiner runs its pipeline's start-up alone, from its rank's recording
     first, last = 0 in indices, total - 1 in indices
     for step in tm.steps(args.steps):
-        evaluating = args.eval_every and step % args.eval_every == 0
+        evaluating = args.eval_every and step >= args.eval_from and (step - args.eval_from) % args.eval_every == 0
         if evaluating and args.eval_at == "start":
             evaluate(tm, schedule, step, replica, first, last, args)
         x, y = batch_for(step, replica, args.width, args.batch)

@@ -111,41 +111,48 @@ def _evaluations(work: Path) -> dict[tuple[int, int], set[str]]:
 
 
 @pytest.fixture(scope="module")
-def eval_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict[int, str], dict]]:
-    """eval_at -> the torchrun run's final digests and evaluation losses (schedule.eval every 2
-    steps, at the step's start or end)."""
+def eval_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int, int], tuple[dict[int, str], dict]]:
+    """(eval_at, every, first) -> the torchrun run's final digests and evaluation losses
+    (schedule.eval every ``every`` steps from step ``first``, at the step's start or end)."""
     root = tmp_path_factory.mktemp("pp-eval-reference")
 
-    def compute(eval_at: str) -> tuple[dict[int, str], dict]:
-        work = root / eval_at
-        code, log, finals = _run(work, "torchrun", "1f1b", script_args=_eval_args(work, eval_at))
+    def compute(key: tuple[str, int, int]) -> tuple[dict[int, str], dict]:
+        work = root / "-".join(map(str, key))
+        code, log, finals = _run(work, "torchrun", "1f1b", script_args=_eval_args(work, *key))
         assert code == 0, log[-3000:]
         return finals, _evaluations(work)
 
     return _Lazy(compute)
 
 
-def _eval_args(work: Path, eval_at: str) -> tuple[str, ...]:
-    return "--eval-every", "2", "--eval-at", eval_at, "--eval-log", str(work / "eval-{rank}")
+def _eval_args(work: Path, eval_at: str, every: int = 2, first: int = 0) -> tuple[str, ...]:
+    return ("--eval-every", str(every), "--eval-from", str(first), "--eval-at", eval_at,
+            "--eval-log", str(work / "eval-{rank}"))
 
 
-@pytest.mark.parametrize(("eval_at", "failure"), [
-    ("start", "rank=1,step=4"),  # nanoGPT's shape: the redone step's first use of the schedule is eval()
-    ("end", "rank=0,step=4,at=backward"),  # torchtitan's validator: survivors last started for evaluation
+@pytest.mark.parametrize(("eval_at", "every", "first", "failure"), [
+    ("start", 2, 0, "rank=1,step=4"),  # nanoGPT's shape: the redone step's first use of the schedule is eval()
+    ("end", 2, 0, "rank=0,step=4,at=backward"),  # torchtitan's validator: survivors last started for evaluation
+    # the job's first evaluation in the doomed step: no survivor ran an evaluation's start-up yet
+    ("end", 3, 2, "rank=0,step=2,at=backward"),
 ])
 def test_a_pipeline_that_evaluates_in_its_loop_is_replaced_in_place(
-        tmp_path: Path, eval_reference: dict[str, tuple[dict[int, str], dict]], eval_at: str, failure: str) -> None:
-    """schedule.eval() every second step, before or after the step's training: torch 2.14 starts
+        tmp_path: Path, eval_reference: dict[tuple[str, int, int], tuple[dict[int, str], dict]], eval_at: str,
+        every: int, first: int, failure: str) -> None:
+    """schedule.eval() every few steps, before or after the step's training: torch 2.14 starts
     the stages again at each switch between eval() and step(). Before: a survivor's switch in the
     doomed step read its neighbour's metadata from zeros (EOFError): three ranks died and the job
     restarted from step 0; the joiner's first eval() ran a first start-up its peers did not; the
-    standby's rehearsal failed (a later step's switch was not in rank 0's recording). Now: in
-    place, every rank's final digest and every evaluation loss equal to torchrun's."""
+    standby's rehearsal failed (a later step's switch was not in rank 0's recording). Before
+    2026-12-06, the job's first evaluation in a doomed step (no evaluation start-up seen yet) did
+    the same to ranks 1 and 3; it now gets the training start-up's metadata. Now: in place, every
+    rank's final digest and every evaluation loss equal to torchrun's."""
     work = tmp_path / "tmrun"
-    code, log, finals = _run(work, "tmrun", "1f1b", "--inject-failure", failure, script_args=_eval_args(work, eval_at))
+    code, log, finals = _run(work, "tmrun", "1f1b", "--inject-failure", failure,
+                             script_args=_eval_args(work, eval_at, every, first))
     assert code == 0, log[-4000:]
     assert "1 in-place recoveries" in log and "group restart" not in log, log[-4000:]
-    reference_finals, reference_evaluations = eval_reference[eval_at]
+    reference_finals, reference_evaluations = eval_reference[(eval_at, every, first)]
     assert finals == reference_finals, (finals, reference_finals)
     evaluations = _evaluations(work)
     assert evaluations.keys() == reference_evaluations.keys(), (evaluations, reference_evaluations)

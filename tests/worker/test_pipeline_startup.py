@@ -248,6 +248,33 @@ def test_a_start_up_in_a_doomed_step_gets_the_messages_of_the_last_start_up_of_i
     assert (schedule.vote, schedule.got) == (2007, 51)  # the vote from the network, the metadata as last time
 
 
+def test_the_jobs_first_evaluation_in_a_doomed_step_gets_the_training_start_ups_messages() -> None:
+    """The job's first ``eval()`` comes in a step whose peer was lost (an evaluation every few
+    steps, the first one not in step 0): no evaluation start-up was seen yet. Zeros killed the
+    survivor (EOFError; with both stages' survivors dead the job restarted). It now gets the
+    training start-up's metadata (the same stages' tensors), used in the doomed step only; the
+    next evaluation over the network replaces it."""
+    store, logs = dist.HashStore(), []
+    active, tracked = _startups(store, 0, logs)
+    pg = _group(local=False)
+    schedule = _StartingSchedule(pg, sent=42)
+    tracked.track(schedule=schedule)
+    schedule._initialize_stage()  # the first start-up (training)
+    pg.set_local(True)  # a peer lost: the step's evaluation is served locally
+    schedule.eval()
+    assert schedule.got == 51  # the training start-up's metadata, not zeros
+    pg.set_local(False)
+    schedule.sent = 1000
+    schedule._initialize_stage()  # healed: the next training step's switch, from the network
+    schedule.sent = 2000
+    schedule.eval()  # the next evaluation's: kept for its kind
+    assert schedule.got == 2009
+    schedule._initialize_stage()
+    pg.set_local(True)
+    schedule.eval()
+    assert schedule.got == 2009
+
+
 def test_a_message_that_cannot_be_recorded_leaves_no_recording_and_the_receive_unharmed(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """(numpy is not a dependency: the recording once used it, and a receive's completion raised

@@ -105,3 +105,22 @@ def test_the_recording_is_fetched_at_the_rehearsals_first_receive_only() -> None
     buf = torch.full((1,), -1, dtype=torch.int64)
     pg.recv([buf], 1, 0).wait()
     assert int(buf.item()) == 0
+
+
+def test_a_standby_stops_waiting_for_rank_0s_first_step_soon_after_a_lost_peer_is_reported() -> None:
+    """A rank lost in the job's first step: rank 0's first step never ends (or rank 0 is the lost
+    rank), and the controller waits for this standby to be warm. It waited the whole 30 s before;
+    now it rehearses without the recording a short while after a worker reported the loss."""
+    import time
+
+
+    store = dist.HashStore()
+    started = time.monotonic()
+    assert startup_replay.await_recording(store, lambda: None, wait=0.3) is None  # no report: the whole wait
+    assert time.monotonic() - started >= 0.3
+    store.add(keys.REPORT_SEQ, 1)
+    started = time.monotonic()
+    assert startup_replay.await_recording(store, lambda: None, wait=30.0, after_loss=0.2) is None
+    assert time.monotonic() - started < 5.0
+    store.set(keys.STARTUP_MESSAGES, pickle.dumps([("pp0", 1, 9, b"x")]))
+    assert startup_replay.await_recording(store, lambda: None, wait=30.0, after_loss=0.2) == [("pp0", 1, 9, b"x")]

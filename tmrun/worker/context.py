@@ -204,8 +204,9 @@ class Context:
 
         messages = startup_replay.await_recording(self.require_store(), check)
         if messages is None:
-            log(f"standby {self.env.standby_id}: rank 0's first step did not end within {startup_replay.WAIT:.0f}s; "
-                "it rehearses without the messages rank 0 received in it")
+            log(f"standby {self.env.standby_id}: rank 0's first step did not end (within {startup_replay.WAIT:.0f}s, "
+                f"or {startup_replay.AFTER_LOSS:.0f}s after a worker reported a lost peer); it rehearses without the "
+                "messages rank 0 received in it")
         return messages
 
     def await_standby_key(self, key: str, idle: Callable[[], None] | None = None) -> bytes:

@@ -34,9 +34,11 @@ A start-up in a doomed step (a peer lost: its receives are served locally, with 
 read its neighbours' metadata from zeros (``EOFError``, the survivor dead). Each rank keeps the
 messages it received in the last start-up of each kind (training or evaluation, first or a
 switch) and a receive served locally in a start-up of that kind gets what the same receive got
-last time (a switch not seen yet: the first start-up's of the same mode): the metadata the step
-would have computed, never used beyond the doomed step. A standby's rehearsal does the same with
-the start-ups it replayed from rank 0's first step (a later step's switch was not in it).
+last time (a switch not seen yet: the first start-up's of the same mode; a mode not seen yet, the
+job's first evaluation in a doomed step: the other mode's, which describe the same stages'
+tensors): the metadata the step would have computed, never used beyond the doomed step. A
+standby's rehearsal does the same with the start-ups it replayed from rank 0's first step (a
+later step's switch was not in it).
 """
 
 from __future__ import annotations
@@ -120,20 +122,32 @@ class Startups:
             result = self._catch_up_locally(peer[1], index, schedule, history, original, args, kwargs)
             if not pipeline.needs_startup(schedule):  # a training step: the lost rank's start-ups were all
                 return result
-        kind = (training, not pipeline.p2p_done(schedule))
-        # a switch not seen yet: the first start-up's messages of the same mode (its P2P vote's go unused)
-        rerun = _Rerun(self._last.get((index, kind), self._last.get((index, (training, True)))))
+        p2p_before = pipeline.p2p_done(schedule)
+        rerun = _Rerun(*self._previous(index, (training, not p2p_before)))
         rerun.start()
         try:
             result = original(*args, **kwargs)
         finally:
             messages = rerun.stop()
         if not rerun.zeroed and not rerun.incomplete:
-            self._last[(index, kind)] = messages
+            self._last[(index, (training, not p2p_before))] = messages
         if peer is not None and index not in self._recorded:  # a standby's rehearsal publishes nothing
             self._record(peer[0], peer[1], index, training, messages,
                          whole=not (rerun.served_locally or rerun.incomplete))
         return result
+
+    def _previous(self, index: int, kind: Kind) -> tuple[startup_replay.Recording | None,
+                                                         startup_replay.Recording | None]:
+        """What a receive served locally in a start-up of ``kind`` gets: the messages of this
+        rank's last start-up of that kind, or for a kind not seen yet (a switch) the same mode's
+        first start-up's (its P2P vote's go unused); and, last, the other mode's (the first
+        evaluation of a job, or its first switch back to training, in a doomed step): their
+        metadata describe the same stages' tensors, and their values are never used beyond the
+        doomed step (its evaluation is void; the next start-up replaces them)."""
+        training, _ = kind
+        same = self._last.get((index, kind), self._last.get((index, (training, True))))
+        other = self._last.get((index, (not training, False)), self._last.get((index, (not training, True))))
+        return same, other
 
     def _record(self, store: Any, rank: int, index: int, training: bool, messages: startup_replay.Recording,
                 whole: bool) -> None:
@@ -214,12 +228,15 @@ def _autograd_usable(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 class _Rerun:
     """A start-up's receives recorded. One served locally (a doomed step; a standby's rehearsal)
     gets what the same receive got in the last start-up of the same kind (``previous``), else
-    what the replayer set before it gives (a rehearsal's: rank 0's first step), else zeros; a
-    receive from the network takes the place of its recorded one."""
+    what the replayer set before it gives (a rehearsal's: rank 0's first step), else what it got
+    in the other mode's (``other_mode``: training for an evaluation, or the reverse), else zeros;
+    a receive from the network takes the place of its recorded one."""
 
-    def __init__(self, previous: startup_replay.Recording | None) -> None:
+    def __init__(self, previous: startup_replay.Recording | None,
+                 other_mode: startup_replay.Recording | None = None) -> None:
         self._recorder = startup_replay.Recorder()
         self._previous = startup_replay.Replayer(previous or [])
+        self._other_mode = startup_replay.Replayer(other_mode or [])
         self._fallback: tmrun_backend.P2PHook | None = None
         self.served_locally = False
         self.zeroed = False  # a receive served locally got zeros
@@ -227,12 +244,14 @@ class _Rerun:
     def start(self) -> None:
         self._recorder.start()
         tmrun_backend.add_p2p_recorder(self._previous.skip)
+        tmrun_backend.add_p2p_recorder(self._other_mode.skip)
         self._fallback = tmrun_backend.p2p_replay()
         tmrun_backend.set_p2p_replay(self._serve)
 
     def _serve(self, group: str, src: int, tag: int, t: Any) -> bool:
         self.served_locally = True
-        if self._previous(group, src, tag, t) or (self._fallback is not None and self._fallback(group, src, tag, t)):
+        if self._previous(group, src, tag, t) or (self._fallback is not None and self._fallback(group, src, tag, t)) \
+                or self._other_mode(group, src, tag, t):
             self._recorder.record(group, src, tag, t)
             return True
         self.zeroed = True
@@ -241,6 +260,7 @@ class _Rerun:
     def stop(self) -> startup_replay.Recording:
         tmrun_backend.set_p2p_replay(self._fallback)
         tmrun_backend.remove_p2p_recorder(self._previous.skip)
+        tmrun_backend.remove_p2p_recorder(self._other_mode.skip)
         return self._recorder.stop()
 
     @property

@@ -33,6 +33,7 @@ from tmrun.protocol import keys
 MAX_MESSAGE = 1 << 16  # bytes: a pipeline's metadata is well under this, activations mostly above
 MAX_TOTAL = 4 << 20  # bytes recorded in all
 WAIT = 30.0  # s a standby waits for rank 0's first step to end (a failure in it: no recording)
+AFTER_LOSS = 2.0  # s it waits once a worker reported a lost peer
 
 Key = tuple[str, int, int, int, str]  # (group name, source group rank, tag, bytes, dtype)
 
@@ -137,14 +138,20 @@ class Replayer:
         return True
 
 
-def await_recording(store: Any, check: Callable[[], None], wait: float = WAIT) -> Recording | None:
+def await_recording(store: Any, check: Callable[[], None], wait: float = WAIT,
+                    after_loss: float = AFTER_LOSS) -> Recording | None:
     """A standby about to rehearse: rank 0's recording, once its first step's body ran (None
-    after ``wait`` seconds: rank 0 did not get that far). ``check`` is called between looks
-    (it raises or exits when the standby must stop waiting)."""
+    after ``wait`` seconds: rank 0 did not get that far; or ``after_loss`` seconds after a worker
+    reported a lost peer: the first step was doomed, rank 0 lost perhaps, and the controller
+    waits for this standby to be warm). ``check`` is called between looks (it raises or exits
+    when the standby must stop waiting)."""
     deadline = time.monotonic() + wait
     while not store.check([keys.STARTUP_MESSAGES]):
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             return None
+        if deadline - now > after_loss and store.add(keys.REPORT_SEQ, 0) > 0:
+            deadline = now + after_loss
         check()
         time.sleep(0.02)
     return pickle.loads(store.get(keys.STARTUP_MESSAGES))
