@@ -154,22 +154,23 @@ def check(store: Any, kind: Kind, joiners: list[int], resume: int) -> None:
     """Every member alike (they read the same records): each joiner's rank left a state of
     ``kind`` right for the step the group resumes at, or the job falls back to its group restart."""
     for rank in joiners:
-        record = read(store, kind, rank)
-        if record is None and not kind.required:
-            continue
-        if record is None or record.usable_for(resume) is None:
-            record = record or Record()
-            raise NoReplicaError(kind.refusal(rank, sorted(record.states), resume, record))
+        _usable(store, kind, rank, resume)
 
 
 def adopt(store: Any, kind: Kind, rank: int, resume: int) -> tuple[Any, Record] | None:
     """The state of ``kind`` that ``rank`` left for ``resume`` (checked by :func:`check` on every
     member first) and its record (for :meth:`Publisher.inherit`); None where it published none
     and none is required."""
+    return _usable(store, kind, rank, resume)
+
+
+def _usable(store: Any, kind: Kind, rank: int, resume: int) -> tuple[Any, Record] | None:
     record = read(store, kind, rank)
-    state = record.usable_for(resume) if record is not None else None
-    if state is None:
-        if record is None and not kind.required:
+    if record is None:
+        if not kind.required:
             return None
-        raise NoReplicaError(kind.refusal(rank, sorted(record.states) if record else [], resume, record or Record()))
-    return state, record  # type: ignore[return-value]  (state is not None only with a record)
+        raise NoReplicaError(kind.refusal(rank, [], resume, Record()))
+    state = record.usable_for(resume)
+    if state is None:
+        raise NoReplicaError(kind.refusal(rank, sorted(record.states), resume, record))
+    return state, record
