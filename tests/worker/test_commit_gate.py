@@ -122,7 +122,7 @@ def test_a_commits_record_is_used_only_once_a_boundary_checked_the_script(monkey
         position = [b"5"]
         ctx.tracked = SimpleNamespace(per_rank={"loader": object()}, per_rank_blob=lambda: position[0])
         store = ctx.require_store()
-        gate._record_rng(5)  # the boundary into step 5: its random and per-rank records
+        gate._record_at_start(5)  # the boundary into step 5: its random and per-rank records
         position[0] = b"6"  # the step's batch consumed before opt.step()
         assert gate.step_aborted() is False  # the commit: step 6's record, provisional
         with pytest.raises(NoReplicaError, match="once a step boundary showed"):
@@ -130,7 +130,7 @@ def test_a_commits_record_is_used_only_once_a_boundary_checked_the_script(monkey
         if changes_after_step:
             position[0] = b"6 and a bit"
         ctx.current_step = 6
-        gate._record_rng(6)  # the boundary: the provisional record is checked
+        gate._record_at_start(6)  # the boundary: the provisional record is checked
         per_rank_records.check(store, [1], 6)  # the boundary's own record: always usable
         position[0] = b"7"
         gate._voted_for = -1

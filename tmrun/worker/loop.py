@@ -45,7 +45,7 @@ class StepLoop:
         self._standby = standby
         # the random states this rank starts its steps with, for a joiner (tmrun.worker.rng_records)
         self._rng_records = rng_records.Publisher(ctx.require_store, lambda: ctx.rank)
-        self._rng_recorded_for = -1
+        self._recorded_for = -1  # the step whose start _record_at_start published (random and per-rank state)
         self._begun = -1  # the last step _begin_step began (the same again: a redo)
         self._stateful_at_start: dict[str, Any] = {}  # tracked schedulers, scalers, loaders
         self._buffers_at_start = BufferSnapshot()  # the tracked modules' persistent buffers
@@ -129,7 +129,7 @@ class StepLoop:
                 step = self._recover()  # a failure elsewhere: this rank's step went through
                 continue
             step += 1
-            self._record_rng(step)
+            self._record_at_start(step)
             if plan is not None:
                 try:
                     step = self._migration.at_boundary(plan, done_step=step - 1)
@@ -192,8 +192,8 @@ class StepLoop:
             self._buffers_at_start.take([b for module in ctx.tracked.modules() for b in persistent_buffers(module)])
             if ctx.tracked.per_rank:
                 self._per_rank_at_start = ctx.tracked.snapshot_per_rank()
-        if self._rng_recorded_for != step:
-            self._record_rng(step)
+        if self._recorded_for != step:
+            self._record_at_start(step)
         elif self._begun == step:  # recorded by this rank at its first attempt: a redo
             self._forget_attempt(step)
         self._begun = step
@@ -223,7 +223,7 @@ class StepLoop:
         if not ctx.life.is_(Role.STANDBY):
             ctx.drills.observe(ctx.progress.end_step(step, ctx.gen, ctx.life.role.value))
 
-    def _record_rng(self, step: int) -> None:
+    def _record_at_start(self, step: int) -> None:
         """Publish the state this rank starts ``step`` with, for a joiner that takes this rank
         over, at the boundary into ``step``, where it changed: its random state
         (tmrun.worker.rng_records) and its per-rank state (tmrun.worker.per_rank_records); the
@@ -237,7 +237,7 @@ class StepLoop:
                 self._per_rank_records.inherit(ctx.per_rank_inherited)
                 ctx.per_rank_inherited = None
             self._rng_records.at_start(step)
-            self._rng_recorded_for = step
+            self._recorded_for = step
             if ctx.tracked.per_rank:
                 self._per_rank_records.at_start(step)
 

@@ -13,6 +13,7 @@ member fall back to the group restart in one line.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable
 
 from tmrun.protocol import keys
@@ -28,20 +29,16 @@ def _changed_after_commit(rank: int, at_commit: Any, at_boundary: Any) -> str:
 
 
 def _refusal(rank: int, steps: list[int], resume: int, record: Record) -> str:
-    unchecked = "" if record.verified else (" (a record made at a commit is used once a step boundary showed the "
+    unchecked = "" if record.trusted else (" (a record made at a commit is used once a step boundary showed the "
                                             "script leaves its per-rank state alone after opt.step())")
     return (f"rank {rank}'s per-rank state (tm.track_per_rank) is recorded for step(s) {steps or 'none'}, and its "
             f"joiner resumes at step {resume}{unchecked}: the state it needs was lost with the rank; falling back to "
             "the group restart")
 
 
-def _same(a: bytes, b: bytes) -> bool:
-    return a == b
-
-
 # every rank of a script that tracks per-rank objects publishes them: a rank that left none left
 # its joiner nothing to continue from
-PER_RANK_STATE = step_records.Kind(key=keys.rank_state, same=_same, changed_after_commit=_changed_after_commit,
+PER_RANK_STATE = step_records.Kind(key=keys.rank_state, same=operator.eq, changed_after_commit=_changed_after_commit,
                                    refusal=_refusal, required=True)
 
 
