@@ -105,6 +105,23 @@ def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:  # ty
     return bool(predicate())
 
 
+def kill_after_steps(steps_log: Path, steps: int, delay: float, timeout: float = 120) -> threading.Thread:
+    """Start a thread that SIGKILLs the process of ``steps_log`` (an example's ``--step-log``: one
+    "step time pid" line per step) ``delay`` s after it logged ``steps`` steps: a random moment of a
+    step, not a drill's fixed point. Join it after the job."""
+    def kill() -> None:
+        if wait_until(lambda: steps_log.exists() and len(steps_log.read_text().splitlines()) >= steps, timeout):
+            time.sleep(delay)
+            try:
+                os.kill(int(steps_log.read_text().splitlines()[0].split()[2]), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    killer = threading.Thread(target=kill, daemon=True)
+    killer.start()
+    return killer
+
+
 def run_agents(work: Path, agents: int, command: Callable[[int], list[str]], env: dict[str, str], timeout: float,
                during: Callable[[list[subprocess.Popen[bytes]]], None] | None = None) -> tuple[list[int], list[str]]:
     """One job's ``agents`` tmrun agents on loopback, started in order (node ids follow the order

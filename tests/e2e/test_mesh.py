@@ -32,7 +32,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import EXAMPLES, ctl_when_logged, kill_tree, leftovers, run_agents, start, tmrun_cmd, torchrun_cmd, wait_until
+from tests.helpers import (EXAMPLES, ctl_when_logged, kill_after_steps, kill_tree, leftovers, run_agents, start,
+                           tmrun_cmd, torchrun_cmd, wait_until)
 
 pytestmark = pytest.mark.e2e
 
@@ -137,29 +138,14 @@ def test_hsdp_rank_killed_at_a_random_moment_is_always_healed_in_place(tmp_path:
     shard of ranks 1 and 3 had no holder at the agreed step and the job fell back to its group
     restart (about 1 kill in 9). With the vote every survivor skips that step alike: the job is
     healed in place, with torchrun's bits."""
-    import os
     import random
-    import signal
-    import time
 
     pick = random.Random(seed)
     work = tmp_path / f"seed{seed}"
     # steps of about 0.2 s here (0.1 s of it a sleep after the optimizer step): the kill lands
     # within steps 2 to 6 of 12, in compute or a collective about half the time
     delay = pick.uniform(0.0, 0.8)
-
-    def kill_rank_3() -> None:
-        path = work / "steps-3"
-        if wait_until(lambda: path.exists() and len(path.read_text().splitlines()) >= 2, 120):
-            time.sleep(delay)
-            pid = int(path.read_text().splitlines()[0].split()[2])
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-    killer = threading.Thread(target=kill_rank_3, daemon=True)
-    killer.start()
+    killer = kill_after_steps(work / "steps-3", 2, delay)
     log = _tmrun(work, "--standby", "1", script=[*SCRIPT[:2], str(RANDOM_STEPS), *SCRIPT[3:], "--step-time", "0.1"])
     killer.join(timeout=10)
     assert "falling back" not in log and "no live replica" not in log, log[-6000:]

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import ROOT, run_agents, run_job, tmrun_cmd, torchrun_cmd, wait_until
+from tests.helpers import ROOT, kill_after_steps, run_agents, run_job, tmrun_cmd, torchrun_cmd
 
 pytestmark = pytest.mark.e2e
 
@@ -179,27 +179,12 @@ def test_a_rank_killed_at_a_random_moment_is_replaced_in_place(
     fixed point: in a P2P exchange, between a stage's forward and backward, in the commit vote,
     in the optimizer step): in place, every rank's final digest torchrun's (a longer campaign of
     such kills, by hand: docs/status.md)."""
-    import os
     import random
-    import signal
-    import threading
-    import time
 
     pick = random.Random(seed)
     rank, after, delay = pick.randrange(RANKS), pick.randrange(2, 5), pick.uniform(0.0, 0.2)
     work = tmp_path / "tmrun"
-
-    def kill() -> None:  # once the rank logged ``after`` steps (steps of about 0.15 s here), ``delay`` later
-        path = work / f"steps-{rank}"
-        if wait_until(lambda: path.exists() and len(path.read_text().splitlines()) >= after, 120):
-            time.sleep(delay)
-            try:
-                os.kill(int(path.read_text().splitlines()[0].split()[2]), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-    killer = threading.Thread(target=kill, daemon=True)
-    killer.start()
+    killer = kill_after_steps(work / f"steps-{rank}", after, delay)  # steps of about 0.15 s here
     code, log, finals = _run(work, "tmrun", schedule, script_args=(
         "--step-log", str(work / "steps-{rank}"), "--step-time", "0.1"))  # a pause does not change the bits
     killer.join(timeout=10)
