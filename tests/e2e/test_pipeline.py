@@ -210,6 +210,31 @@ def test_a_rank_lost_before_its_start_up_was_recorded_starts_its_pipeline_again(
     assert finals == reference["1f1b"], (finals, reference["1f1b"])
 
 
+def test_a_rank_lost_before_the_other_replicas_first_start_up_is_replaced_in_place(
+        tmp_path: Path, reference: dict[str, dict[int, str]]) -> None:
+    """Rank 0 killed in the job's first step (its backward) while the other replica has not
+    started its pipeline yet (a delay drill keeps rank 2 5 s from its first forward; rank 3 waits
+    for its metadata): their first start-up runs in the doomed step, its receives served locally
+    with nothing of their own recorded. Before 2026-12-06: zeros, ranks 2 and 3 died (EOFError),
+    the job restarted from step 0. Now each takes its replica's recording (rank 2 rank 0's, rank
+    3 rank 1's: the same stages), the job is healed in place and the bits are torchrun's. The
+    standby rehearses with the start-ups rank 0 published (it failed on zeros before: a cold
+    standby)."""
+    code, log, finals = _run(tmp_path / "tmrun", "tmrun", "1f1b", "--inject-failure", "rank=0,step=0,at=backward",
+                             "--inject-failure", "rank=2,step=0,at=forward,delay=5")
+    assert code == 0, log[-4000:]
+    assert "rank 2 sleeps 5s at forward of step 0" in log, log[-4000:]
+    assert "1 in-place recoveries" in log and "group restart" not in log, log[-4000:]
+    for rank in (2, 3):
+        assert re.search(rf"rank {rank}: its pipeline start-up of schedule 0 in a doomed step had nothing of its own "
+                         r"recorded: [1-9]\d* receive\(s\) served from a replica's recording", log), log[-4000:]
+    assert "Traceback" not in log, log[-4000:]  # no rank died
+    # the standby's rehearsal had no recording of rank 0's first step: it took the start-ups rank 0 published
+    assert "it rehearses with the pipeline start-ups rank 0 recorded before it" in log, log[-4000:]
+    assert "standby 0 warm after 2 shadow steps" in log, log[-4000:]
+    assert finals == reference["1f1b"], (finals, reference["1f1b"])
+
+
 def test_a_planned_migration_of_a_stage_rank_recomputes_nothing(tmp_path: Path) -> None:
     """tm.migrate() by rank 1 (the last stage of the first replica) after step 8: the joiner is
     handed its state (not healed) and runs its pipeline's start-up alone from the leaver's

@@ -69,6 +69,8 @@ def test_slow_and_stall_drills() -> None:
     assert Drill.parse("rank=0,slow=2.5,step=4").step == 4
     stall = Drill.parse("rank=1,step=5,at=forward,signal=STALL")
     assert stall.signal_name == "STALL" and parse_all(stall.encode()) == [stall]
+    late = Drill.parse("rank=2,step=0,at=forward,delay=3s")
+    assert late.delay == 3.0 and late.at == "forward" and parse_all(late.encode()) == [late]
 
 
 @pytest.mark.parametrize("spec,message", [
@@ -78,6 +80,12 @@ def test_slow_and_stall_drills() -> None:
     ("node=0,slow=3x", "slow=F takes rank=R"),
     ("rank=1,time=3,signal=STALL", "STALL needs step=N"),
     ("node=0,step=3,signal=STALL", "no signal=RAISE or STALL"),
+    ("rank=1,step=0,delay=0", "above 0 and at most 600"),
+    ("rank=1,step=0,delay=nan", "above 0 and at most 600"),
+    ("rank=1,step=0,delay=soon", "not a number of seconds"),
+    ("rank=1,step=0,delay=3,signal=KILL", "delay=S takes rank=R"),
+    ("rank=1,time=2,delay=3", "delay=S takes rank=R"),
+    ("node=1,step=0,delay=3", "delay=S takes rank=R"),
 ])
 def test_bad_detection_drills_are_one_line_errors(spec: str, message: str) -> None:
     with pytest.raises(DrillSpecError, match=message):

@@ -80,9 +80,9 @@ class _StartingSchedule(_Schedule):
             self._has_backward = True
 
 
-def _group(local: bool) -> tb.TmrunProcessGroup:
+def _group(local: bool, name: str = "pp0") -> tb.TmrunProcessGroup:
     pg = tb.TmrunProcessGroup(0, 2, local=True)
-    pg.setGroupName("pp0")
+    pg.setGroupName(name)
     tb._CREATED.append(weakref.ref(pg))  # as the backend's group factory does
     if not local:
         pg.attach(_Comm())
@@ -91,8 +91,8 @@ def _group(local: bool) -> tb.TmrunProcessGroup:
 
 
 def _startups(store: dist.Store, rank: int, logs: list[str]) -> tuple[pipeline_startup.Startups, TrackedState]:
-    startups = pipeline_startup.Startups(lambda: (store, rank), logs.append)
     tracked = TrackedState()
+    startups = pipeline_startup.Startups(lambda: (store, rank), logs.append, tracked.shard_key)
     tracked.on_pipeline = startups.wrap
     return startups, tracked
 
@@ -273,6 +273,44 @@ def test_the_jobs_first_evaluation_in_a_doomed_step_gets_the_training_start_ups_
     pg.set_local(True)
     schedule.eval()
     assert schedule.got == 2009
+
+
+def test_a_first_start_up_in_a_doomed_step_gets_a_replicas_recording_of_the_same_stages() -> None:
+    """A peer lost in the job's first step, before this rank's own first start-up ended: it has
+    nothing of its own to serve its receives from, and zeros killed it (EOFError; by hand, both
+    ranks of the other replica died and the job restarted). It now gets the recording of a rank
+    that holds the same stages (a replica: equal shard keys), published in the store under that
+    key, whatever its pipeline group's name; not published as its own (not whole)."""
+    store, logs = dist.HashStore(), []
+    _, replica_tracked = _startups(store, 1, logs)
+    replica = _StartingSchedule(_group(local=False, name="pp0"), sent=42)
+    replica_tracked.track(schedule=replica)
+    replica._initialize_stage()  # rank 1's first start-up, over the network: recorded, published
+    survivor, tracked = _startups(store, 3, logs)
+    schedule = _StartingSchedule(_group(local=True, name="pp1"), sent=1000)  # doomed: every receive local
+    tracked.track(schedule=schedule)
+    assert tracked.shard_key() == replica_tracked.shard_key()
+    schedule._initialize_stage()
+    assert (schedule.vote, schedule.got) == (49, 51)  # rank 1's, not zeros
+    assert "2 receive(s) served from a replica's recording of the same stages" in logs[-2], logs
+    assert not store.check([keys.pipeline_startup(3, 0)])  # served, not whole: never a joiner's recording
+
+
+def test_a_replicas_recording_passes_over_what_came_from_the_network_and_waits_a_bounded_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    recording = [(("pp0", 1, 7, 8, "torch.int64"), bytes(8)), (("pp0", 1, 9, 8, "torch.int64"), bytes([5]) + bytes(7))]
+    replayer = startup_replay.Replayer(lambda: recording, any_group=True)
+    buf = torch.zeros(1, dtype=torch.int64)
+    replayer.skip("pp1", 1, 7, buf)  # the vote came from the network before the loss
+    assert replayer("pp1", 1, 9, buf) and int(buf.item()) == 5  # the metadata: the replica's, by order
+    monkeypatch.setattr(pipeline_startup, "REPLICA_WAIT", 0.1)
+    store, logs = dist.HashStore(), []
+    _, tracked = _startups(store, 3, logs)
+    schedule = _StartingSchedule(_group(local=True, name="pp1"), sent=1000)
+    tracked.track(schedule=schedule)
+    with pytest.raises(EOFError):  # no replica recorded its start-up: zeros, as before
+        schedule._initialize_stage()
+    assert "nor a replica's after 0.1s: zeros" in logs[0], logs
 
 
 def test_a_message_that_cannot_be_recorded_leaves_no_recording_and_the_receive_unharmed(

@@ -71,3 +71,15 @@ def test_slow_drill_sleeps_in_proportion_to_the_ranks_own_work(monkeypatch: pyte
     joiner.observe(0.1)
     joiner.fire("step", 1)
     assert len(slept) == 3  # neither another rank nor a joiner is slowed
+
+
+def test_a_delay_drill_sleeps_once_at_its_point_and_the_rank_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    slept: list[float] = []
+    monkeypatch.setattr("tmrun.worker.drills.time.sleep", slept.append)
+    runner = DrillRunner([Drill.parse("rank=2,step=1,at=forward,delay=3")], rank=2, promoted=False)
+    runner.fire("step", 1)
+    runner.fire("forward", 0)
+    assert slept == []
+    runner.fire("forward", 1)  # returns: no signal, no exception
+    runner.fire("forward", 1)
+    assert slept == [3.0]  # once

@@ -124,3 +124,16 @@ def test_a_standby_stops_waiting_for_rank_0s_first_step_soon_after_a_lost_peer_i
     assert time.monotonic() - started < 5.0
     store.set(keys.STARTUP_MESSAGES, pickle.dumps([("pp0", 1, 9, b"x")]))
     assert startup_replay.await_recording(store, lambda: None, wait=30.0, after_loss=0.2) == [("pp0", 1, 9, b"x")]
+
+
+def test_without_rank_0s_first_step_a_rehearsal_takes_the_start_ups_rank_0_published() -> None:
+    """Rank 0 lost in its first step after its pipeline's start-up ended: its first step's
+    recording never comes, and the rehearsal failed on zeros (a cold standby). The start-ups it
+    published (tmrun.worker.pipeline_startup) are what the rehearsal's start-up receives."""
+    store = dist.HashStore()
+    assert startup_replay.published_startups(store, 0) is None
+    vote, meta, again = (("pp0", 1, 7, 8, "torch.int64"), b"v"), (("pp0", 1, 9, 8, "torch.int64"), b"m"), \
+        (("pp0", 1, 9, 8, "torch.int64"), b"e")
+    store.set(keys.pipeline_startup(0, 0), pickle.dumps([(False, [vote, meta]), (True, [again])]))
+    store.set(keys.pipeline_startup(0, 1), pickle.dumps([(True, None)]))
+    assert startup_replay.published_startups(store, 0) == [vote, meta, again]

@@ -136,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="SPEC",
         help="Failure drill (repeatable): kill a rank once, e.g. rank=1,step=8 (keys: rank, step, at=step|forward|"
-        "backward|optimizer|transfer|promotion|handover|switch|recovery|subgroups, time=SECONDS, signal=KILL|TERM|RAISE, who=original|joiner).",
+        "backward|optimizer|transfer|promotion|handover|switch|recovery|subgroups, time=SECONDS, signal=KILL|TERM|RAISE, who=original|joiner); rank=R,slow=3x is a straggler, "
+        "rank=R,step=N,delay=SECONDS a rank late once.",
     )
     for action in torch_parser._actions:  # noqa: SLF001
         if not action.option_strings:

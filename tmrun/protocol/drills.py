@@ -33,6 +33,7 @@ class Drill:
     who: str = "original"
     node: int = -1  # group rank of a node to kill whole (agent and workers)
     slow: float = 0.0  # > 1: from ``step`` on (0 by default) each step takes about this many times longer
+    delay: float = 0.0  # > 0: the rank sleeps this many seconds at the point, once (late, not failed)
 
     @classmethod
     def parse(cls, text: str) -> Drill:
@@ -44,10 +45,10 @@ class Drill:
             if key in fields:
                 raise DrillSpecError(f"--inject-failure: {key} given twice")
             fields[key] = value.strip()
-        unknown = set(fields) - {"rank", "node", "step", "at", "time", "signal", "who", "slow"}
+        unknown = set(fields) - {"rank", "node", "step", "at", "time", "signal", "who", "slow", "delay"}
         if unknown:
             raise DrillSpecError(f"--inject-failure: unknown key {sorted(unknown)[0]!r} "
-                                 "(keys: rank, node, step, at, time, signal, who, slow)")
+                                 "(keys: rank, node, step, at, time, signal, who, slow, delay)")
         if ("rank" in fields) == ("node" in fields):
             raise DrillSpecError("--inject-failure needs rank=N or node=G (one of them)")
         try:
@@ -61,6 +62,7 @@ class Drill:
             raise DrillSpecError(f"--inject-failure: time={fields['time']!r} must be a finite number of seconds")
         if "slow" in fields:
             return cls._parse_slow(fields, rank, step)
+        delay = cls._parse_delay(fields) if "delay" in fields else 0.0
         at = fields.get("at", "promotion" if fields.get("who") == "joiner" else "step")
         if at not in POINTS:
             raise DrillSpecError(f"--inject-failure: at={at!r} is not one of {', '.join(POINTS)}")
@@ -83,7 +85,24 @@ class Drill:
             raise DrillSpecError("--inject-failure: signal=STALL needs step=N (a timer cannot stall the training loop)")
         if who == "original" and step < 0 and seconds < 0 and at not in STEP_OPTIONAL:
             raise DrillSpecError("--inject-failure needs step=N or time=SECONDS")
-        return cls(rank=rank, step=step, at=at, seconds=seconds, signal_name=name, who=who, node=node)
+        if delay:
+            name = "DELAY"
+        return cls(rank=rank, step=step, at=at, seconds=seconds, signal_name=name, who=who, node=node, delay=delay)
+
+    @staticmethod
+    def _parse_delay(fields: dict[str, str]) -> float:
+        """``rank=R,step=N[,at=P],delay=S``: rank R sleeps S seconds at that point, once."""
+        extra = set(fields) & {"signal", "node", "time"}
+        if extra or "rank" not in fields:
+            raise DrillSpecError("--inject-failure: delay=S takes rank=R, step=N and optionally at=P and who= "
+                                 f"(not {', '.join(sorted(extra)) or 'node'})")
+        try:
+            delay = float(fields["delay"].lower().removesuffix("s"))
+        except ValueError:
+            raise DrillSpecError(f"--inject-failure: delay={fields['delay']!r} is not a number of seconds") from None
+        if not 0 < delay <= 600:
+            raise DrillSpecError(f"--inject-failure: delay={fields['delay']!r} must be above 0 and at most 600 seconds")
+        return delay
 
     @classmethod
     def _parse_slow(cls, fields: dict[str, str], rank: int, step: int) -> Drill:
@@ -106,7 +125,8 @@ class Drill:
         if self.slow:
             return f"rank={self.rank},slow={self.slow}x,step={self.step}"
         target = f"node={self.node}" if self.node >= 0 else f"rank={self.rank}"
-        parts = [target, f"at={self.at}", f"signal={self.signal_name}", f"who={self.who}"]
+        action = f"delay={self.delay}" if self.delay else f"signal={self.signal_name}"
+        parts = [target, f"at={self.at}", action, f"who={self.who}"]
         if self.step >= 0:
             parts.append(f"step={self.step}")
         if self.seconds >= 0:

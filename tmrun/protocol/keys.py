@@ -117,6 +117,12 @@ def pipeline_startup(rank: int, schedule: int) -> str:
     return f"pp_startup/{rank}/{schedule}"
 
 
+def pipeline_startup_of_shard(shard: int, schedule: int) -> str:
+    """The same as :func:`pipeline_startup`, keyed by the stages held (the member's shard key,
+    equal on replicas): the first replica whose recording was whole sets it (compare-and-set)."""
+    return f"pp_startup_shard/{shard}/{schedule}"
+
+
 def pipeline_startup_way(gen: int, rank: int) -> str:
     """How the joiner of ``rank`` in generation ``gen`` runs its pipeline's start-up: b"local"
     (from the lost rank's recording) or b"network" (its pipeline's survivors run it again with it);

@@ -74,7 +74,7 @@ class Context:
         self.world_size = env.world_size
         self.tracked = TrackedState()
         # the start-ups of tracked pipeline schedules: recorded, or a joiner's served from a recording
-        self.pipeline_startups = pipeline_startup.Startups(self._startup_peer, log)
+        self.pipeline_startups = pipeline_startup.Startups(self._startup_peer, log, self.tracked.shard_key)
         self.tracked.on_pipeline = self.pipeline_startups.wrap
         self.store: dist.Store | None = None  # the in-place protocol's prefix of the agent's store
         self.job_store: dist.Store | None = None
@@ -202,11 +202,14 @@ class Context:
                 log(f"standby {self.env.standby_id} leaves: {gave_up}")
                 exit_now(0)
 
-        messages = startup_replay.await_recording(self.require_store(), check)
+        store = self.require_store()
+        messages = startup_replay.await_recording(store, check)
         if messages is None:
+            messages = startup_replay.published_startups(store, 0)
+            what = ("with the pipeline start-ups rank 0 recorded before it" if messages is not None
+                    else "without the messages rank 0 received in it")
             log(f"standby {self.env.standby_id}: rank 0's first step did not end (within {startup_replay.WAIT:.0f}s, "
-                f"or {startup_replay.AFTER_LOSS:.0f}s after a worker reported a lost peer); it rehearses without the "
-                "messages rank 0 received in it")
+                f"or {startup_replay.AFTER_LOSS:.0f}s after a worker reported a lost peer); it rehearses {what}")
         return messages
 
     def await_standby_key(self, key: str, idle: Callable[[], None] | None = None) -> bytes:

@@ -26,7 +26,8 @@ after the worker's runtime started instead of at a step.
 agent's ``--hang-timeout`` does). ``rank=R,slow=3x[,step=N]`` is a straggler, not a failure:
 from step N on, rank R's original process sleeps at the start of every step so that its own
 work (outside collectives) takes about three times as long (the agent's straggler detection
-migrates it).
+migrates it). ``rank=R,step=N[,at=P],delay=S`` is not a failure either: rank R sleeps S seconds
+at that point, once (a rank late to a point: a race made certain in a test).
 """
 
 from __future__ import annotations
@@ -117,6 +118,10 @@ class DrillRunner:
         """Fire ``drill`` once per job: the first process to claim it kills itself (or raises)."""
         self._drills.remove(drill)
         if not self.claim(self._index[drill]):
+            return
+        if drill.delay:
+            print(f"[tmrun drill] rank {self._rank} sleeps {drill.delay:g}s at {where}", flush=True)
+            time.sleep(drill.delay)
             return
         if drill.signal_name == "RAISE":
             raise InjectedFailure(f"injected failure: rank {self._rank} at {where}")

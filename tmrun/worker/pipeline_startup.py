@@ -38,13 +38,19 @@ last time (a switch not seen yet: the first start-up's of the same mode; a mode 
 job's first evaluation in a doomed step: the other mode's, which describe the same stages'
 tensors): the metadata the step would have computed, never used beyond the doomed step. A
 standby's rehearsal does the same with the start-ups it replayed from rank 0's first step (a
-later step's switch was not in it).
+later step's switch was not in it). A rank whose *first* start-up is in a doomed step (a peer
+lost in the job's first step, before this rank's start-up ended: nothing of its own to serve
+from) takes a replica's: each rank's whole recording is also published under its shard key
+(equal on the ranks that hold the same stages), and such a receive waits up to
+:data:`REPLICA_WAIT` seconds for a replica's, replayed in order whatever its group's name (the
+replica's pipeline group is another group of the same shape).
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import time
 from typing import Any, Callable
 
 import torch
@@ -55,6 +61,7 @@ from tmrun.protocol import keys
 from tmrun.worker import pipeline, startup_replay
 
 LOCAL, NETWORK = b"local", b"network"
+REPLICA_WAIT = 3.0  # s a first start-up in a doomed step waits for a replica's recording of the same stages
 
 # (store, rank) of an active rank whose start-ups are recorded and served; None for a standby
 # (its rehearsal serves every receive locally already: tmrun.worker.startup_replay)
@@ -82,9 +89,10 @@ History = list[tuple[bool, "startup_replay.Recording | None"]]
 class Startups:
     """The start-ups of one process's tracked schedules: recorded, or served from a recording."""
 
-    def __init__(self, peer: Peer, log: Callable[[str], None]) -> None:
+    def __init__(self, peer: Peer, log: Callable[[str], None], shard: Callable[[], int] = lambda: 0) -> None:
         self._peer = peer
         self._log = log
+        self._shard = shard  # this rank's shard key (tmrun.worker.tracked): equal on its replicas
         self._schedules: list[Any] = []
         self._recorded: set[int] = set()  # schedule indices whose first training start-up was recorded
         self._join: tuple[int, int] | None = None  # (generation, rank) of this joiner, until its start-up
@@ -123,12 +131,17 @@ class Startups:
             if not pipeline.needs_startup(schedule):  # a training step: the lost rank's start-ups were all
                 return result
         p2p_before = pipeline.p2p_done(schedule)
-        rerun = _Rerun(*self._previous(index, (training, not p2p_before)))
+        replica = None if peer is None else self._replica(peer[0], peer[1], index, training)
+        rerun = _Rerun(*self._previous(index, (training, not p2p_before)), replica=replica)
         rerun.start()
         try:
             result = original(*args, **kwargs)
         finally:
             messages = rerun.stop()
+        if rerun.from_replica and peer is not None:
+            self._log(f"rank {peer[1]}: its pipeline start-up of schedule {index} in a doomed step had nothing of its "
+                      f"own recorded: {rerun.from_replica} receive(s) served from a replica's recording of the same "
+                      "stages")
         if not rerun.zeroed and not rerun.incomplete:
             self._last[(index, (training, not p2p_before))] = messages
         if peer is not None and index not in self._recorded:  # a standby's rehearsal publishes nothing
@@ -149,6 +162,26 @@ class Startups:
         other = self._last.get((index, (not training, False)), self._last.get((index, (not training, True))))
         return same, other
 
+    def _replica(self, store: Any, rank: int, index: int, training: bool) -> Callable[[], startup_replay.Recording]:
+        """What a receive served locally that nothing else serves gets: the recording of a rank
+        that holds the same stages (a replica), fetched then; empty after :data:`REPLICA_WAIT`
+        seconds without one (zeros, as before)."""
+        def load() -> startup_replay.Recording:
+            key = keys.pipeline_startup_of_shard(self._shard(), index)
+            deadline = time.monotonic() + REPLICA_WAIT
+            while not store.check([key]):
+                if time.monotonic() > deadline:
+                    self._log(f"rank {rank}: a pipeline start-up of schedule {index} in a doomed step has nothing "
+                              f"recorded to serve its receives from, nor a replica's after {REPLICA_WAIT:g}s: zeros")
+                    return []
+                time.sleep(0.02)
+            history: History = pickle.loads(store.get(key))
+            whole = [(mode, messages) for mode, messages in history if messages is not None]
+            same = [messages for mode, messages in whole if mode == training]
+            return (same or [messages for _, messages in whole] or [[]])[-1]
+
+        return load
+
     def _record(self, store: Any, rank: int, index: int, training: bool, messages: startup_replay.Recording,
                 whole: bool) -> None:
         """This rank's start-ups of schedule ``index`` until its first training one (an
@@ -163,6 +196,7 @@ class Startups:
                       "of this rank will run it with its pipeline's survivors")
         elif str(rank) != os.environ.get("TMRUN_TEST_PIPELINE_UNRECORDED"):  # tests only: a rank lost in its start-up
             store.compare_set(keys.pipeline_startup(rank, index), "", pickle.dumps(history))
+            store.compare_set(keys.pipeline_startup_of_shard(self._shard(), index), "", pickle.dumps(history))
         del self._history[index]
 
     def _catch_up_locally(self, rank: int, index: int, schedule: Any, history: History,
@@ -229,29 +263,41 @@ class _Rerun:
     """A start-up's receives recorded. One served locally (a doomed step; a standby's rehearsal)
     gets what the same receive got in the last start-up of the same kind (``previous``), else
     what the replayer set before it gives (a rehearsal's: rank 0's first step), else what it got
-    in the other mode's (``other_mode``: training for an evaluation, or the reverse), else zeros;
-    a receive from the network takes the place of its recorded one."""
+    in the other mode's (``other_mode``: training for an evaluation, or the reverse), else what a
+    replica's recording has for it (``replica``, fetched then: a first start-up in a doomed step),
+    else zeros; a receive from the network takes the place of its recorded one."""
 
     def __init__(self, previous: startup_replay.Recording | None,
-                 other_mode: startup_replay.Recording | None = None) -> None:
+                 other_mode: startup_replay.Recording | None = None,
+                 replica: Callable[[], startup_replay.Recording] | None = None) -> None:
         self._recorder = startup_replay.Recorder()
         self._previous = startup_replay.Replayer(previous or [])
         self._other_mode = startup_replay.Replayer(other_mode or [])
+        self._replica = startup_replay.Replayer(replica or [], any_group=True)
         self._fallback: tmrun_backend.P2PHook | None = None
         self.served_locally = False
         self.zeroed = False  # a receive served locally got zeros
+        self.from_replica = 0  # receives served from a replica's recording
+
+    def _skips(self) -> tuple[tmrun_backend.P2PHook, ...]:
+        return self._previous.skip, self._other_mode.skip, self._replica.skip
 
     def start(self) -> None:
         self._recorder.start()
-        tmrun_backend.add_p2p_recorder(self._previous.skip)
-        tmrun_backend.add_p2p_recorder(self._other_mode.skip)
+        for skip in self._skips():
+            tmrun_backend.add_p2p_recorder(skip)
         self._fallback = tmrun_backend.p2p_replay()
         tmrun_backend.set_p2p_replay(self._serve)
 
     def _serve(self, group: str, src: int, tag: int, t: Any) -> bool:
         self.served_locally = True
-        if self._previous(group, src, tag, t) or (self._fallback is not None and self._fallback(group, src, tag, t)) \
-                or self._other_mode(group, src, tag, t):
+        fallback = self._fallback
+        served = self._previous(group, src, tag, t) or (fallback is not None and fallback(group, src, tag, t)) \
+            or self._other_mode(group, src, tag, t)
+        if not served and self._replica(group, src, tag, t):
+            served = True
+            self.from_replica += 1
+        if served:
             self._recorder.record(group, src, tag, t)
             return True
         self.zeroed = True
@@ -259,8 +305,8 @@ class _Rerun:
 
     def stop(self) -> startup_replay.Recording:
         tmrun_backend.set_p2p_replay(self._fallback)
-        tmrun_backend.remove_p2p_recorder(self._previous.skip)
-        tmrun_backend.remove_p2p_recorder(self._other_mode.skip)
+        for skip in self._skips():
+            tmrun_backend.remove_p2p_recorder(skip)
         return self._recorder.stop()
 
     @property

@@ -105,30 +105,45 @@ class Replayer:
     what fetches it (called at the rehearsal's first receive, not before: a job without
     point-to-point traffic never waits for it; None from it: no recording, zeros)."""
 
-    def __init__(self, messages: Recording | Callable[[], Recording | None]) -> None:
+    def __init__(self, messages: Recording | Callable[[], Recording | None], any_group: bool = False) -> None:
         self._queues: dict[Key, deque[bytes]] = defaultdict(deque)
         self._load: Callable[[], Recording | None] | None = None
+        self._any_group = any_group  # a replica's recording: its group names are its own, not this rank's
+        self._skipped: list[Key] = []  # receives that came from the network before a lazy recording was loaded
         if callable(messages):
             self._load = messages
         else:
             self._queue(messages)
         self.replayed = 0
 
+    def _match(self, key: Key) -> Key:
+        return ("", *key[1:]) if self._any_group else key
+
     def _queue(self, messages: Recording | None) -> None:
         for key, data in messages or []:
-            self._queues[key].append(data)
+            self._queues[self._match(key)].append(data)
+        for key in self._skipped:
+            self._drop(key)
+        self._skipped = []
+
+    def _drop(self, key: Key) -> None:
+        queue = self._queues.get(key)
+        if queue:
+            queue.popleft()
 
     def skip(self, group: str, src: int, tag: int, t: torch.Tensor) -> None:
         """The same receive came from the network this time: its recorded message is passed over."""
-        queue = self._queues.get(_key(group, src, tag, t))
-        if queue:
-            queue.popleft()
+        key = self._match(_key(group, src, tag, t))
+        if self._load is not None:
+            self._skipped.append(key)
+        else:
+            self._drop(key)
 
     def __call__(self, group: str, src: int, tag: int, t: torch.Tensor) -> bool:
         if self._load is not None:
             load, self._load = self._load, None
             self._queue(load())
-        queue = self._queues.get(_key(group, src, tag, t))
+        queue = self._queues.get(self._match(_key(group, src, tag, t)))
         if not queue:
             return False
         raw = torch.frombuffer(bytearray(queue.popleft()), dtype=torch.uint8)
@@ -155,6 +170,20 @@ def await_recording(store: Any, check: Callable[[], None], wait: float = WAIT,
         check()
         time.sleep(0.02)
     return pickle.loads(store.get(keys.STARTUP_MESSAGES))
+
+
+def published_startups(store: Any, rank: int) -> Recording | None:
+    """The pipeline start-ups ``rank`` published (tmrun.worker.pipeline_startup: each tracked
+    schedule's until its first training one), in schedule order, as one recording; None when it
+    published none. What a rehearsal replays when rank 0 was lost in its first step after its
+    start-up ended (its first step's recording never came)."""
+    messages: Recording = []
+    index = 0
+    while store.check([keys.pipeline_startup(rank, index)]):
+        for _, recorded in pickle.loads(store.get(keys.pipeline_startup(rank, index))):
+            messages += recorded or []
+        index += 1
+    return messages if index else None
 
 
 def replay(messages: Recording | Callable[[], Recording | None] | None) -> Replayer | None:
