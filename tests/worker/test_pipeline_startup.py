@@ -313,6 +313,18 @@ def test_a_replicas_recording_passes_over_what_came_from_the_network_and_waits_a
     assert "nor a replica's after 0.1s: zeros" in logs[0], logs
 
 
+def test_without_a_shard_key_no_replicas_recording_is_published_or_taken() -> None:
+    """(A shard key of 0 would be every rank's: another stage's recording could be replayed.)"""
+    store, logs = dist.HashStore(), []
+    startups = pipeline_startup.Startups(lambda: (store, 1), logs.append)  # no shard key known
+    tracked = TrackedState()
+    tracked.on_pipeline = startups.wrap
+    schedule = _StartingSchedule(_group(local=False), sent=42)
+    tracked.track(schedule=schedule)
+    schedule._initialize_stage()
+    assert store.check([keys.pipeline_startup(1, 0)]) and not store.check([keys.pipeline_startup_of_shard(0, 0)])
+
+
 def test_a_message_that_cannot_be_recorded_leaves_no_recording_and_the_receive_unharmed(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """(numpy is not a dependency: the recording once used it, and a receive's completion raised

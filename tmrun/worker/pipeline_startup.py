@@ -167,7 +167,10 @@ class Startups:
         that holds the same stages (a replica), fetched then; empty after :data:`REPLICA_WAIT`
         seconds without one (zeros, as before)."""
         def load() -> startup_replay.Recording:
-            key = keys.pipeline_startup_of_shard(self._shard(), index)
+            shard = self._shard()
+            if not shard:  # nothing says which stages this rank holds: no replica to take from
+                return []
+            key = keys.pipeline_startup_of_shard(shard, index)
             deadline = time.monotonic() + REPLICA_WAIT
             while not store.check([key]):
                 if time.monotonic() > deadline:
@@ -196,7 +199,9 @@ class Startups:
                       "of this rank will run it with its pipeline's survivors")
         elif str(rank) != os.environ.get("TMRUN_TEST_PIPELINE_UNRECORDED"):  # tests only: a rank lost in its start-up
             store.compare_set(keys.pipeline_startup(rank, index), "", pickle.dumps(history))
-            store.compare_set(keys.pipeline_startup_of_shard(self._shard(), index), "", pickle.dumps(history))
+            shard = self._shard()
+            if shard:
+                store.compare_set(keys.pipeline_startup_of_shard(shard, index), "", pickle.dumps(history))
         del self._history[index]
 
     def _catch_up_locally(self, rank: int, index: int, schedule: Any, history: History,
