@@ -83,3 +83,28 @@ def test_a_delay_drill_sleeps_once_at_its_point_and_the_rank_goes_on(monkeypatch
     runner.fire("forward", 1)  # returns: no signal, no exception
     runner.fire("forward", 1)
     assert slept == [3.0]  # once
+
+
+def test_a_timed_drill_that_has_not_fired_when_the_steps_end_says_so(capsys: pytest.CaptureFixture[str],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``time=`` drill later than the rank's steps fired only if the process lived that long;
+    one that did not left the test without its failure, silently (found in a campaign of kills
+    in a job's first second)."""
+    started: list[float] = []
+
+    class _Timer:  # no real timer: it would SIGKILL this test process when it fires
+        def __init__(self, seconds: float, *args: object, **kwargs: object) -> None:
+            started.append(seconds)
+            self.daemon = True
+
+        def start(self) -> None:
+            pass
+
+    monkeypatch.setattr("tmrun.worker.drills.threading.Timer", _Timer)
+    runner = DrillRunner([Drill.parse("rank=2,time=300"), Drill.parse("rank=1,time=300"),
+                          Drill.parse("rank=2,step=3")], rank=2, promoted=False)
+    runner.steps_ended()
+    err = capsys.readouterr().err
+    assert "rank 2: --inject-failure rank=2,at=step,signal=KILL,who=original,time=300.0 has not fired" in err, err
+    assert err.count("has not fired") == 1, err  # not another rank's, nor a step drill
+    assert started == [300.0, 300.0]

@@ -87,6 +87,7 @@ class DrillRunner:
         self._drills = [d for d in self._drills if not d.slow]
         self._slept = 0.0  # seconds the slow drill slept in the current step
         self._base = 0.0  # the last step's own work without that sleep
+        self._started = time.monotonic()  # what time= counts from (the runtime's start)
         for drill in drills:
             if drill.seconds >= 0 and drill.who == "original" and not promoted:
                 timer = threading.Timer(drill.seconds, self._fire_timed, args=(drill,))
@@ -166,6 +167,17 @@ class DrillRunner:
                 continue
             if self._matches(drill, point, step):
                 self._trigger(drill, f"{point} of step {step}")
+
+    def steps_ended(self) -> None:
+        """The script's steps are over: a timed drill of this process that has not fired says so
+        in one line (a test whose process ends first runs without its failure, silently
+        otherwise)."""
+        for drill in list(self._drills):
+            if drill.seconds < 0 or not self._targets(drill) or self._promoted or drill.who != "original":
+                continue
+            print(f"[tmrun drill] rank {self._rank}: --inject-failure {drill.encode()} has not fired: this rank's "
+                  f"steps ended {time.monotonic() - self._started:.2f}s after its runtime started (it fires only if the "
+                  "process lives that long)", file=sys.stderr, flush=True)
 
     def _say_missed(self, step: int) -> None:
         """A "forward" or "backward" drill of this process whose step passed without that point

@@ -136,6 +136,7 @@ class StepLoop:
                 except Rejoin as again:
                     step = self._standby.rejoin(again.assignment)
         ctx.loop_finished = True
+        ctx.drills.steps_ended()
         # a migration's joiner that took over at the last step's boundary (it resumes at
         # ``total``: no step, no optimizer step): its state must be complete before the script
         # reads it, and the leaver waits for its receipt
