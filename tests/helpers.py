@@ -109,8 +109,15 @@ def kill_after_steps(steps_log: Path, steps: int, delay: float, timeout: float =
     """Start a thread that SIGKILLs the process of ``steps_log`` (an example's ``--step-log``: one
     "step time pid" line per step) ``delay`` s after it logged ``steps`` steps: a random moment of a
     step, not a drill's fixed point. Join it after the job."""
+    return kill_when(steps_log, lambda: steps_log.exists() and len(steps_log.read_text().splitlines()) >= steps,
+                     delay, timeout)
+
+
+def kill_when(steps_log: Path, ready: Callable[[], bool], delay: float = 0.0, timeout: float = 120) -> threading.Thread:
+    """Start a thread that SIGKILLs the process of ``steps_log`` (its first line's pid) ``delay`` s
+    after ``ready()`` turned true (within ``timeout`` s; never otherwise). Join it after the job."""
     def kill() -> None:
-        if wait_until(lambda: steps_log.exists() and len(steps_log.read_text().splitlines()) >= steps, timeout):
+        if wait_until(ready, timeout):
             time.sleep(delay)
             try:
                 os.kill(int(steps_log.read_text().splitlines()[0].split()[2]), signal.SIGKILL)

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import (EXAMPLES, ctl_when_logged, kill_after_steps, kill_tree, leftovers, run_agents, start,
-                           tmrun_cmd, torchrun_cmd, wait_until)
+from tests.helpers import (EXAMPLES, ctl_when_logged, kill_after_steps, kill_tree, kill_when, leftovers, run_agents,
+                           start, tmrun_cmd, torchrun_cmd)
 
 pytestmark = pytest.mark.e2e
 
@@ -178,21 +178,9 @@ def test_hsdp_standby_imports_ahead_then_replaces_a_rank(tmp_path: Path, referen
     (torch._dynamo through FSDP2's first fully_shard, DTensor's operators: about 0.6 s of a cold
     joiner's 0.8 s build here) before any failure; then a rank killed by the test is replaced in
     place, with torchrun's bits."""
-    import os
-    import signal
-
     work = tmp_path / "warm"
-
-    def kill_rank_3_once_imported() -> None:
-        agent, steps = work / "agent.log", work / "steps-3"
-        if wait_until(lambda: agent.exists() and "in its first steps" in agent.read_text() and steps.exists(), 120):
-            try:
-                os.kill(int(steps.read_text().splitlines()[0].split()[2]), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-    killer = threading.Thread(target=kill_rank_3_once_imported, daemon=True)
-    killer.start()
+    agent, steps = work / "agent.log", work / "steps-3"
+    killer = kill_when(steps, lambda: agent.exists() and "in its first steps" in agent.read_text() and steps.exists())
     log = _tmrun(work, "--standby", "1", script=[*SCRIPT[:2], str(RANDOM_STEPS), *SCRIPT[3:], "--step-time", "0.3"],
                  env={"TMRUN_REHEARSAL": "0"})
     killer.join(timeout=10)

@@ -198,10 +198,11 @@ class Startups:
             self._log(f"rank {rank}: the pipeline start-up of schedule {index} could not be recorded whole; a joiner "
                       "of this rank will run it with its pipeline's survivors")
         elif str(rank) != os.environ.get("TMRUN_TEST_PIPELINE_UNRECORDED"):  # tests only: a rank lost in its start-up
-            store.compare_set(keys.pipeline_startup(rank, index), "", pickle.dumps(history))
+            published = pickle.dumps(history)
+            store.compare_set(keys.pipeline_startup(rank, index), "", published)
             shard = self._shard()
             if shard:
-                store.compare_set(keys.pipeline_startup_of_shard(shard, index), "", pickle.dumps(history))
+                store.compare_set(keys.pipeline_startup_of_shard(shard, index), "", published)
         del self._history[index]
 
     def _catch_up_locally(self, rank: int, index: int, schedule: Any, history: History,
