@@ -641,11 +641,66 @@ def test_a_group_created_in_join_mode_refuses_collectives_until_the_joiner_is_he
         other.shutdown()
 
 
+def test_groups_created_in_join_mode_join_in_the_background_in_creation_order() -> None:
+    """A joiner's groups are created at once in join mode (the script goes on building its model)
+    and join the survivors' repaired communicators in the background, one after another in
+    creation order; set_joining(None) returns once both are joined, and both then work. The
+    survivor starts repairing only after both creations returned: had a creation waited for
+    its join, it would never have returned."""
+    stores = [dist.HashStore(), dist.HashStore()]
+    for store in stores:
+        store.set_timeout(datetime.timedelta(seconds=20))
+    names = ["A", "B"]
+
+    def made(r: int) -> list:
+        return [tb.create_process_group(stores[i], r, 2, TIMEOUT, names[i], tb.Options(native={"timeout": 5.0}))
+                for i in range(2)]
+
+    before = run_threads(2, made)
+    survivor = before[0]
+    for pg in before[1]:
+        pg.shutdown()  # rank 1 leaves
+    tb.set_joining(1)
+    try:
+        joined = [tb.create_process_group(stores[i], 1, 2, TIMEOUT, names[i], tb.Options(local=False))
+                  for i in range(2)]
+        assert [pg.comm for pg in joined] == [None, None] and [pg.joined_in for pg in joined] == [1, 1]
+    except BaseException:
+        tb.set_joining(None)
+        raise
+
+    def repair() -> None:
+        for pg in survivor:  # creation order, as tmrun.worker.subgroups.move_all does
+            pg.prepare_replacement([1], 1)
+            pg.comm.commit()
+            pg.clear_aborted()
+
+    repairing = threading.Thread(target=repair, daemon=True)
+    repairing.start()
+    try:
+        tb.set_joining(None)  # waits for both joins
+        repairing.join(30)
+        assert not repairing.is_alive()
+        assert all(pg.comm is not None and pg.comm.rank == 1 for pg in joined)
+        checked = run_threads(2, lambda r: [_summed((survivor, joined)[r][i], r) for i in range(2)])
+        assert checked == [[3.0, 3.0], [3.0, 3.0]]
+    finally:
+        for pg in survivor + joined:
+            pg.shutdown()
+
+
+def _summed(pg: Any, r: int) -> float:
+    t = torch.full((3,), float(r + 1))
+    pg.allreduce([t]).wait()
+    return float(t[0])
+
+
 def test_a_join_waits_through_the_getter_join_mode_was_given() -> None:
     """A survivor lost while the joiner builds its groups never publishes its address in them:
     the join waits through the getter join mode was given (the worker's gives up once a newer
     generation is published), not the store's own wait of its whole timeout, and ends when it
-    raises; set_joining(None) drops it."""
+    raises: the group is created at once (its join runs in the background) and finish_joins()
+    raises the getter's error; set_joining(None) drops it."""
     class Gone(Exception):
         pass
 
@@ -660,8 +715,10 @@ def test_a_join_waits_through_the_getter_join_mode_was_given() -> None:
     tb.set_joining(3, get=get, watch=lambda: None)
     started = time.monotonic()
     try:
+        pg = tb.create_process_group(store, 1, 2, TIMEOUT, "7", tb.Options(local=False))
         with pytest.raises(Gone):
-            tb.create_process_group(store, 1, 2, TIMEOUT, "7", tb.Options(local=False))
+            tb.finish_joins()
+        assert pg.comm is None
     finally:
         tb.set_joining(None)
     assert time.monotonic() - started < 10 and asked and "/replace" in asked[0], asked

@@ -39,6 +39,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import queue
 import socket
 import threading
 import time
@@ -523,10 +524,12 @@ class TmrunProcessGroup(dist.ProcessGroup):
     """torch ProcessGroup over :class:`tmrun_native.Communicator` (see the module docstring)."""
 
     def __init__(self, rank: int, world_size: int, comm: Any = None, *, local: bool = False,
-                 job_id: str = "", failure_handler: Optional[Callable[[BaseException], bool]] = None) -> None:
+                 job_id: str = "", failure_handler: Optional[Callable[[BaseException], bool]] = None,
+                 joining: bool = False) -> None:
         super().__init__(rank, world_size)
-        if comm is None and not local:
-            raise ValueError("a tmrun process group needs a communicator unless it is in local mode")
+        if comm is None and not local and not joining:
+            raise ValueError("a tmrun process group needs a communicator unless it is in local mode (or joining: "
+                             "a join attaches it later)")
         self._rank = int(rank)
         self._size = int(world_size)
         self._comm = None
@@ -749,7 +752,8 @@ class TmrunProcessGroup(dist.ProcessGroup):
     def _comm_or_raise(self) -> Any:
         comm = self._comm
         if comm is None:
-            raise RuntimeError("tmrun: no communicator attached (the group was created in local mode)")
+            raise RuntimeError("tmrun: no communicator attached (the group was created in local mode, or its "
+                               "join has not finished)")
         if self._closed:
             raise RuntimeError("tmrun: the process group was shut down")
         return comm
@@ -1734,13 +1738,17 @@ def create_process_group(store: Any, rank: int, world_size: int, timeout: Option
     job_id = options.job_id or default_job_id(group_name)
     comm = options.comm
     joining = _JOINING
+    join: Optional[Callable[[], Any]] = None
     if comm is None and not local and joining is not None:
         # a joiner re-creating the job's groups: take this rank in the survivors' repaired
-        # communicator of the same group (they called pg.prepare_replacement(..., joining))
+        # communicator of the same group (they called pg.prepare_replacement(..., joining)),
+        # in the background: see _JoinQueue
         get, watch = _JOIN_WAITS
-        comm = join_via_store(store, rank, world_size, job_id, joining,
-                              options=_native_options(timeout, options.native), prefix=REPLACE_PREFIX,
-                              get=get, watch=watch)
+        native_options = _native_options(timeout, options.native)
+
+        def join() -> Any:
+            return join_via_store(store, rank, world_size, job_id, joining, options=native_options,
+                                  prefix=REPLACE_PREFIX, get=get, watch=watch)
     elif comm is None and not local:
         # every rank adds 1: ranks of the same creation read the same group_seq
         group_seq = (int(store.add(_GROUP_COUNT_KEY, 1)) - 1) // world_size
@@ -1751,12 +1759,14 @@ def create_process_group(store: Any, rank: int, world_size: int, timeout: Option
         raise ValueError(f"tmrun backend: Options.comm is rank {comm.rank} of {comm.world_size}, "
                          f"the group wants rank {rank} of {world_size}")
     pg = TmrunProcessGroup(rank, world_size, comm, local=local, job_id=job_id,
-                           failure_handler=options.failure_handler)
+                           failure_handler=options.failure_handler, joining=join is not None)
     pg.setGroupName(str(group_name))
     pg.store = store  # the store torch handed over (prefixed with the group's name): replacements use it
     pg.joined_in = joining  # created in join mode: no collective until the joiner is healed (set_joining(None))
     pg.join_options = (timeout, options.native)  # a group created in local mode may join later (join_later)
     _CREATED.append(weakref.ref(pg))
+    if join is not None:
+        _JOINS.submit(pg, join)
     return pg
 
 
@@ -1778,6 +1788,70 @@ class JoiningCollectiveError(RuntimeError):
 
 
 REPLACE_PREFIX = f"{STORE_PREFIX}/replace"  # a group's addresses for a replacement (keys carry the generation)
+JOIN_BOUND = 600.0  # s: the longest finish_joins() waits for one group's join (each is bounded by its own waits)
+
+
+class _Join:
+    """One group's join, run by :class:`_JoinQueue`'s thread."""
+
+    def __init__(self, pg: "TmrunProcessGroup", join: Callable[[], Any]) -> None:
+        self.pg = pg
+        self.join = join
+        self.done = threading.Event()
+        self.error: Optional[BaseException] = None
+
+    def run(self) -> None:
+        try:
+            self.pg.attach(self.join())
+        except BaseException as exc:  # noqa: BLE001  (raised again by finish_joins, on the script's thread)
+            self.error = exc
+        finally:
+            self.done.set()
+
+
+class _JoinQueue:
+    """The groups a joiner creates in join mode take their links one after another, in creation
+    order (the survivors repair them in that order), on one background thread: the script goes
+    on building its model meanwhile (a group created in join mode refuses collectives until the
+    joiner is healed anyway: :class:`JoiningCollectiveError`). :func:`finish_joins` waits for
+    them before the healing. A daemon thread: a joiner that fails meanwhile exits without
+    waiting for it (each join is bounded by its own waits)."""
+
+    def __init__(self) -> None:
+        self._queue: "queue.SimpleQueue[_Join]" = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+        self._pending: list[_Join] = []
+
+    def submit(self, pg: "TmrunProcessGroup", join: Callable[[], Any]) -> None:
+        item = _Join(pg, join)
+        self._pending.append(item)
+        self._queue.put(item)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="tmrun-join", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self._queue.get().run()
+
+    def finish(self) -> int:
+        pending, self._pending = self._pending, []
+        for item in pending:
+            if not item.done.wait(JOIN_BOUND):
+                raise RuntimeError(f"tmrun: group {item.pg.getGroupName()!r} did not join the survivors' "
+                                   f"communicator within {JOIN_BOUND:.0f}s")
+            if item.error is not None:
+                raise item.error
+        return len(pending)
+
+
+_JOINS = _JoinQueue()
+
+
+def finish_joins() -> int:
+    """Wait until every group created in join mode joined the survivors' communicator (the
+    first join's error is raised); returns how many did (``set_joining(None)`` calls it)."""
+    return _JOINS.finish()
 _JOINING: Optional[int] = None
 _JOIN_WAITS: tuple[Optional[Callable[[Any, str], str]], Optional[Callable[[], None]]] = (None, None)
 
@@ -1787,15 +1861,22 @@ def set_joining(generation: Optional[int], get: Optional[Callable[[Any, str], st
     """Join mode (docs/mesh.md): every tmrun group this process creates from now on (the default
     group, ``new_group``, a device mesh's groups) joins the survivors' communicator of that group
     for ``generation`` instead of bootstrapping a new one: the survivors repaired it with
-    :meth:`TmrunProcessGroup.prepare_replacement`. ``None`` ends it. The joiner must create its
-    groups in the order the job did (torch requires that of every rank anyway): survivors
-    repair them in that order, each waiting for the joiner's address. ``get`` and ``watch``:
-    how each join waits for the survivors' addresses and links (:func:`tmrun.comm.native.
-    connect_via_store`); the worker's give up when a newer generation is published (a survivor
-    lost meanwhile never publishes), where the store's own wait would last its whole timeout."""
+    :meth:`TmrunProcessGroup.prepare_replacement`. The joiner must create its groups in the
+    order the job did (torch requires that of every rank anyway): survivors repair them in that
+    order, each waiting for the joiner's address. The joins run in the background, one after
+    another in that order (:class:`_JoinQueue`), while the script goes on (building its model);
+    ``None`` ends join mode once every join finished (:func:`finish_joins`: the first join's
+    error is raised here). ``get`` and ``watch``: how each join waits for the survivors'
+    addresses and links (:func:`tmrun.comm.native.connect_via_store`); the worker's give up
+    when a newer generation is published (a survivor lost meanwhile never publishes), where the
+    store's own wait would last its whole timeout."""
     global _JOINING, _JOIN_WAITS
-    _JOINING = None if generation is None else int(generation)
-    _JOIN_WAITS = (get, watch) if generation is not None else (None, None)
+    try:
+        if generation is None:
+            finish_joins()
+    finally:
+        _JOINING = None if generation is None else int(generation)
+        _JOIN_WAITS = (get, watch) if generation is not None else (None, None)
 
 
 # A receive's recording and replay (tmrun.worker.startup_replay): an active rank records the

@@ -290,7 +290,15 @@ class Standby:
         assert ctx.pending_join is not None
         started, connected = ctx.pending_join
         ctx.pending_join = None
-        tmrun_backend.set_joining(None)  # groups created from now on are new groups of every rank
+        # the script's groups join the survivors' in the background (tmrun.comm.backend's
+        # _JoinQueue; a join's error is raised here); groups created from now on are new groups
+        # of every rank
+        waiting = time.monotonic()
+        joined = tmrun_backend.finish_joins()
+        tmrun_backend.set_joining(None)
+        if joined:
+            log(f"rank {ctx.rank}: the script's {joined} group(s) joined the survivors' in the background "
+                f"({time.monotonic() - waiting:.3f}s waited for them after its set-up)")
         self._finish_rehearsal_meshes()
         try:
             if self._planned_join is not None:
