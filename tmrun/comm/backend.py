@@ -1852,6 +1852,8 @@ def finish_joins() -> int:
     """Wait until every group created in join mode joined the survivors' communicator (the
     first join's error is raised); returns how many did (``set_joining(None)`` calls it)."""
     return _JOINS.finish()
+
+
 _JOINING: Optional[int] = None
 _JOIN_WAITS: tuple[Optional[Callable[[Any, str], str]], Optional[Callable[[], None]]] = (None, None)
 
