@@ -143,3 +143,44 @@ def test_per_rank_refuses_modules_duplicates_and_objects_without_state() -> None
     state.track_per_rank(loader=Position())
     with pytest.raises(TrackError, match="already"):
         state.track(loader=Position())
+
+
+def test_missing_optimizer_state_of_dtensor_parameters_is_allocated_as_the_optimizer_makes_it(tmp_path) -> None:
+    """A joiner's optimizer that never stepped gets the donor's state allocated before it is
+    received: for a DTensor parameter, a zero DTensor sharded as the parameter (same mesh,
+    placements, local shape), and of the donor's dtype; equal, spec for spec, to what the same
+    optimizer makes by stepping."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    if dist.is_initialized():
+        pytest.skip("a default process group exists in this process")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        weights = [torch.nn.Parameter(distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)])) for _ in range(2)]
+        stepped = torch.optim.AdamW(weights, lr=0.1)
+        for w in weights:
+            w.grad = distribute_tensor(torch.ones(4, 3), mesh, [Shard(0)])
+        stepped.step()
+        donor = TrackedState()
+        donor.track(opt=stepped)
+        fresh = torch.optim.AdamW(weights, lr=0.1)
+        joiner = TrackedState()
+        joiner.track(opt=fresh)
+        joiner.allocate_missing(donor.specs())
+        assert joiner.specs() == donor.specs()
+        for w in weights:
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = fresh.state[w][key]
+                assert isinstance(value, DTensor) and value.placements == w.placements and value.device_mesh is mesh
+                assert value.to_local().shape == w.to_local().shape and not value.to_local().any()
+        # a spec of another dtype than its parameter's: allocated in the spec's dtype
+        other = TrackedState()
+        other.track(opt=torch.optim.AdamW(weights, lr=0.1))
+        halves = [type(s)(s.name, s.shape, "torch.float16") if s.name.endswith("exp_avg") else s for s in donor.specs()]
+        other.allocate_missing(halves)
+        assert other.specs() == halves
+    finally:
+        dist.destroy_process_group()
