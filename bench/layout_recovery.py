@@ -25,7 +25,8 @@ Per run, from rank 0's step log with bench/random_kill.py's arithmetic: *downtim
 gap between completed steps around the kill minus one steady step (the median of those before);
 and the controller's *tmrun recovery* ("all ranks recovered, X s after the change began"), hop by
 hop from the ``recovered`` event. The report gives min / median / max per layout and each
-layout's median downtime over DDP's (the issue's target: HSDP, TP and PP within 1.5x).
+layout's median downtime and median tmrun recovery over DDP's (the issue's target: the recovery of HSDP,
+TP and PP within 1.5x DDP's).
 
     python bench/layout_recovery.py                      # --runs 2: about 6 minutes on 2 cores
     python bench/layout_recovery.py --runs 1 --layouts ddp,pp
@@ -225,21 +226,25 @@ def median_of(values: list[float]) -> float:
 def report(args: argparse.Namespace, runs: list[Run], seconds: float) -> None:
     results = [(run.launcher, run) for run in runs]
     print()
-    print("| layout | ranks | parameters | recovered | steady step s | downtime s | x DDP (median) "
-          "| tmrun recovery s | steps recomputed |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| layout | ranks | parameters | recovered | steady step s | downtime s | downtime x DDP (median) "
+          "| tmrun recovery s | recovery x DDP (median) | steps recomputed |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     by_name = {spec.name: [r for name, r in results if name == spec.name and r.ok and r.metrics] for spec in args.specs}
     ddp = median_of([r.metrics.downtime for r in by_name.get("ddp", []) if r.metrics])
+    ddp_recovery = median_of([r.recovery for r in by_name.get("ddp", [])])
     for spec in args.specs:
         mine = [r for name, r in results if name == spec.name]
         done = by_name[spec.name]
         metrics = [r.metrics for r in done if r.metrics is not None]
         down = median_of([m.downtime for m in metrics])
         ratio = f"{down / ddp:.2f}" if ddp > 0 and not math.isnan(down) else "-"
+        recovery = median_of([r.recovery for r in done])
+        recovery_ratio = (f"{recovery / ddp_recovery:.2f}" if ddp_recovery > 0 and not math.isnan(recovery)
+                          else "-")
         recomputed = sorted({m.recomputed for m in metrics if m.recomputed >= 0})
         print(f"| {spec.name} | {spec.ranks} | {spec.parameters / 1e6:.2f}M | {len(done)} of {len(mine)} | "
               f"{spread([m.steady for m in metrics], '{:.3f}')} | {spread([m.downtime for m in metrics], '{:.3f}')} | "
-              f"{ratio} | {spread([r.recovery for r in done], '{:.3f}')} | "
+              f"{ratio} | {spread([r.recovery for r in done], '{:.3f}')} | {recovery_ratio} | "
               f"{', '.join(map(str, recomputed)) or '-'} |")
     phased = [(name, r.phases) for name, r in results if r.ok and r.phases]
     if phased:

@@ -71,3 +71,26 @@ def test_the_kill_waits_for_what_says_the_standby_is_warm() -> None:
     assert bench.warm_marker(hsdp) == "] standby 0 warm after"  # its rehearsal's shadow steps
     assert bench.warm_marker(hsdp, rehearsal=False) == "in its first steps"  # the modules imported ahead
     assert bench.warm_marker(hsdp, warm_imports=False, rehearsal=False) == "] standby 0 warm in tmrun.init()"
+
+
+def test_the_report_gives_each_layouts_downtime_and_recovery_over_ddps(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = _bench()
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from random_kill import KillMetrics
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    args = bench.parse_args(["--layouts", "ddp,tp", "--runs", "2"])
+
+    def run(name: str, index: int, downtime: float, recovery: float):  # type: ignore[no-untyped-def]
+        metrics = KillMetrics(steady=0.1, downtime=downtime, stall=downtime, lost_work=0.0, committed=0.0,
+                              recomputed=0, in_flight=8, t_last=1.0, t_next=1.2)
+        return bench.Run(name, index, ok=True, metrics=metrics, recovery=recovery)
+
+    runs = [run("ddp", 0, 0.10, 0.10), run("ddp", 1, 0.10, 0.12), run("tp", 0, 0.30, 0.15), run("tp", 1, 0.20, 0.18)]
+    bench.report(args, runs, 1.0)
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]]
+            for line in capsys.readouterr().out.splitlines() if line.startswith("| ddp") or line.startswith("| tp")}
+    assert rows["ddp"][6] == "1.00" and rows["ddp"][8] == "1.00"
+    assert rows["tp"][6] == "2.50"  # downtime: median 0.25 over DDP's 0.10
+    assert rows["tp"][7] == "0.150 / 0.165 / 0.180" and rows["tp"][8] == "1.50"  # recovery: 0.165 over 0.11

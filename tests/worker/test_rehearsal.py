@@ -25,6 +25,7 @@ def fresh_state(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     monkeypatch.setattr(rehearsal, "_phase", rehearsal.Phase.NONE)
     monkeypatch.setattr(rehearsal, "_assignment", None)
     monkeypatch.setattr(rehearsal, "_assigned_at", 0.0)
+    monkeypatch.setattr(rehearsal, "_left_warm", False)
     monkeypatch.setattr(rehearsal, "_stale", StaleMeshes())
     dropped: list[str] = []
     monkeypatch.setattr(runtime, "drop_for_second_run", lambda: dropped.append("dropped"))
@@ -69,7 +70,38 @@ def test_a_script_that_swallows_the_rehearsals_end_is_run_again_all_the_same(tmp
     body = "    try:\n    " + END + "    except BaseException:\n        pass\n"
     standby_process._run_with_rehearsal("path", str(_script(tmp_path, body)), [])
     assert _runs(tmp_path) == ["False None", "True 3"]
-    assert rehearsal.pending_assignment() is None  # the second run is no rehearsal
+    assert not rehearsal.left()  # the second run is no rehearsal
+
+
+WARM = "    rehearsal.leave_warm()\n"
+
+
+def test_a_rehearsal_that_ends_warm_is_collected_and_run_again_before_any_assignment(
+        tmp_path: Path, fresh_state: list[str]) -> None:
+    """Warm and unassigned (its shadow steps done), the rehearsal leaves at once: its teardown and
+    the script's code before ``tmrun.init()`` run before any failure, and the second run's
+    ``tmrun.init()`` waits for the assignment (not as a cold standby: it reported warm)."""
+    standby_process._run_with_rehearsal("path", str(_script(tmp_path, WARM)), [])
+    assert _runs(tmp_path) == ["False None", "True None"]
+    assert fresh_state == ["dropped"]
+    assert rehearsal.carried() == (None, 0.0, True) and rehearsal.waits_warm()
+
+
+def test_a_script_that_swallows_the_warm_end_leaves_again_at_its_next_step(tmp_path: Path) -> None:
+    body = ("    for _ in range(3):\n"
+            "        try:\n"
+            "            rehearsal.leave_again()\n"
+            "            rehearsal.leave_warm()\n"
+            "        except BaseException:\n"
+            "            RUNS.open('a').write('swallowed\\n')\n")
+    standby_process._run_with_rehearsal("path", str(_script(tmp_path, body)), [])
+    assert _runs(tmp_path) == ["False None", "swallowed", "swallowed", "swallowed", "True None"]
+    assert rehearsal.waits_warm() and not rehearsal.left()
+
+
+def test_a_failed_or_assigned_rehearsal_does_not_wait_as_a_warm_one(tmp_path: Path) -> None:
+    standby_process._run_with_rehearsal("path", str(_script(tmp_path, END)), [])
+    assert not rehearsal.waits_warm()
 
 
 def test_the_rehearsals_end_passes_a_frameworks_except_exception() -> None:
@@ -82,6 +114,7 @@ def test_a_failed_rehearsal_runs_the_script_again_as_a_cold_standby(tmp_path: Pa
     body = "    raise EOFError('Ran out of input')\n"
     standby_process._run_with_rehearsal("path", str(_script(tmp_path, body)), [])
     assert _runs(tmp_path) == ["False None", "True None"]  # no assignment: the cold wait in tmrun.init()
+    assert not rehearsal.waits_warm()  # it says it is warm in tmrun.init() (as a cold standby)
     err = capsys.readouterr().err
     assert "the script's rehearsal failed (EOFError: Ran out of input); it waits for its rank cold" in err
     assert "Traceback" not in err
@@ -259,22 +292,23 @@ def test_torchs_caches_keep_the_rehearsals_mesh_and_re_seating_gives_the_ranks_c
             dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("assigned", [True, False])
-def test_the_second_run_replaces_the_rehearsals_cached_meshes_assigned_or_failed(mesh_class: type[Mesh],
-                                                                                 assigned: bool) -> None:
-    """Whether the rehearsal was assigned (it remembered its meshes once warm) or raised before
+@pytest.mark.parametrize("ending", ["warm", "assigned", "failed"])
+def test_the_second_run_replaces_the_rehearsals_cached_meshes_however_it_ended(mesh_class: type[Mesh],
+                                                                               ending: str) -> None:
+    """Whether the rehearsal ended warm (it remembered its meshes), was assigned before, or raised
     (a cold standby follows): the second run's mesh takes the cached mesh's place."""
     rehearsal.allow()
     rehearsal.begin()
     spec = Spec(Mesh("2x2", (0, 0)))  # held by a cache
-    if assigned:
+    if ending == "failed":
+        assert rehearsal.failed(RuntimeError("needs a peer"))
+    else:
         rehearsal.remember_meshes()
         with pytest.raises(rehearsal.Rehearsed):
-            rehearsal.end(ASSIGNED, 1.0)
-    else:
-        assert rehearsal.failed(RuntimeError("needs a peer"))
+            rehearsal.end(ASSIGNED, 1.0) if ending == "assigned" else rehearsal.leave_warm()
     rehearsal.tear_down()
-    assert rehearsal.carried() == ((ASSIGNED, 1.0, True) if assigned else (None, 0.0, True))
+    assert rehearsal.carried() == ((ASSIGNED, 1.0, True) if ending == "assigned" else (None, 0.0, True))
+    assert rehearsal.waits_warm() == (ending == "warm")
     real = Mesh("2x2", (1, 1))  # the second run's
     assert spec.mesh is real
     assert rehearsal.finish_meshes() == (1, 0)

@@ -59,7 +59,7 @@ class Standby:
         """Before a standby's step: wait for the assignment once the shadow steps are done, and
         join as soon as it is assigned and warm. Returns the step to resume at after joining,
         or None: run ``shadow_step(step)`` instead."""
-        if rehearsal.rehearsing() or rehearsal.pending_assignment() is not None:
+        if rehearsal.rehearsing() or rehearsal.left():
             self._rehearse(step, total)
             return None
         if self._assignment is None and step >= min(self._ctx.env.shadow_steps, total):
@@ -70,21 +70,21 @@ class Standby:
 
     def _rehearse(self, step: int, total: int) -> None:
         """A rehearsal's step boundary (tmrun.worker.rehearsal): once its shadow steps are done,
-        report warm and wait; assigned (or found assigned at a boundary before), leave the
-        rehearsal: the script runs again as the assigned rank."""
+        report warm and leave the rehearsal (the script runs again and waits for its rank in
+        ``tmrun.init()``); assigned before, leave it with the assignment (the script runs again
+        as that rank)."""
         ctx = self._ctx
         if step == 1 and os.environ.get("TMRUN_TEST_REHEARSAL_RAISE"):  # tests only: a script failing in its rehearsal
             raise RuntimeError("test: the rehearsal raises")
-        carried = rehearsal.pending_assignment()
-        if carried is not None:  # the script swallowed the rehearsal's end and came back
-            rehearsal.end(carried, self._assigned_at)
+        rehearsal.leave_again()  # the script swallowed the rehearsal's end and came back
         if step >= min(ctx.env.shadow_steps, total):
             rehearsal.remember_meshes()
             replayer = ctx.startup_replayer
             if replayer is not None and replayer.replayed:
                 log(f"standby {ctx.env.standby_id}: its rehearsal's pipeline start-up received {replayer.replayed} "
                     "messages rank 0 received in its first step (replayed from the job's store)")
-            rehearsal.end(self._await_assignment(), self._assigned_at)
+            self._report_warm()
+            rehearsal.leave_warm()
         key = keys.standby_assign(ctx.env.standby_id)
         store = ctx.require_store()
         if store.check([key]):  # a rank lost before the rehearsal ended: leave it at once
@@ -113,6 +113,20 @@ class Standby:
 
     def _await_assignment(self) -> proto.Assignment:
         ctx = self._ctx
+        self._report_warm()
+        key = keys.standby_assign(ctx.env.standby_id)
+        raw = ctx.await_standby_key(key)
+        self._assigned_at = time.monotonic()
+        assignment = proto.Assignment.decode(key, raw)
+        if assignment.stop:
+            exit_now(0)  # the job ends (or needs no standby): nothing may swallow this exit
+        if not self._warm():
+            log(f"standby {ctx.env.standby_id} assigned rank {assignment.rank} cold: warming up first")
+        return assignment
+
+    def _report_warm(self) -> None:
+        """The standby's shadow steps are done: say so to the controller (the store) and the log."""
+        ctx = self._ctx
         store = ctx.require_store()
         traffic = group.traffic()
         finite = all(bool(torch.isfinite(t).all()) for _, t in ctx.tracked.tensors() if t.is_floating_point())
@@ -125,16 +139,6 @@ class Standby:
             f"{traffic['bytes_sent'] + traffic['bytes_recv']} bytes on the network, "
             f"tracked values {'finite' if finite else 'NOT finite'}); waiting"
         )
-        key = keys.standby_assign(ctx.env.standby_id)
-        idle = warm_imports.Importer(store, log, quiet_if_none=True).poll if rehearsal.rehearsing() else None
-        raw = ctx.await_standby_key(key, idle=idle)
-        self._assigned_at = time.monotonic()
-        assignment = proto.Assignment.decode(key, raw)
-        if assignment.stop:
-            exit_now(0)  # the job ends (or needs no standby): nothing may swallow this exit
-        if not self._warm():
-            log(f"standby {ctx.env.standby_id} assigned rank {assignment.rank} cold: warming up first")
-        return assignment
 
     def _join(self, assignment: proto.Assignment) -> int:
         """STANDBY -> JOINING: connect as the assigned rank for the assigned generation, then
@@ -163,6 +167,8 @@ class Standby:
             ctx.carried_assignment = None
             log(f"standby {ctx.env.standby_id} runs the script again as rank {assignment.rank} after its rehearsal "
                 f"({time.monotonic() - started:.3f}s since its assignment)")
+        elif rehearsal.waits_warm():  # reported warm in its rehearsal, collected, run again: it waits here
+            assignment, started = self._await_after_rehearsal(store)
         else:
             assignment, started = self._await_in_init(store)
         if assignment.stop:
@@ -213,6 +219,19 @@ class Standby:
 
         return (or_leave(ctx.address_getter(assignment.gen)),
                 or_leave(ctx.generation_watch(assignment.gen, f"the groups of generation {assignment.gen}")))
+
+    def _await_after_rehearsal(self, store: dist.Store) -> tuple[proto.Assignment, float]:
+        """The second run of a standby that left its rehearsal warm: wait for the assignment
+        (the rehearsal reported warm), importing meanwhile what the ranks' first steps imported."""
+        ctx = self._ctx
+        key = keys.standby_assign(ctx.env.standby_id)
+        importer = warm_imports.Importer(store, log, quiet_if_none=True)
+        assignment = proto.Assignment.decode(key, ctx.await_standby_key(key, idle=importer.poll))
+        started = time.monotonic()
+        if not assignment.stop:
+            log(f"standby {ctx.env.standby_id} runs the script again as rank {assignment.rank} after its rehearsal "
+                "(its rehearsal collected before the assignment; the script waited in tmrun.init())")
+        return assignment, started
 
     def _await_in_init(self, store: dist.Store) -> tuple[proto.Assignment, float]:
         """A cold standby of a job with subgroups: report warm, then wait for the assignment,
