@@ -141,7 +141,7 @@ def test_something_else_than_etcd_is_an_error(tmp_path: Path) -> None:
     import threading
 
     server = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True)  # a prompt shutdown()
     thread.start()
     try:
         store = EtcdStore(EtcdConfig.parse(f"127.0.0.1:{server.server_address[1]}"), "/t/", connect_timeout=2)

@@ -30,22 +30,15 @@ class _Gate:
 @pytest.fixture
 def only_this_tests_objects(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], None]]:
     """The scan sees the objects this test made, not another test's still alive; calling the
-    fixture's value hides those made so far too (a second "process": a joiner's)."""
-    earlier: list[Any] = []  # held, so that no id of theirs is reused
-    known: set[int] = set()
+    fixture's value hides those made so far too (a second "process": a joiner's). Hidden as a
+    rehearsed standby hides what its first run kept: frozen out of the collector's view
+    (``gc.freeze()``; tmrun.worker.live_objects), which also keeps each scan to this test's objects."""
 
-    def hide_earlier() -> None:
-        gc.collect()
-        objects = gc.get_objects()
-        earlier.extend(objects)
-        known.update(id(obj) for obj in objects)
-
-    hide_earlier()
-    real = untracked_state.instances_of
-    monkeypatch.setattr(untracked_state, "instances_of", lambda *classes: {
-        cls: [obj for obj in objects if id(obj) not in known] for cls, objects in real(*classes).items()})
-    yield hide_earlier
-    earlier.clear()
+    gc.freeze()  # garbage too: hidden as well, and collected after the test
+    try:
+        yield gc.freeze
+    finally:
+        gc.unfreeze()
 
 
 def _job(scheduler: str = "step", scaler: bool = True) -> tuple[TrackedState, dict[str, Any]]:

@@ -25,6 +25,7 @@ void Communicator::Impl::service_loop() {
   while (!stop_) {
     std::vector<pollfd> pf;
     pf.push_back(pollfd{listen_fd_.get(), POLLIN, 0});
+    pf.push_back(pollfd{wake_r_.get(), POLLIN, 0});  // close(): leave at once
     for (auto& p : pend) pf.push_back(pollfd{p.fd.get(), POLLIN, 0});
     size_t first_link = pf.size();
     if (Clock::now() >= links_quiet_until) {

@@ -306,6 +306,9 @@ struct Communicator::Impl {
   Options opts_;
   double hb_interval_;
   Fd listen_fd_;
+  // The service loop's wake-up (a pipe): close() writes a byte, so the loop leaves at once and not at
+  // its next poll timeout (up to 50 ms per communicator closed).
+  Fd wake_r_, wake_w_;
   int port_ = 0;
   std::vector<std::string> addresses_;
 

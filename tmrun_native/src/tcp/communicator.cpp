@@ -1,7 +1,12 @@
 // The public facade of the TCP communicator: Communicator forwards to its Impl; operations are
 // queued (submit) and run one at a time by the worker thread. Also construction and close.
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <stdexcept>
+#include <system_error>
 
 #include "comm_impl.h"
 
@@ -137,6 +142,10 @@ Communicator::Impl::Impl(int rank, int world_size, std::string job_id, uint64_t 
   if (opts_.segment_bytes < 64) opts_.segment_bytes = 64;
   hb_interval_ = opts_.heartbeat_interval > 0 ? opts_.heartbeat_interval : opts_.timeout / 4;
   listen_fd_ = listen_tcp(opts_.bind_address, opts_.port, &port_);
+  int wake[2];
+  if (::pipe2(wake, O_CLOEXEC | O_NONBLOCK) != 0) throw std::system_error(errno, std::generic_category(), "pipe2");
+  wake_r_ = Fd(wake[0]);
+  wake_w_ = Fd(wake[1]);
   trash_.resize(kScratchBytes);
   service_ = std::thread([this] { service_loop(); });
   worker_ = std::thread([this] { worker_loop(); });
@@ -153,6 +162,11 @@ void Communicator::Impl::close() {
   }
   q_cv_.notify_all();
   accept_cv_.notify_all();
+  if (wake_w_.valid()) {
+    char byte = 1;
+    ssize_t n = ::write(wake_w_.get(), &byte, 1);  // the service loop's poll returns now
+    (void)n;  // a full pipe (never: one byte per close) wakes it all the same
+  }
   {
     std::lock_guard<std::mutex> f(fail_mu_);  // wake wait_failure() callers
     fail_cv_.notify_all();
