@@ -26,7 +26,7 @@ def server(tmp_path: Path):  # type: ignore[no-untyped-def]
     master = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)
     store = PrefixStore(keys.job_prefix(RUN), master)
     store.set(keys.STATE, Membership().to_json())
-    ops = OpsServer(store, RUN, event_log=str(tmp_path / "logs" / "events.jsonl"), request_timeout=0.5,
+    ops = OpsServer(store, RUN, event_log=str(tmp_path / "logs" / "events.jsonl"), request_timeout=0.2,
                     store_endpoint=f"127.0.0.1:{master.port}")
     address = ops.start("127.0.0.1")
     yield ops, store, wire.parse_address(address)
@@ -131,7 +131,7 @@ def test_client_errors_are_one_line() -> None:
     try:
         started = time.monotonic()
         with pytest.raises(wire.OpsError, match="no answer"):
-            wire.ask(("127.0.0.1", silent.getsockname()[1]), {"op": "ping"}, timeout=0.5)
+            wire.ask(("127.0.0.1", silent.getsockname()[1]), {"op": "ping"}, timeout=0.2)
         assert time.monotonic() - started < 3
     finally:
         silent.close()
