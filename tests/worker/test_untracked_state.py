@@ -28,7 +28,7 @@ class _Gate:
 
 
 @pytest.fixture
-def only_this_tests_objects(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[], None]]:
+def only_this_tests_objects() -> Iterator[Callable[[], None]]:
     """The scan sees the objects this test made, not another test's still alive; calling the
     fixture's value hides those made so far too (a second "process": a joiner's). Hidden as a
     rehearsed standby hides what its first run kept: frozen out of the collector's view

@@ -122,7 +122,7 @@ def left() -> bool:
 
 def leave_again() -> None:
     """Raise the rehearsal's end again if it ended (a script swallowed it and came back)."""
-    if _phase in (Phase.WARM, Phase.ASSIGNED):
+    if left():
         raise Rehearsed(_assignment)
 
 
@@ -137,14 +137,14 @@ def failed(why: BaseException) -> bool:
 
 
 def must_run_again() -> bool:
-    """After the script's run: whether it was a rehearsal (assigned or failed)."""
+    """After the script's run: whether it was a rehearsal (warm, assigned or failed)."""
     return _phase in (Phase.ASSIGNED, Phase.WARM, Phase.FAILED)
 
 
 def carried() -> tuple[proto.Assignment | None, float, bool]:
     """For ``tmrun.init()`` of the second run: the assignment taken in the rehearsal (None after
-    a failed one: a cold standby), when it was read (``time.monotonic()``), and whether this
-    run follows a rehearsal at all."""
+    one that ended warm, :func:`waits_warm`, or failed: a cold standby), when it was read
+    (``time.monotonic()``), and whether this run follows a rehearsal at all."""
     return (_assignment, _assigned_at, True) if _phase is Phase.OVER else (None, 0.0, False)
 
 
@@ -185,7 +185,7 @@ def tear_down() -> None:
 def remember_meshes() -> None:
     """The rehearsal is warm (its shadow steps done): the device meshes alive now, its own and
     any held by torch's caches (those still alive after its objects are collected are the ones
-    to replace). Scanned here, while waiting, not after the assignment."""
+    to replace). Scanned here, once warm, not after the assignment."""
     _stale.remember()
 
 

@@ -223,14 +223,10 @@ class Standby:
     def _await_after_rehearsal(self, store: dist.Store) -> tuple[proto.Assignment, float]:
         """The second run of a standby that left its rehearsal warm: wait for the assignment
         (the rehearsal reported warm), importing meanwhile what the ranks' first steps imported."""
-        ctx = self._ctx
-        key = keys.standby_assign(ctx.env.standby_id)
-        importer = warm_imports.Importer(store, log, quiet_if_none=True)
-        assignment = proto.Assignment.decode(key, ctx.await_standby_key(key, idle=importer.poll))
-        started = time.monotonic()
+        assignment, started = self._await_rank(store, warm_imports.Importer(store, log, quiet_if_none=True))
         if not assignment.stop:
-            log(f"standby {ctx.env.standby_id} runs the script again as rank {assignment.rank} after its rehearsal "
-                "(its rehearsal collected before the assignment; the script waited in tmrun.init())")
+            log(f"standby {self._ctx.env.standby_id} runs the script again as rank {assignment.rank} after its "
+                "rehearsal (its rehearsal collected before the assignment; the script waited in tmrun.init())")
         return assignment, started
 
     def _await_in_init(self, store: dist.Store) -> tuple[proto.Assignment, float]:
@@ -242,9 +238,13 @@ class Standby:
         store.set(keys.standby_ready(ctx.env.standby_id), ready.encode())
         log(f"standby {ctx.env.standby_id} warm in tmrun.init() (the job has subgroups: the script runs "
             f"once this process has a rank); waiting")
-        key = keys.standby_assign(ctx.env.standby_id)
-        importer = warm_imports.Importer(store, log)  # meanwhile: the modules the ranks' set-up imported
-        assignment = proto.Assignment.decode(key, ctx.await_standby_key(key, idle=importer.poll))
+        return self._await_rank(store, warm_imports.Importer(store, log))  # meanwhile: what the set-up imported
+
+    def _await_rank(self, store: dist.Store, importer: warm_imports.Importer) -> tuple[proto.Assignment, float]:
+        """Wait in ``tmrun.init()`` for this standby's assignment, the importer's poll run
+        meanwhile. Returns it and when it was read (``time.monotonic()``)."""
+        key = keys.standby_assign(self._ctx.env.standby_id)
+        assignment = proto.Assignment.decode(key, self._ctx.await_standby_key(key, idle=importer.poll))
         return assignment, time.monotonic()
 
     def _build_before_switch(self, assignment: proto.Assignment, started: float) -> None:
