@@ -11,7 +11,6 @@ node, tmrun falls back to restarting the group (logged) and the job still finish
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -24,7 +23,7 @@ from typing import Callable
 import psutil
 import pytest
 
-from tests.helpers import EXAMPLES, run_agents, tmrun_cmd, wait_until
+from tests.helpers import EXAMPLES, drain_when_warm, run_agents, tmrun_cmd, wait_until
 
 STEPS = 14
 NPROC = 2
@@ -121,29 +120,6 @@ def test_no_standby_node_falls_back_to_a_group_restart(tmp_path: Path, reference
     assert "4 steps recomputed, 1 group restart (counted above)" in logs[0], logs[0]
 
 
-def _drain_when_warm(work: Path, out: list[str], status: list[str] | None = None) -> None:
-    """Once the standby node is warm, ``tmrun-ctl drain 1`` (bounded; its output, even cut short,
-    goes to ``out``); before it, ``tmrun-ctl status --json`` to ``status`` when given."""
-    deadline = time.monotonic() + 150
-    log = work / "agent2.log"
-    while time.monotonic() < deadline:
-        text = log.read_text() if log.exists() else ""
-        if "standby 2000 warm" in text and "standby 2001 warm" in text:
-            cmd = [*tmrun_cmd()[:2], "tmrun.cli.ctl", "drain", "1", "--reason", "drain", "--wait", "120"]
-            env = {**os.environ, "TMRUN_STATE_DIR": str(work / "state")}
-            if status is not None:
-                shown = subprocess.run([*tmrun_cmd()[:2], "tmrun.cli.ctl", "status", "--json"], capture_output=True,
-                                       text=True, timeout=60, env=env)
-                status.append(shown.stdout + shown.stderr)
-            try:
-                result = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
-                out.append(result.stdout + result.stderr)
-            except subprocess.TimeoutExpired as exc:
-                out.append(f"timed out: {exc.stdout!r} {exc.stderr!r}")
-            return
-        time.sleep(0.05)
-
-
 def test_planned_migration_of_a_node_recomputes_nothing(tmp_path: Path, reference: str) -> None:
     """tmrun-ctl drain 1 (a migration of the node at group rank 1) once the standby node is warm:
     node 1's workers hand their state to the standby node's workers at a step boundary and exit
@@ -152,7 +128,7 @@ def test_planned_migration_of_a_node_recomputes_nothing(tmp_path: Path, referenc
     work = tmp_path / "migrate"
     requested: list[str] = []
     shown: list[str] = []
-    request = partial(_drain_when_warm, work, requested, shown)
+    request = partial(drain_when_warm, work, requested, shown)
     thread = threading.Thread(target=request, daemon=True)
     thread.start()
     codes, logs, final = _run_nodes(work, 3, script_args=["--step-time", "1.0"])  # room for the request under load

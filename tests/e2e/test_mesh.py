@@ -32,8 +32,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import (EXAMPLES, ctl_when_logged, kill_after_steps, kill_tree, kill_when, leftovers, run_agents,
-                           start, tmrun_cmd, torchrun_cmd)
+from tests.helpers import (EXAMPLES, ctl_when_logged, drain_when_warm, kill_after_steps, kill_tree, kill_when,
+                           leftovers, run_agents, start, tmrun_cmd, torchrun_cmd)
 
 pytestmark = pytest.mark.e2e
 
@@ -352,6 +352,42 @@ def test_hsdp_over_nodes_a_failed_node_is_replaced_in_place(tmp_path: Path, refe
         _check_committed(_steps(work, rank), processes=1, rank=rank)
     for rank in (2, 3):  # node 1's processes, then the standby node's
         _check_committed(_steps(work, rank), processes=2, rank=rank)
+
+
+def test_hsdp_over_nodes_a_drained_node_moves_to_the_standby_node(tmp_path: Path) -> None:
+    """The two-node HSDP job above with its standby node warm (its two workers rehearsed, then
+    wait in ``tmrun.init()``): ``tmrun-ctl drain 1`` moves node 1 (ranks 2 and 3, one replica)
+    to the standby node at a step boundary. Each joiner builds its mesh and model as its rank
+    while node 1 trains on, node 1's workers hand their shards over at the switch and exit 0, its
+    agent leaves; nothing is recomputed and every rank's final digest equals torchrun's (one
+    node, the same ranks and mesh). It was refused ("the job has subgroups") until 2026-12-06."""
+    work = tmp_path / "drain"
+    work.mkdir()
+    requested: list[str] = []
+    drainer = threading.Thread(target=drain_when_warm, args=(work, requested), daemon=True)
+    drainer.start()
+    codes, logs = run_agents(work, 3, lambda port: tmrun_cmd(
+        "--nnodes", "2", "--standby", "1", "--nproc-per-node", "2",
+        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "mesh-drain", "--rdzv-conf", "heartbeat_interval=0.5",
+        *SCRIPT[:2], str(RANDOM_STEPS), *SCRIPT[3:], "--step-time", "1",
+        "--final", str(work / "final-{rank}"), "--step-log", str(work / "steps-{rank}"),
+    ), {**ENV, "TMRUN_STATE_DIR": str(work / "state")}, 240)  # fmt: skip
+    drainer.join(timeout=150)
+    text = "\n".join(logs)
+    assert requested and "draining node 1 (group rank 1)" in requested[0], (requested, text[-8000:])
+    assert codes == [0, 0, 0], text[-8000:]
+    assert re.search(r"migrate: generation 1: node 2 replaces node 1 at group rank 1 in place "
+                     r"\(ranks 2->standby 2000, 3->standby 2001\): drain", logs[0]), text[-8000:]
+    assert "this node leaves, the job goes on" in logs[1], logs[1]
+    for rank in (2, 3):
+        assert f"promoted to rank {rank} (generation 1) in tmrun.init()" in logs[2], logs[2]
+        assert re.search(rf"rank {rank}: handed \d+ bytes to the joiner", logs[1]), logs[1]
+    assert "refused" not in text and "Traceback" not in text, text[-8000:]
+    assert _finals(work) == _long_reference(tmp_path), text[-8000:]
+    for rank in range(4):  # nothing recomputed; node 1's ranks change process once
+        done = _steps(work, rank)
+        assert [s for s, _ in done] == list(range(RANDOM_STEPS)), (rank, done)
+        assert len({pid for _, pid in done}) == (2 if rank >= 2 else 1), (rank, done)
 
 
 def test_hsdp_planned_migration_recomputes_nothing(tmp_path: Path) -> None:

@@ -10,13 +10,14 @@ PP x HSDP on 8 ranks)."""
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers import ROOT, kill_after_steps, run_agents, run_job, tmrun_cmd, torchrun_cmd
+from tests.helpers import ROOT, drain_when_warm, kill_after_steps, run_agents, run_job, tmrun_cmd, torchrun_cmd
 
 pytestmark = pytest.mark.e2e
 
@@ -408,6 +409,43 @@ def test_a_lost_node_of_a_3d_job_is_replaced_by_a_standby_node(
     assert "runs torch's start-up again" not in text, text[-8000:]  # node 0's pipelines went on
     assert "1 in-place recoveries" in logs[0] and "Traceback" not in text, text[-8000:]
     assert _three_d_finals(work) == three_d_reference["tp", "1f1b"]
+
+
+@pytest.mark.variant  # by default: a drained node of an HSDP job (test_mesh), a lost node of a PP job (below)
+def test_a_drained_node_of_a_pp_job_moves_to_the_standby_node(tmp_path: Path) -> None:
+    """The PP job over three agents below, no failure: once the standby node's two workers are
+    warm (rehearsed, waiting in ``tmrun.init()``), ``tmrun-ctl drain 1`` moves node 1 (the second
+    replica's pipeline: ranks 2 and 3) to them at a step boundary; each joiner is handed its
+    leaver's state and runs its pipeline's start-up alone; nothing is recomputed and the bits
+    are torchrun's on one node."""
+    steps = "12"
+    work, reference_work = tmp_path / "nodes", tmp_path / "torchrun"
+    for folder in (work, reference_work):
+        folder.mkdir()
+    args = [str(SCRIPT), "--steps", steps, "--schedule", "1f1b"]
+    code, log = run_job(torchrun_cmd("--standalone", "--nproc-per-node", str(RANKS), *args,
+                                     "--final", str(reference_work / "final-{rank}")),
+                        reference_work / "log", {}, JOB_TIMEOUT)
+    assert code == 0, log[-4000:]
+    requested: list[str] = []
+    drainer = threading.Thread(target=drain_when_warm, args=(work, requested), daemon=True)
+    drainer.start()
+    codes, logs = run_agents(work, 3, lambda port: tmrun_cmd(
+        "--nnodes", "2", "--standby", "1", "--nproc-per-node", "2",
+        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "pp-drain", "--rdzv-conf", "heartbeat_interval=0.5",
+        *args, "--step-time", "1.0", "--final", str(work / "final-{rank}"),
+    ), {"OMP_NUM_THREADS": "1", "TMRUN_STATE_DIR": str(work / "state")}, JOB_TIMEOUT)  # fmt: skip
+    drainer.join(timeout=150)
+    text = "\n".join(logs)
+    assert requested and "draining node 1 (group rank 1)" in requested[0], (requested, text[-8000:])
+    assert codes == [0, 0, 0], text[-8000:]
+    assert "migrate: generation 1: node 2 replaces node 1 at group rank 1 in place" in logs[0], logs[0]
+    assert "1 in-place recoveries (1 planned), 0 steps recomputed" in logs[0], logs[0]
+    for rank in (2, 3):
+        assert f"rank {rank}: the pipeline start-up of schedule 0 ran on this joiner alone" in logs[2], logs[2]
+    assert "runs torch's start-up again" not in text and "Traceback" not in text, text[-8000:]
+    finals = {r: (work / f"final-{r}").read_text().strip() for r in range(RANKS)}
+    assert finals == {r: (reference_work / f"final-{r}").read_text().strip() for r in range(RANKS)}
 
 
 def test_a_lost_node_of_a_pp_job_is_replaced_by_a_standby_node(tmp_path: Path,

@@ -176,10 +176,6 @@ class NodeReplacement:
             if core.any_done(store, [r for node_ranks in ranks for r in node_ranks]):
                 events.append(("migrate-refused", f"{request.describe()}: the training is finishing"))
                 continue
-            if core.has_subgroups(store):
-                events.append(("migrate-refused", f"{request.describe()}: the job has subgroups (a device mesh): "
-                               "moving a whole node of such a job is not supported yet (docs/mesh.md)"))
-                continue
             standby = self._ready_standby_nodes(store, membership, len(ranks[group_rank]))
             if not standby:
                 events.append(("migrate-refused", f"{request.describe()}: no warm standby node"))
