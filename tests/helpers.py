@@ -208,15 +208,15 @@ def assert_one_line_usage_error(parse: Callable[[list[str]], object], flags: lis
     assert err.count("\n") == 1 and err.startswith(f"{prog}: error: ") and message in err
 
 
-def drain_when_warm(work: Path, out: list[str], status: list[str] | None = None) -> None:
-    """Once the standby node (``work/agent2.log``, standby workers 2000 and 2001) is warm,
+def drain_when_warm(work: Path, out: list[str], status: list[str] | None = None, workers: int = 2) -> None:
+    """Once the standby node (``work/agent2.log``, standby workers 2000 ...) is warm,
     ``tmrun-ctl drain 1`` (bounded; its output, even cut short, goes to ``out``); before it,
     ``tmrun-ctl status --json`` to ``status`` when given."""
     deadline = time.monotonic() + 150
     log = work / "agent2.log"
     while time.monotonic() < deadline:
         text = log.read_text() if log.exists() else ""
-        if "standby 2000 warm" in text and "standby 2001 warm" in text:
+        if all(f"standby {2000 + worker} warm" in text for worker in range(workers)):
             cmd = [*tmrun_cmd()[:2], "tmrun.cli.ctl", "drain", "1", "--reason", "drain", "--wait", "120"]
             env = {**os.environ, "TMRUN_STATE_DIR": str(work / "state")}
             if status is not None:

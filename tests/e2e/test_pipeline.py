@@ -448,6 +448,38 @@ def test_a_drained_node_of_a_pp_job_moves_to_the_standby_node(tmp_path: Path) ->
     assert finals == {r: (reference_work / f"final-{r}").read_text().strip() for r in range(RANKS)}
 
 
+@pytest.mark.variant  # by default: a drained node of an HSDP job (test_mesh), a lost node of a 3-D job (above)
+def test_a_drained_node_of_a_3d_job_moves_to_the_standby_node(tmp_path: Path) -> None:
+    """examples/train_3d.py (DP x PP x TP) over three agents as above, no failure: once the
+    standby node's four workers are warm, ``tmrun-ctl drain 1`` moves node 1 (replica 1: ranks
+    4-7) to them at a step boundary, each its own role; nothing is recomputed and the bits are
+    torchrun's on one node (the same steps, paced)."""
+    work, reference_work = tmp_path / "nodes", tmp_path / "torchrun"
+    for folder in (work, reference_work):
+        folder.mkdir()
+    args = [*_three_d_args("tp", "1f1b", work)[:2], "12", *_three_d_args("tp", "1f1b", work)[3:]]
+    reference_args = [*args[:-1], str(reference_work / "final-{rank}")]
+    code, log = run_job(torchrun_cmd("--standalone", "--nproc-per-node", "8", *reference_args),
+                        reference_work / "log", {}, JOB_TIMEOUT)
+    assert code == 0, log[-4000:]
+    requested: list[str] = []
+    drainer = threading.Thread(target=drain_when_warm, args=(work, requested, None, 4), daemon=True)
+    drainer.start()
+    codes, logs = run_agents(work, 3, lambda port: tmrun_cmd(
+        "--nnodes", "2", "--standby", "1", "--nproc-per-node", "4",
+        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "3d-drain", "--rdzv-conf", "heartbeat_interval=0.5",
+        *args, "--step-time", "1.5",
+    ), {"OMP_NUM_THREADS": "1", "TMRUN_STATE_DIR": str(work / "state")}, 2 * JOB_TIMEOUT)  # fmt: skip
+    drainer.join(timeout=150)
+    text = "\n".join(logs)
+    assert requested and "draining node 1 (group rank 1)" in requested[0], (requested, text[-8000:])
+    assert codes == [0, 0, 0], text[-8000:]
+    assert "migrate: generation 1: node 2 replaces node 1 at group rank 1 in place" in logs[0], logs[0]
+    assert "1 in-place recoveries (1 planned), 0 steps recomputed" in logs[0], logs[0]
+    assert "runs torch's start-up again" not in text and "Traceback" not in text, text[-8000:]
+    assert _three_d_finals(work) == _three_d_finals(reference_work)
+
+
 def test_a_lost_node_of_a_pp_job_is_replaced_by_a_standby_node(tmp_path: Path,
                                                                reference: dict[str, dict[int, str]]) -> None:
     """Three agents (``--nnodes 2 --standby 1 --nproc-per-node 2``): node 0 runs ranks 0 and 1 (the
