@@ -126,3 +126,33 @@ def test_an_event_without_every_first_step(why: str) -> None:
         time.sleep(0.01)
     (done,) = recoveries.completed(final=why == "final")
     assert done.phases["first_step"] is None and done.phases["transfer"] is not None
+
+
+@pytest.mark.parametrize("healed_after, seconds", [
+    (0.2, 0.2),  # the last rank healed 0.2 s after the start: that, not when the loop looked (0.5 s)
+    (9.0, 0.5),  # a clock ahead of the controller's: never after the controller saw it
+    (-9.0, 0.0),  # a clock behind: never before the start
+])
+def test_every_rank_recovered_when_the_last_one_healed_not_when_the_loop_looked(healed_after: float,
+                                                                              seconds: float) -> None:
+    store = dist.HashStore()
+    recoveries = Recoveries()
+    started = time.monotonic() - 0.5
+    recoveries.begin(store, 1, 2, started)
+    seen = time.time() - 0.5
+    for rank in range(2):
+        healed = seen + healed_after - (0.05 if rank == 0 else 0.0)  # rank 1 last
+        store.set(keys.timing(1, rank), _t(rank, seen, healed).encode())
+    store.add(keys.recovered(1), 2)
+    (done,) = recoveries.poll()
+    assert done.seconds == pytest.approx(seconds, abs=0.02)
+
+
+def test_a_recovery_without_every_rank_s_timing_counts_until_the_loop_saw_it() -> None:
+    store = dist.HashStore()
+    recoveries = Recoveries()
+    recoveries.begin(store, 1, 2, time.monotonic() - 0.5)
+    store.set(keys.timing(1, 0), _t(0, time.time() - 0.45, time.time() - 0.4).encode())  # rank 1 wrote none
+    store.add(keys.recovered(1), 2)
+    (done,) = recoveries.poll()
+    assert done.seconds == pytest.approx(0.5, abs=0.02)

@@ -24,6 +24,7 @@ from tmrun.protocol import keys, messages as proto
 from tmrun.worker import drills, group, rehearsal, subgroups, warm_imports
 from tmrun.worker.context import Context, Rejoin, Superseded, log
 from tmrun.worker.leave import exit_now
+from tmrun.worker.mesh_slices import SliceMemo
 from tmrun.worker.migration import Migration
 from tmrun.worker.recovery import Recovery, heal
 from tmrun.worker.roles import Role
@@ -44,6 +45,7 @@ class Standby:
         self._planned_join: tuple[proto.Assignment, threading.Thread, dict[str, Any]] | None = None
         self.shadow = False  # inside a shadow step
         self.shadow_done = 0
+        self._slices = SliceMemo()  # a promoted joiner's set-up slices each mesh once (tmrun.worker.mesh_slices)
 
     def on_term(self, signum: int, frame: object) -> None:
         """SIGTERM: a standby stops at its next check; a promoted one exits at once."""
@@ -195,6 +197,7 @@ class Standby:
         ctx.drills.rebind(ctx.rank, promoted=True)
         log(f"promoted to rank {ctx.rank} (generation {ctx.gen}) in tmrun.init(); the script builds its groups "
             f"and model as rank {ctx.rank}")
+        self._slices.start()  # until its first steps(): the set-up is on the survivors' critical path
         ctx.fire("promotion")
 
     def _join_waits(self, assignment: proto.Assignment) -> tuple[Callable[[Any, str], str], Callable[[], None]]:
@@ -312,12 +315,14 @@ class Standby:
         # the script's groups join the survivors' in the background (tmrun.comm.backend's
         # _JoinQueue; a join's error is raised here); groups created from now on are new groups
         # of every rank
+        reused = self._slices.stop()
         waiting = time.monotonic()
         joined = tmrun_backend.finish_joins()
         tmrun_backend.set_joining(None)
         if joined:
             log(f"rank {ctx.rank}: the script's {joined} group(s) joined the survivors' in the background "
-                f"({time.monotonic() - waiting:.3f}s waited for them after its set-up)")
+                f"({time.monotonic() - waiting:.3f}s waited for them after its set-up; {reused} device mesh "
+                "slice(s) of its set-up reused)")
         self._finish_rehearsal_meshes()
         try:
             if self._planned_join is not None:

@@ -239,8 +239,16 @@ class Recoveries:
             store = recovery.store
             if store.add(keys.recovered(recovery.gen), 0) >= recovery.world_size:
                 self._awaiting.remove(recovery)
-                recovery.recovered_mono = time.monotonic()
-                recovery.recovered_at = time.time()
+                polled_mono, polled_at = time.monotonic(), time.time()
+                # every rank recovered when the last one healed, not when this loop looked (up
+                # to one poll later): its published instant, within [the start, now] (another
+                # host's clock may run ahead or behind)
+                healed = [timing.healed for timing in _timings(recovery, quiet=True)]
+                lag = 0.0
+                if len(healed) >= recovery.world_size:
+                    lag = min(max(0.0, polled_at - max(healed)), polled_mono - recovery.started)
+                recovery.recovered_mono = polled_mono - lag
+                recovery.recovered_at = polled_at - lag
                 recovery.seconds = recovery.recovered_mono - recovery.started
                 self._finishing.append(recovery)
                 finished.append(Recovered(recovery.gen, recovery.world_size, recovery.seconds))
@@ -265,14 +273,7 @@ class Recoveries:
 
     @staticmethod
     def _with_phases(recovery: _Recovery) -> Recovered:
-        timings = []
-        for rank in range(recovery.world_size):
-            key = keys.timing(recovery.gen, rank)
-            try:
-                if recovery.store.check([key]):
-                    timings.append(proto.RecoveryTiming.decode(key, recovery.store.get(key)))
-            except proto.ProtocolMessageError as exc:
-                say(f"ignored a malformed recovery timing: {exc}")
+        timings = _timings(recovery)
         at = recovery_phases.marks(timings, recovery.world_size, recovery.seen, recovery.published, recovery.asked,
                                    evidence=recovery.evidence)
         seconds = recovery_phases.downtime(at, recovery.recovered_at, recovery.seconds or 0.0,
@@ -281,6 +282,22 @@ class Recoveries:
         return Recovered(recovery.gen, recovery.world_size, seconds,
                          recovery_phases.phases(at, recovery.recovered_at, seconds), at,
                          steps_recomputed=int(any(said)) if said else None)
+
+
+def _timings(recovery: _Recovery, quiet: bool = False) -> list[proto.RecoveryTiming]:
+    """The recovery timings its ranks published (each rank writes its own before it counts
+    itself recovered); a malformed one is left out (and said, unless ``quiet``: the event's
+    phases read them again)."""
+    timings = []
+    for rank in range(recovery.world_size):
+        key = keys.timing(recovery.gen, rank)
+        try:
+            if recovery.store.check([key]):
+                timings.append(proto.RecoveryTiming.decode(key, recovery.store.get(key)))
+        except proto.ProtocolMessageError as exc:
+            if not quiet:
+                say(f"ignored a malformed recovery timing: {exc}")
+    return timings
 
 
 # ---- inboxes --------------------------------------------------------------------------------------------
