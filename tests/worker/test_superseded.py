@@ -6,6 +6,7 @@ its timeout (60 s in a worker), and the job fell back to a group restart."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from datetime import timedelta
@@ -19,6 +20,7 @@ from tmrun.control.replacement.core import write_gen_file
 from tmrun.protocol import keys
 from tmrun.protocol.environment import LaunchEnv
 from tmrun.worker.context import Context, RecoveryError, Superseded
+from tmrun.worker.roles import Role
 
 STORE_TIMEOUT = 30.0  # what a blocking get would wait (a worker's store: 60 s)
 BOUND = 3.0  # the stale wait must end this soon after the generation moved
@@ -92,3 +94,25 @@ def test_the_getter_returns_published_addresses_and_still_watches_the_abort(tmp_
     with pytest.raises(RecoveryError) as info:
         get(store, "never")
     assert not isinstance(info.value, Superseded)
+
+
+def test_a_rank_whose_recovery_the_controller_gives_up_leaves_in_one_line(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """A survivor waiting for the next plan when the controller falls back (no warm standby in
+    time): one line and exit 1 for the group restart; it raised a RecoveryError through the
+    script before (a traceback on every such rank; found draining a node of an HSDP job whose
+    other node was lost at the switch, 2026-12-06)."""
+    from tmrun.protocol.environment import Mode
+    from tmrun.worker.recovery import Recovery
+
+    ctx, store, _ = _context(tmp_path, gen_file=False)
+    ctx.env = dataclasses.replace(ctx.env, mode=Mode.ACTIVE)
+    assert ctx.life.is_(Role.ACTIVE)
+    store.set(keys.ABORT, '{"reason": "no warm standby node within 10s", "gen": 1}')
+    with pytest.raises(SystemExit) as info:
+        Recovery(ctx).recover()
+    assert info.value.code == 1
+    err = capfd.readouterr().err
+    assert "rank 0: in-place recovery abandoned by the controller: no warm standby node within 10s; this worker " \
+           "leaves for the group restart" in err, err
+    assert "Traceback" not in err

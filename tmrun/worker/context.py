@@ -42,6 +42,12 @@ class RecoveryError(RuntimeError):
     """In-place recovery could not complete (the job falls back to the agent's restart)."""
 
 
+class Abandoned(RecoveryError):
+    """The controller gave in-place recovery up while this process waited (no warm standby in
+    time, a shard without a replica...): the group restarts, as torchrun's would. An expected
+    end: a rank in recovery leaves with one line (:meth:`Context.leave_for_restart`)."""
+
+
 class Rejoin(Exception):
     """The controller gave this joiner its rank again in a newer generation (the one it was
     joining was superseded before it recovered): join again with ``assignment``."""
@@ -360,13 +366,19 @@ class Context:
         store = self.require_store()
         if store.check([keys.ABORT]):
             notice = proto.AbortNotice.decode(keys.ABORT, store.get(keys.ABORT))
-            raise RecoveryError(f"in-place recovery abandoned by the controller: {notice.reason}")
+            raise Abandoned(f"in-place recovery abandoned by the controller: {notice.reason}")
         if self.stop_requested:
             self._leave(0)
         if orphan_guard.orphaned(self.env.agent_pid):
             self._leave(0)  # orphaned: the agent is gone
         if time.monotonic() > deadline:
             raise RecoveryError(f"{missing} within {self.env.recovery_timeout:.0f}s ({what})")
+
+    def leave_for_restart(self, why: Abandoned) -> NoReturn:
+        """A rank in recovery whose recovery the controller gave up: one line, then leave (exit
+        1; the agent restarts the group), never a traceback through the script."""
+        log(f"rank {self.rank}: {why}; this worker leaves for the group restart")
+        self._leave(1)
 
     def _leave(self, status: int) -> NoReturn:
         """Leave while waiting: a standby (or a joiner not yet healed) at once, with nothing to

@@ -30,7 +30,7 @@ from tmrun.protocol import keys, messages as proto
 from tmrun.worker import (cpu_budget, group, per_rank_records, pipeline, pipeline_startup, replica_check, rng,
                           rng_records, subgroups, vote)
 from tmrun.worker.buffers import unsynchronised_buffers
-from tmrun.worker.context import FAST_POLL, Context, GenerationFile, RecoveryError, Superseded, log
+from tmrun.worker.context import FAST_POLL, Abandoned, Context, GenerationFile, RecoveryError, Superseded, log
 from tmrun.worker.device_transfer import device_link
 from tmrun.worker.roles import Role
 from tmrun.worker.transfer import (MISPLACED, READ_TIMEOUT, NoReplicaError, TransferError, agree,
@@ -193,7 +193,14 @@ class Recovery:
     def recover(self) -> int:
         """ACTIVE or JOINING -> RECOVERING -> ACTIVE: wait for the controller's plan, switch the
         communicator to it, heal; repeat when a member is lost again on the way (each loss gets a
-        plan of its own). Returns the step to resume at."""
+        plan of its own). Returns the step to resume at. Given up by the controller meanwhile:
+        one line, and this worker leaves for the group restart."""
+        try:
+            return self._recover()
+        except Abandoned as exc:
+            self._ctx.leave_for_restart(exc)
+
+    def _recover(self) -> int:
         ctx = self._ctx
         if not ctx.in_place:
             raise RecoveryError(f"a collective lost rank {ctx.aborted_by} and this job has no standby")
