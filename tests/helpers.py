@@ -230,3 +230,20 @@ def drain_when_warm(work: Path, out: list[str], status: list[str] | None = None,
                 out.append(f"timed out: {exc.stdout!r} {exc.stderr!r}")
             return
         time.sleep(0.05)
+
+
+def drained_on_three_agents(work: Path, nproc: int, rdzv_id: str, job_args: Sequence[str], env: dict[str, str],
+                            timeout: float) -> tuple[list[int], list[str], list[str]]:
+    """A job over three agents on loopback (``--nnodes 2 --standby 1 --nproc-per-node nproc``:
+    two active nodes and a standby node) whose node 1 is drained (``tmrun-ctl drain 1``) once the
+    standby node's workers are warm; the agents' exit codes and logs, and what the drain said."""
+    requested: list[str] = []
+    drainer = threading.Thread(target=drain_when_warm, args=(work, requested, None, nproc), daemon=True)
+    drainer.start()
+    codes, logs = run_agents(work, 3, lambda port: tmrun_cmd(
+        "--nnodes", "2", "--standby", "1", "--nproc-per-node", str(nproc),
+        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id, "--rdzv-conf", "heartbeat_interval=0.5",
+        *job_args,
+    ), env, timeout)  # fmt: skip
+    drainer.join(timeout=150)
+    return codes, logs, requested

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import (EXAMPLES, ctl_when_logged, drain_when_warm, kill_after_steps, kill_tree, kill_when,
-                           leftovers, run_agents, start, tmrun_cmd, torchrun_cmd)
+from tests.helpers import (EXAMPLES, ctl_when_logged, drained_on_three_agents, kill_after_steps, kill_tree,
+                           kill_when, leftovers, run_agents, start, tmrun_cmd, torchrun_cmd)
 
 pytestmark = pytest.mark.e2e
 
@@ -363,16 +363,10 @@ def test_hsdp_over_nodes_a_drained_node_moves_to_the_standby_node(tmp_path: Path
     node, the same ranks and mesh). It was refused ("the job has subgroups") until 2026-12-06."""
     work = tmp_path / "drain"
     work.mkdir()
-    requested: list[str] = []
-    drainer = threading.Thread(target=drain_when_warm, args=(work, requested), daemon=True)
-    drainer.start()
-    codes, logs = run_agents(work, 3, lambda port: tmrun_cmd(
-        "--nnodes", "2", "--standby", "1", "--nproc-per-node", "2",
-        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "mesh-drain", "--rdzv-conf", "heartbeat_interval=0.5",
-        *SCRIPT[:2], str(RANDOM_STEPS), *SCRIPT[3:], "--step-time", "1",
-        "--final", str(work / "final-{rank}"), "--step-log", str(work / "steps-{rank}"),
-    ), {**ENV, "TMRUN_STATE_DIR": str(work / "state")}, 240)  # fmt: skip
-    drainer.join(timeout=150)
+    codes, logs, requested = drained_on_three_agents(
+        work, 2, "mesh-drain", [*SCRIPT[:2], str(RANDOM_STEPS), *SCRIPT[3:], "--step-time", "1",
+                                "--final", str(work / "final-{rank}"), "--step-log", str(work / "steps-{rank}")],
+        {**ENV, "TMRUN_STATE_DIR": str(work / "state")}, 240)
     text = "\n".join(logs)
     assert requested and "draining node 1 (group rank 1)" in requested[0], (requested, text[-8000:])
     assert codes == [0, 0, 0], text[-8000:]

@@ -10,14 +10,13 @@ PP x HSDP on 8 ranks)."""
 from __future__ import annotations
 
 import re
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers import ROOT, drain_when_warm, kill_after_steps, run_agents, run_job, tmrun_cmd, torchrun_cmd
+from tests.helpers import ROOT, drained_on_three_agents, kill_after_steps, run_agents, run_job, tmrun_cmd, torchrun_cmd
 
 pytestmark = pytest.mark.e2e
 
@@ -236,6 +235,16 @@ def test_a_rank_lost_before_the_other_replicas_first_start_up_is_replaced_in_pla
     assert finals == reference["1f1b"], (finals, reference["1f1b"])
 
 
+def _torchrun_finals(work: Path, nproc: int, args: list[str]) -> dict[int, str]:
+    """Every rank's final digest of one run of ``args`` (with ``--final`` into ``work``) under
+    plain torchrun on one node."""
+    work.mkdir()
+    code, log = run_job(torchrun_cmd("--standalone", "--nproc-per-node", str(nproc), *args,
+                                     "--final", str(work / "final-{rank}")), work / "log", {}, JOB_TIMEOUT)
+    assert code == 0, log[-4000:]
+    return {r: (work / f"final-{r}").read_text().strip() for r in range(nproc)}
+
+
 def test_a_planned_migration_of_a_stage_rank_recomputes_nothing(tmp_path: Path) -> None:
     """tm.migrate() by rank 1 (the last stage of the first replica) after step 8: the joiner is
     handed its state (not healed) and runs its pipeline's start-up alone from the leaver's
@@ -244,14 +253,10 @@ def test_a_planned_migration_of_a_stage_rank_recomputes_nothing(tmp_path: Path) 
     (a request before then is refused: "no warm standby"), and the joiner must run steps after
     the switch."""
     steps = "18"
-    work, reference_work = tmp_path / "tmrun", tmp_path / "torchrun"
-    for folder in (work, reference_work):
-        folder.mkdir()
+    work = tmp_path / "tmrun"
+    work.mkdir()
     args = [str(SCRIPT), "--steps", steps, "--schedule", "1f1b"]
-    code, log = run_job(torchrun_cmd("--standalone", "--nproc-per-node", str(RANKS), *args,
-                                     "--final", str(reference_work / "final-{rank}")),
-                        reference_work / "log", {}, JOB_TIMEOUT)
-    assert code == 0, log[-4000:]
+    reference = _torchrun_finals(tmp_path / "torchrun", RANKS, args)
     cmd = tmrun_cmd("--standalone", "--nproc-per-node", str(RANKS), "--standby", "1", "--console", "plain",
                     *args, "--final", str(work / "final-{rank}"),
                     "--migrate-at", "8", "--migrate-rank", "1", "--step-time", "1.0")
@@ -264,7 +269,7 @@ def test_a_planned_migration_of_a_stage_rank_recomputes_nothing(tmp_path: Path) 
     assert "rank 1: the pipeline start-up of schedule 0 ran on this joiner alone" in log, log[-4000:]
     assert "runs torch's start-up again" not in log, log[-4000:]
     finals = {r: (work / f"final-{r}").read_text().strip() for r in range(RANKS)}
-    assert finals == {r: (reference_work / f"final-{r}").read_text().strip() for r in range(RANKS)}
+    assert finals == reference
 
 
 @pytest.mark.variant  # by default: a joiner lost on one node and in HSDP (test_inplace_one_node, test_mesh)
@@ -418,24 +423,13 @@ def test_a_drained_node_of_a_pp_job_moves_to_the_standby_node(tmp_path: Path) ->
     replica's pipeline: ranks 2 and 3) to them at a step boundary; each joiner is handed its
     leaver's state and runs its pipeline's start-up alone; nothing is recomputed and the bits
     are torchrun's on one node."""
-    steps = "12"
-    work, reference_work = tmp_path / "nodes", tmp_path / "torchrun"
-    for folder in (work, reference_work):
-        folder.mkdir()
-    args = [str(SCRIPT), "--steps", steps, "--schedule", "1f1b"]
-    code, log = run_job(torchrun_cmd("--standalone", "--nproc-per-node", str(RANKS), *args,
-                                     "--final", str(reference_work / "final-{rank}")),
-                        reference_work / "log", {}, JOB_TIMEOUT)
-    assert code == 0, log[-4000:]
-    requested: list[str] = []
-    drainer = threading.Thread(target=drain_when_warm, args=(work, requested), daemon=True)
-    drainer.start()
-    codes, logs = run_agents(work, 3, lambda port: tmrun_cmd(
-        "--nnodes", "2", "--standby", "1", "--nproc-per-node", "2",
-        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "pp-drain", "--rdzv-conf", "heartbeat_interval=0.5",
-        *args, "--step-time", "1.0", "--final", str(work / "final-{rank}"),
-    ), {"OMP_NUM_THREADS": "1", "TMRUN_STATE_DIR": str(work / "state")}, JOB_TIMEOUT)  # fmt: skip
-    drainer.join(timeout=150)
+    work = tmp_path / "nodes"
+    work.mkdir()
+    args = [str(SCRIPT), "--steps", "12", "--schedule", "1f1b"]
+    reference = _torchrun_finals(tmp_path / "torchrun", RANKS, args)
+    codes, logs, requested = drained_on_three_agents(
+        work, 2, "pp-drain", [*args, "--step-time", "1.0", "--final", str(work / "final-{rank}")],
+        {"OMP_NUM_THREADS": "1", "TMRUN_STATE_DIR": str(work / "state")}, JOB_TIMEOUT)
     text = "\n".join(logs)
     assert requested and "draining node 1 (group rank 1)" in requested[0], (requested, text[-8000:])
     assert codes == [0, 0, 0], text[-8000:]
@@ -445,7 +439,7 @@ def test_a_drained_node_of_a_pp_job_moves_to_the_standby_node(tmp_path: Path) ->
         assert f"rank {rank}: the pipeline start-up of schedule 0 ran on this joiner alone" in logs[2], logs[2]
     assert "runs torch's start-up again" not in text and "Traceback" not in text, text[-8000:]
     finals = {r: (work / f"final-{r}").read_text().strip() for r in range(RANKS)}
-    assert finals == {r: (reference_work / f"final-{r}").read_text().strip() for r in range(RANKS)}
+    assert finals == reference
 
 
 @pytest.mark.variant  # by default: a drained node of an HSDP job (test_mesh), a lost node of a 3-D job (above)
@@ -454,30 +448,21 @@ def test_a_drained_node_of_a_3d_job_moves_to_the_standby_node(tmp_path: Path) ->
     standby node's four workers are warm, ``tmrun-ctl drain 1`` moves node 1 (replica 1: ranks
     4-7) to them at a step boundary, each its own role; nothing is recomputed and the bits are
     torchrun's on one node (the same steps, paced)."""
-    work, reference_work = tmp_path / "nodes", tmp_path / "torchrun"
-    for folder in (work, reference_work):
-        folder.mkdir()
-    args = [*_three_d_args("tp", "1f1b", work)[:2], "12", *_three_d_args("tp", "1f1b", work)[3:]]
-    reference_args = [*args[:-1], str(reference_work / "final-{rank}")]
-    code, log = run_job(torchrun_cmd("--standalone", "--nproc-per-node", "8", *reference_args),
-                        reference_work / "log", {}, JOB_TIMEOUT)
-    assert code == 0, log[-4000:]
-    requested: list[str] = []
-    drainer = threading.Thread(target=drain_when_warm, args=(work, requested, None, 4), daemon=True)
-    drainer.start()
-    codes, logs = run_agents(work, 3, lambda port: tmrun_cmd(
-        "--nnodes", "2", "--standby", "1", "--nproc-per-node", "4",
-        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "3d-drain", "--rdzv-conf", "heartbeat_interval=0.5",
-        *args, "--step-time", "1.5",
-    ), {"OMP_NUM_THREADS": "1", "TMRUN_STATE_DIR": str(work / "state")}, 2 * JOB_TIMEOUT)  # fmt: skip
-    drainer.join(timeout=150)
+    work = tmp_path / "nodes"
+    work.mkdir()
+    args = _three_d_args("tp", "1f1b", work)
+    args = [*args[:2], "12", *args[3:-2]]  # 12 steps, no --final
+    reference = _torchrun_finals(tmp_path / "torchrun", 8, args)
+    codes, logs, requested = drained_on_three_agents(
+        work, 4, "3d-drain", [*args, "--step-time", "1.5", "--final", str(work / "final-{rank}")],
+        {"OMP_NUM_THREADS": "1", "TMRUN_STATE_DIR": str(work / "state")}, 2 * JOB_TIMEOUT)
     text = "\n".join(logs)
     assert requested and "draining node 1 (group rank 1)" in requested[0], (requested, text[-8000:])
     assert codes == [0, 0, 0], text[-8000:]
     assert "migrate: generation 1: node 2 replaces node 1 at group rank 1 in place" in logs[0], logs[0]
     assert "1 in-place recoveries (1 planned), 0 steps recomputed" in logs[0], logs[0]
     assert "runs torch's start-up again" not in text and "Traceback" not in text, text[-8000:]
-    assert _three_d_finals(work) == _three_d_finals(reference_work)
+    assert _three_d_finals(work) == reference
 
 
 def test_a_lost_node_of_a_pp_job_is_replaced_by_a_standby_node(tmp_path: Path,
