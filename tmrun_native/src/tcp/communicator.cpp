@@ -160,6 +160,13 @@ void Communicator::Impl::close() {
     if (prepare_thread_.joinable()) prepare_thread_.join();
     return;
   }
+  {
+    // stop_ is set outside q_mu_: taking it once orders the store before the notify, so a worker
+    // that checked its predicate (stop_ still false) is inside q_cv_.wait by now and is woken.
+    // Without it the notify could fall between that check and the wait: the worker slept for
+    // good and this close() joined it for ever (seen once in CI, at exit).
+    std::lock_guard<std::mutex> g(q_mu_);
+  }
   q_cv_.notify_all();
   accept_cv_.notify_all();
   if (wake_w_.valid()) {
