@@ -322,11 +322,7 @@ def _three_d_finals(work: Path) -> dict[int, str]:
 def _three_d_reference(root: Path, inner: str, schedule: str) -> dict[int, str]:
     """The 8 ranks' final digests of examples/train_3d.py under plain torchrun."""
     work = root / f"{inner}-{schedule}"
-    work.mkdir()
-    code, log = run_job(torchrun_cmd("--standalone", "--nproc-per-node", "8", *_three_d_args(inner, schedule, work)),
-                        work / "log", {}, JOB_TIMEOUT)
-    assert code == 0, log[-4000:]
-    got = _three_d_finals(work)
+    got = _torchrun_finals(work, 8, _three_d_args(inner, schedule, work)[:-2])  # its own --final
     # replicas agree: "dp" is the outer dimension of the tp mesh, the middle one of the fsdp mesh
     twins = [(r, r + 4) for r in range(4)] if inner == "tp" else [(r, r + 2) for r in (0, 1, 4, 5)]
     assert len(got) == 8 and all(got[a] == got[b] for a, b in twins), got

@@ -7,7 +7,7 @@ import weakref
 
 import pytest
 
-from tmrun.worker import mesh_slices
+from tmrun.worker import stale_meshes
 from tmrun.worker.mesh_slices import SliceMemo
 
 
@@ -26,7 +26,7 @@ class Mesh:
 
 @pytest.fixture
 def memo(monkeypatch: pytest.MonkeyPatch) -> SliceMemo:
-    monkeypatch.setattr(mesh_slices, "_mesh_class", lambda: Mesh)
+    monkeypatch.setattr(stale_meshes, "mesh_class", lambda: Mesh)
     Mesh.built = 0
     memo = SliceMemo()
     yield memo
@@ -60,7 +60,7 @@ def test_a_mesh_collected_meanwhile_does_not_lend_its_slices_to_one_at_the_same_
 
 
 def test_nothing_to_do_without_torchs_device_mesh(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(mesh_slices, "_mesh_class", lambda: None)  # a job that never imported it
+    monkeypatch.setattr(stale_meshes, "mesh_class", lambda: None)  # a job that never imported it
     memo = SliceMemo()
     memo.start()
     assert memo.stop() == 0

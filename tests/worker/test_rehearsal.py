@@ -194,7 +194,7 @@ class Mesh:
 def mesh_class(monkeypatch: pytest.MonkeyPatch) -> type[Mesh]:
     from tmrun.worker import stale_meshes
 
-    monkeypatch.setattr(stale_meshes, "_mesh_class", lambda: Mesh)
+    monkeypatch.setattr(stale_meshes, "mesh_class", lambda: Mesh)
     gc.freeze()  # as the rehearsal does: the scans see only what the test makes (unfrozen after it)
     return Mesh
 

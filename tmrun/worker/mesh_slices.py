@@ -14,14 +14,10 @@ object. Outside that window torch's own method runs untouched.
 from __future__ import annotations
 
 import functools
-import sys
 import weakref
 from typing import Any, Callable
 
-
-def _mesh_class() -> type | None:
-    module = sys.modules.get("torch.distributed.device_mesh")  # never imported here for a job without one
-    return getattr(module, "DeviceMesh", None) if module is not None else None
+from tmrun.worker import stale_meshes
 
 
 class SliceMemo:
@@ -32,7 +28,7 @@ class SliceMemo:
 
     def start(self) -> None:
         """Answer repeated slices of one mesh object from the memo (a joiner's set-up)."""
-        cls = _mesh_class()
+        cls = stale_meshes.mesh_class()
         if cls is None or self._restore is not None:
             return
         original = cls.__getitem__

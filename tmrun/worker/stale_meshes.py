@@ -38,13 +38,14 @@ from tmrun.worker.live_objects import instances_of
 _retired_classes: dict[type, type] = {}
 
 
-def _mesh_class() -> type | None:
+def mesh_class() -> type | None:
+    """torch's ``DeviceMesh``, if this process imported it (None for a job without a mesh)."""
     module = sys.modules.get("torch.distributed.device_mesh")  # never imported here for a job without one
     return getattr(module, "DeviceMesh", None) if module is not None else None
 
 
 def _live_meshes() -> list[Any]:
-    cls = _mesh_class()
+    cls = mesh_class()
     if cls is None:
         return []
     return instances_of(cls)[cls]
@@ -119,7 +120,7 @@ class StaleMeshes:
 
     def watch(self) -> None:
         """From now on (the second run), each new mesh takes its rehearsal twins' place."""
-        cls = _mesh_class()
+        cls = mesh_class()
         if cls is None or not self._refs or self._unwatch is not None:
             return
         original = cls.__init__
