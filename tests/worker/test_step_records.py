@@ -56,3 +56,44 @@ def test_a_script_that_moves_its_per_rank_state_after_the_optimizer_step_is_name
     with pytest.raises(NoReplicaError):
         per_rank_records.check(store, [3], 3)  # only the boundary's own record is usable: step 2's
     per_rank_records.check(store, [3], 2)
+
+
+class CountingStore:
+    """A HashStore that counts its round trips."""
+
+    def __init__(self) -> None:
+        self.inner = dist.HashStore()
+        self.trips = 0
+
+    def check(self, keys: list[str]) -> bool:
+        self.trips += 1
+        return self.inner.check(keys)
+
+    def get(self, key: str) -> bytes:
+        self.trips += 1
+        return self.inner.get(key)
+
+
+def test_a_healing_fetches_each_record_once_for_its_check_and_its_joiners_adoption() -> None:
+    """Every member checks the joiner's records and the joiner adopts them: through ReadOnce the
+    store is asked once per record (check + get), with the same verdicts and state as without."""
+    store = CountingStore()
+    position = [b"batch 40"]
+    per_rank = per_rank_records.Publisher(lambda: position[0], lambda: store.inner, lambda: 1)
+    random = rng_records.Publisher(lambda: store.inner, lambda: 1)
+    for step in (4, 5):
+        random.at_start(step)
+        per_rank.at_start(step)
+    records = step_records.ReadOnce(store)
+    rng_records.check(records, [1], 5)
+    per_rank_records.check(records, [1], 5)
+    loaded: list[bytes] = []
+    per_rank_records.adopt(records, 1, 5, loaded.append)
+    assert rng_records.adopt(records, 1, 5) is not None
+    assert loaded == [b"batch 40"]
+    assert store.trips == 4  # two records, each one check and one get (eight without ReadOnce)
+    absent = step_records.ReadOnce(store)
+    rng_records.check(absent, [3], 5)  # a rank that published none: no record, asked once
+    assert rng_records.adopt(absent, 3, 5) is None and store.trips == 5
+    with pytest.raises(NoReplicaError):
+        per_rank_records.check(absent, [3], 5)

@@ -184,3 +184,25 @@ def test_missing_optimizer_state_of_dtensor_parameters_is_allocated_as_the_optim
         assert other.specs() == halves
     finally:
         dist.destroy_process_group()
+
+
+def test_a_healing_walks_each_module_once_and_sees_changes_after_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Within ``walked_once`` (a healing) each tracked module's members are walked once, however
+    often its tensors, specs, shard key or replica tensors are asked for; nested blocks share the
+    walk; after the block a module's new parameter is seen again (no stale walk in a later change)."""
+    from tmrun.worker import tracked as tracked_module
+
+    walks: list[int] = []
+    real = tracked_module._module_members
+    monkeypatch.setattr(tracked_module, "_module_members", lambda module: walks.append(1) or real(module))
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    state = TrackedState()
+    state.track(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with state.walked_once():
+        names = [name for name, _ in state.tensors()]
+        state.specs(), state.layout_digest(), state.shard_key(), state.replica_tensors()
+        with state.walked_once():
+            assert [name for name, _ in state.tensors()] == names
+    assert len(walks) == 1
+    model.register_buffer("scale", torch.ones(1))
+    assert [name for name, _ in state.tensors()] == names + ["model.scale"] and len(walks) == 2

@@ -28,7 +28,7 @@ from tmrun.comm import native
 from tmrun.comm.backend import TmrunProcessGroup
 from tmrun.protocol import keys, messages as proto
 from tmrun.worker import (cpu_budget, group, per_rank_records, pipeline, pipeline_startup, replica_check, rng,
-                          rng_records, subgroups, vote)
+                          rng_records, step_records, subgroups, vote)
 from tmrun.worker.buffers import unsynchronised_buffers
 from tmrun.worker.context import FAST_POLL, Abandoned, Context, GenerationFile, RecoveryError, Superseded, log
 from tmrun.worker.device_transfer import device_link
@@ -288,10 +288,17 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float, repl
     ``started`` (monotonic) is for the log; ``connected`` (Unix time) is when this rank's links
     to the new generation were up, published with the other instants of its recovery.
     ``replaced``: the ranks the new generation gives to other processes."""
-    store = ctx.require_store()
-    comm = group.comm()
     settle_heal(ctx, skip=replaced, in_change=True)  # what the previous change left to read first
     sharded_reset = ctx.interrupter.reset_sharded()  # FSDP2 blocks a stopped step left unsharded
+    with ctx.tracked.walked_once():  # from here no module gains or loses a parameter or buffer
+        return _heal(ctx, started, aborted_step, connected, replaced, sharded_reset)
+
+
+def _heal(ctx: Context, started: float, aborted_step: int, connected: float, replaced: Collection[int],
+          sharded_reset: bool) -> int:
+    store = ctx.require_store()
+    records = step_records.ReadOnce(store)  # the lost ranks' records: checked here, adopted by their joiners
+    comm = group.comm()
     shard_key = ctx.tracked.shard_key()
     if ctx.fresh and shard_key and not ctx.built_as_rank:  # built as rank 0 of a standby's sandbox
         shard_key = MISPLACED  # every member refuses the plan at once (a 1-D FSDP job: docs/mesh.md)
@@ -303,8 +310,8 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float, repl
                      state_tensors=None if link is not None else ctx.tracked.tensors(), shard_key=shard_key,
                      overlap=overlap, reset_models=ctx.interrupter.reducers_need_reset())
         if ctx.tracked.per_rank:
-            per_rank_records.check(store, plan.fresh, plan.target_step + 1)
-        rng_records.check(store, plan.fresh, plan.target_step + 1)
+            per_rank_records.check(records, plan.fresh, plan.target_step + 1)
+        rng_records.check(records, plan.fresh, plan.target_step + 1)
     except NoReplicaError as exc:  # every member at once: the controller falls back without waiting
         # An expected end, not a bug: one line per worker, then exit for the group restart (a
         # RecoveryError would print a traceback through the script on every rank)
@@ -329,9 +336,9 @@ def heal(ctx: Context, started: float, aborted_step: int, connected: float, repl
     redone = None if ctx.fresh else resume == aborted_step  # the step this survivor was in, recomputed
     if ctx.fresh:
         _say_buffers_lost(ctx, plan.donors_of(comm.rank))
-        ctx.rng_inherited = rng_records.adopt(store, ctx.rank, resume)
+        ctx.rng_inherited = rng_records.adopt(records, ctx.rank, resume)
         if ctx.tracked.per_rank:
-            ctx.per_rank_inherited = per_rank_records.adopt(store, ctx.rank, resume, ctx.tracked.apply_per_rank)
+            ctx.per_rank_inherited = per_rank_records.adopt(records, ctx.rank, resume, ctx.tracked.apply_per_rank)
     elif redone and ctx.step_rng is not None:
         rng.restore(ctx.step_rng)  # redo the aborted step from the same random state
     comm.barrier()

@@ -141,6 +141,31 @@ class Publisher:
         self._store().set(self._kind.key(self._rank()), pickle.dumps(self._record))
 
 
+class ReadOnce:
+    """A view of the job's store for one healing: each record is fetched once (checked on every
+    member, then adopted by the joiner: two round trips and unpicklings each otherwise). Records
+    do not change while their members heal: a lost rank publishes nothing any more and the
+    others publish again only once they resume."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self._values: dict[str, bytes | None] = {}
+
+    def _value(self, key: str) -> bytes | None:
+        if key not in self._values:
+            self._values[key] = self._store.get(key) if self._store.check([key]) else None
+        return self._values[key]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(self._value(key) is not None for key in keys)
+
+    def get(self, key: str) -> bytes:
+        value = self._value(key)
+        if value is None:
+            raise KeyError(key)
+        return value
+
+
 def read(store: Any, kind: Kind, rank: int) -> Record | None:
     """The record of ``kind`` that ``rank`` published, or None if it published none."""
     key = kind.key(rank)
