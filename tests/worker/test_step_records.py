@@ -92,8 +92,14 @@ def test_a_healing_fetches_each_record_once_for_its_check_and_its_joiners_adopti
     assert rng_records.adopt(records, 1, 5) is not None
     assert loaded == [b"batch 40"]
     assert store.trips == 4  # two records, each one check and one get (eight without ReadOnce)
+    early = step_records.ReadOnce(store)  # a survivor reads the lost rank's records before its joiner arrives
+    early.prefetch([rng_records.RANDOM_STATE, per_rank_records.PER_RANK_STATE], [1])
+    trips = store.trips
+    rng_records.check(early, [1], 5)
+    per_rank_records.check(early, [1], 5)
+    assert store.trips == trips == 8  # the checks after the agreement: no round trip
     absent = step_records.ReadOnce(store)
     rng_records.check(absent, [3], 5)  # a rank that published none: no record, asked once
-    assert rng_records.adopt(absent, 3, 5) is None and store.trips == 5
+    assert rng_records.adopt(absent, 3, 5) is None and store.trips == 9
     with pytest.raises(NoReplicaError):
         per_rank_records.check(absent, [3], 5)

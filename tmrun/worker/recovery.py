@@ -249,7 +249,7 @@ class Recovery:
                     ctx.gen = plan.gen
                     ctx.aborted_by = None
                 return heal(ctx, started=started, aborted_step=aborted_step, connected=connected,
-                            replaced=replaced)
+                            replaced=replaced, lost=() if plan.planned else replaced)
             except Superseded as exc:
                 self.superseded(plan, exc)
             except native.CommError as exc:
@@ -282,22 +282,28 @@ def _start_pipelines(ctx: Context, store: Any, joined: set[int]) -> None:
             f"(its P2P warm-up and shape inference: {why})")
 
 
-def heal(ctx: Context, started: float, aborted_step: int, connected: float, replaced: Collection[int] = ()) -> int:
+def heal(ctx: Context, started: float, aborted_step: int, connected: float, replaced: Collection[int] = (),
+         lost: Collection[int] = ()) -> int:
     """Agree on the last committed step, move the state to whoever is behind, restore the random
     state the resumed step needs; the rank is ACTIVE afterwards. Returns the step to resume at.
     ``started`` (monotonic) is for the log; ``connected`` (Unix time) is when this rank's links
     to the new generation were up, published with the other instants of its recovery.
-    ``replaced``: the ranks the new generation gives to other processes."""
+    ``replaced``: the ranks the new generation gives to other processes; ``lost``: those of them
+    whose process is gone (it publishes no record any more: a survivor reads their records
+    before it waits for their joiners)."""
     settle_heal(ctx, skip=replaced, in_change=True)  # what the previous change left to read first
     sharded_reset = ctx.interrupter.reset_sharded()  # FSDP2 blocks a stopped step left unsharded
     with ctx.tracked.walked_once():  # from here no module gains or loses a parameter or buffer
-        return _heal(ctx, started, aborted_step, connected, replaced, sharded_reset)
+        return _heal(ctx, started, aborted_step, connected, replaced, lost, sharded_reset)
 
 
 def _heal(ctx: Context, started: float, aborted_step: int, connected: float, replaced: Collection[int],
-          sharded_reset: bool) -> int:
+          lost: Collection[int], sharded_reset: bool) -> int:
     store = ctx.require_store()
     records = step_records.ReadOnce(store)  # the lost ranks' records: checked here, adopted by their joiners
+    if not ctx.fresh:  # read while the joiners still build (off their path), not after the agreement
+        records.prefetch([rng_records.RANDOM_STATE] + ([per_rank_records.PER_RANK_STATE] if ctx.tracked.per_rank
+                                                      else []), lost)
     comm = group.comm()
     shard_key = ctx.tracked.shard_key()
     if ctx.fresh and shard_key and not ctx.built_as_rank:  # built as rank 0 of a standby's sandbox

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from tmrun.worker.context import log
 from tmrun.worker.transfer import NoReplicaError
@@ -150,6 +150,13 @@ class ReadOnce:
     def __init__(self, store: Any) -> None:
         self._store = store
         self._values: dict[str, bytes | None] = {}
+
+    def prefetch(self, kinds: list[Kind], ranks: Iterable[int]) -> None:
+        """Fetch the records of ``kinds`` that ``ranks`` published, now (a survivor, before it
+        waits for its joiners: its check after the agreement then costs no round trip)."""
+        for rank in ranks:
+            for kind in kinds:
+                self._value(kind.key(rank))
 
     def _value(self, key: str) -> bytes | None:
         if key not in self._values:

@@ -335,6 +335,7 @@ class TrackedState:
         """Create optimizer state the donor has and this member has not allocated yet (an
         optimizer that never stepped), so that everything can be received in place."""
         have = {name for name, _ in self.tensors()}
+        params_of: dict[str, list[torch.Tensor]] = {}  # per optimizer, its parameters in state order
         for spec in donor_specs:
             if spec.name in have:
                 continue
@@ -343,8 +344,9 @@ class TrackedState:
             if not isinstance(optimizer, torch.optim.Optimizer) or not rest:
                 raise TrackError(f"the donor has tensor {spec.name!r} and this member has not")
             index_text, _, key = rest.partition(".")
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            param = params[int(index_text)]
+            if name not in params_of:
+                params_of[name] = [p for group in optimizer.param_groups for p in group["params"]]
+            param = params_of[name][int(index_text)]
             dtype = getattr(torch, spec.dtype.removeprefix("torch."))
             if local_shard(param) is not param and spec.shape and tuple(local_shard(param).shape) == spec.shape:
                 # a DTensor sharded as its parameter, made as torch's optimizers make their state
