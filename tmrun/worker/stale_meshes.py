@@ -76,30 +76,27 @@ def _slots(cls: type) -> list[str]:
     return [name for klass in cls.__mro__ for name in getattr(klass, "__slots__", ())]
 
 
-def _replace_in(holder: Any, stale: dict[int, Any], real: Any, names: list[str] | None = None) -> bool:
-    """Replace the references ``holder`` has to any mesh of ``stale`` (by id) by ``real``;
-    False when it cannot (a tuple, or a kind of object not known here). ``names``: for an
-    object, the attributes to look at (default: all of them)."""
+def _replace_in(holder: Any, stale: dict[int, Any], real: Any, names: list[str] | None) -> None:
+    """Replace the references ``holder`` has to any mesh of ``stale`` (by id) by ``real``: a
+    dict's or a list's, looked through whole (``names`` None), or an object's attributes
+    ``names`` (those found holding a rehearsal mesh, :func:`_where`)."""
     if isinstance(holder, dict):
         for key, value in list(holder.items()):
             if id(value) in stale:
                 holder[key] = real
         for key in [key for key in holder if id(key) in stale]:
             holder.setdefault(real, holder.pop(key))
-        return True
+        return
     if isinstance(holder, list):
         for index, item in enumerate(holder):
             if id(item) in stale:
                 holder[index] = real
-        return True
+        return
     # an object's attributes, set past the class's __setattr__ (a DTensorSpec recomputes its
     # hash there: equal meshes, equal hashes)
-    replaced = False
-    for name in _attribute_names(holder) if names is None else names:
+    for name in names or ():
         if id(getattr(holder, name, None)) in stale:
             object.__setattr__(holder, name, real)
-            replaced = True
-    return replaced
 
 
 class StaleMeshes:
@@ -163,11 +160,10 @@ class StaleMeshes:
             # found holding one before the failure (the scan of each object's attributes here,
             # hundreds of them, was half of an HSDP joiner's 12 ms of mesh replacement)
             for holder, where in zip(self._holders, self._holder_names):
-                if isinstance(where, frozenset):
+                if isinstance(where, frozenset):  # a tuple or a set keeps its mesh (given the new state below)
                     self.unchangeable += not where.isdisjoint(stale)
-                elif where != [] and not _replace_in(holder, stale, real, where) \
-                        and any(id(item) in stale for item in _items(holder)):
-                    self.unchangeable += 1
+                else:
+                    _replace_in(holder, stale, real, where)
             for mesh in stale.values():
                 mesh.__dict__.clear()
                 mesh.__dict__.update(real.__dict__)
@@ -207,8 +203,3 @@ def _where(holder: Any, ids: set[int]) -> list[str] | frozenset[int] | None:
     if isinstance(holder, (tuple, set, frozenset)):
         return frozenset(id(item) for item in holder if id(item) in ids)
     return [name for name in _attribute_names(holder) if id(getattr(holder, name, None)) in ids]
-
-
-def _items(holder: Any) -> list[Any]:
-    """What a holder that :func:`_replace_in` cannot change holds (a tuple or a set)."""
-    return list(holder) if isinstance(holder, (tuple, set, frozenset)) else []
