@@ -227,10 +227,8 @@ def _run(agent: TmrunAgent, handler: TmrunRendezvousHandler | None) -> int:
     except SignalException as exc:
         standing_by = handler is not None and handler.is_standing_by()
         announce_stop(handler, exc.sigval)  # (said already when it came while the agent ran)
-        if standing_by:
-            return 128 + int(exc.sigval)
-        if handler is not None:
-            handler.close(Phase.FAILED, f"an agent received {exc.sigval.name}")
+        if not standing_by and handler is not None:
+            _close(handler, Phase.FAILED, f"an agent received {exc.sigval.name}")
         return 128 + int(exc.sigval)
     except RendezvousError as exc:
         raise LaunchError(f"rendezvous failed: {exc}") from None
@@ -251,8 +249,18 @@ def _run(agent: TmrunAgent, handler: TmrunRendezvousHandler | None) -> int:
             for rank, f in sorted(failures.items())
         )
         if handler is not None:
-            handler.close(Phase.FAILED, f"workers failed with no restarts left: {summary}")
+            _close(handler, Phase.FAILED, f"workers failed with no restarts left: {summary}")
         raise LaunchError(f"workers failed and no restarts are left: {summary}")
     if handler is not None:
-        handler.close(Phase.SUCCEEDED, "workers finished")
+        _close(handler, Phase.SUCCEEDED, "workers finished")
     return 0
+
+
+def _close(handler: TmrunRendezvousHandler, phase: Phase, reason: str) -> None:
+    """Close the job for every node, unless its store is gone already (its host was lost, or a
+    scancel stopped it first): then there is no one to tell, and this node's own outcome stands
+    (a stop signal's exit code, the workers' failure) with no traceback."""
+    try:
+        handler.close(phase, reason)
+    except DistError:
+        handler.store_lost = True

@@ -268,7 +268,10 @@ def test_store_host_lost_every_other_node_stops_with_one_line(main_nodes: SlurmC
     It runs once the background scenarios ended: they kill nodes and jobs too, at the moment
     their standbys turn warm, which is this test's moment as well; on this host (every slurmd on
     one machine) a kill by SLURM in one of them has been seen to take this job's other nodes
-    down with it, with no line (2 of 4 runs on a loaded machine), which no real cluster does."""
+    down with it, with no line (2 of 4 runs on a loaded machine), which no real cluster does.
+    The loss itself stops every process of the node before it kills any (SlurmCluster.lose_node):
+    killed one by one, the batch step's daemon could see its script die and have slurmctld end
+    the job everywhere at once (a CI run)."""
     for scenario in background.values():
         scenario.wait()
     slurm, out = main_nodes, tmp_path / "job.out"
