@@ -29,6 +29,7 @@ from tmrun.protocol.stores import open_job_store
 from tmrun.worker import group, pipeline_startup, rehearsal, startup_replay, warm_imports
 from tmrun.worker.drills import DrillRunner
 from tmrun.worker.interrupt import StepInterrupter
+from tmrun.worker import store_pace
 from tmrun.worker.leave import exit_now
 from tmrun.worker.progress import ProgressWriter
 from tmrun.worker.roles import Lifecycle, Role
@@ -299,6 +300,11 @@ class Context:
         publish), instead of waiting up to the store's timeout. Also watches what
         :meth:`await_key` watches (abort, SIGTERM, the agent's death, the recovery timeout)."""
 
+        # a look: one store check, and every tenth the watch's three (the generation, the abort;
+        # store_pace: a large job's survivors, who all read every joiner's address, look less often)
+        fast = store_pace.interval(self.world_size, FAST_POLL, requests_per_look=1.3)
+        slow = store_pace.interval(self.world_size, POLL, requests_per_look=1.3)
+
         def get(store: Any, key: str) -> str:
             watch = self.generation_watch(gen, key)
             polls = 0
@@ -306,7 +312,7 @@ class Context:
                 watch()
                 polls += 1
                 # fast while a peer is about to publish (the downtime), then at a standby's pace
-                time.sleep(FAST_POLL if polls < 100 else POLL)
+                time.sleep(fast if polls < 100 else slow)
             value = store.get(key)
             return value.decode() if isinstance(value, (bytes, bytearray)) else str(value)
 
@@ -392,13 +398,18 @@ class Context:
         store = self.require_store()
         wake = GenerationFile(self.env.gen_file)
         if wake.usable:
-            poll = min(poll, FAST_POLL)  # a file read per poll; the store only when it changed
+            poll = min(poll, FAST_POLL)  # a file read per poll; the store only when it changed ...
+            # ... and every `every`-th poll (the key, then the controller's abort): store_pace
+            every = store_pace.looks_per_store_ask(self.world_size, poll, 10, requests_per_ask=2)
+        else:
+            # the key every poll, the abort every tenth (or every poll, once polls are POLL apart)
+            poll, every = store_pace.interval(self.world_size, poll, requests_per_look=2), 10
         polls = 0
         while True:
-            if (not wake.usable or wake.changed() or polls % 10 == 0) and store.check([key]):
+            if (not wake.usable or wake.changed() or polls % every == 0) and store.check([key]):
                 return store.get(key)
             polls += 1
-            if polls % 10 and poll < POLL:
+            if polls % every and poll < POLL:
                 time.sleep(poll)
                 continue  # the other checks at POLL's pace
             self._check_waiting(deadline, key, missing="no replacement plan")

@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from tmrun.protocol import keys, messages as proto
+from tmrun.worker import store_pace
 
 POLL = 0.002
 
@@ -64,6 +65,7 @@ def others_committed(store: dist.Store, gen: int, rank: int, world_size: int, st
     (monotonic) passed first. Two counter reads per poll; the records themselves are read only
     once the counter says they can all be there."""
     known: dict[int, int] = {}
+    pace = store_pace.interval(world_size, POLL, requests_per_look=3)  # two counters and the plan's check a look
     while True:
         if store.add(keys.committed_at(gen, step), 0) > 0:
             return True
@@ -82,4 +84,4 @@ def others_committed(store: dist.Store, gen: int, rank: int, world_size: int, st
                     return False
         if time.monotonic() > deadline:
             return None
-        time.sleep(POLL)
+        time.sleep(pace)
