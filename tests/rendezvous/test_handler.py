@@ -251,3 +251,24 @@ def test_slurms_first_nodes_are_the_active_ones() -> None:
         first.handler.close(Phase.SUCCEEDED, "test over")
         for node in reversed(nodes):
             node.handler.leave()
+
+
+def test_a_standby_that_lost_the_store_still_knows_it_stands_by(three_nodes: list[Node]) -> None:
+    """Its stop line names its role (`while standing by; this standby leaves`) and it does not try
+    to close the job in a store that is gone; an active node's answer stays no."""
+    from torch.distributed import DistNetworkError
+
+    a, b, spare = three_nodes
+    _form_with_standby(a, b, spare)
+    assert spare.handler.is_standing_by() and not b.handler.is_standing_by()
+
+    def gone() -> None:
+        raise DistNetworkError("Broken pipe")
+
+    for node in (b, spare):
+        node.handler._read_membership = gone  # type: ignore[method-assign]
+    try:
+        assert spare.handler.is_standing_by() and not b.handler.is_standing_by()
+    finally:
+        for node in (b, spare):
+            del node.handler._read_membership

@@ -272,11 +272,15 @@ class TmrunRendezvousHandler(RendezvousHandler):
         return Phase(notice.phase), notice.reason
 
     def is_standing_by(self) -> bool:
-        """True while this node is one of the job's standbys (not yet given a group rank)."""
-        try:
-            return self.node_id is not None and self.node_id in self._read_membership().standby
-        except Exception:  # noqa: BLE001 - the store is gone: no longer anyone's standby
+        """True while this node is one of the job's standbys (not yet given a group rank); with
+        the store gone, what the membership it last read said (its stop line names its role)."""
+        if self.node_id is None:
             return False
+        try:
+            membership = self._read_membership()
+        except Exception:  # noqa: BLE001 - the store is gone: the last membership read
+            membership = self.membership
+        return self.node_id in membership.standby
 
     def wait_closed(self, poll: float = 0.2) -> tuple[Phase, str]:
         """Block until the job closes (its phase and reason); raises RendezvousClosedError if the
