@@ -18,6 +18,7 @@ from tmrun.worker import context as context_module, store_pace, vote
 from tmrun.worker.context import FAST_POLL, POLL, Context
 
 LOOKS = 400  # sleeps a wait is allowed before the test stops it
+BUDGET = store_pace.STORE_BUDGET * 1.0001  # (rounding)
 
 
 class _CountingStore:
@@ -79,9 +80,6 @@ def _context(tmp_path: Path, world_size: int, gen_file: bool) -> tuple[Context, 
     return ctx, store
 
 
-BUDGET = store_pace.STORE_BUDGET * 1.0001  # (rounding)
-
-
 def _job_rate(store: _CountingStore, sleeps: _Sleeps, world_size: int) -> float:
     """Store requests a second of the whole job, were every worker waiting like this one."""
     return store.requests / sum(sleeps.slept) * world_size
@@ -92,9 +90,12 @@ def test_the_pace_is_the_small_jobs_up_to_the_budget_and_the_budget_above() -> N
     assert store_pace.interval(1000, FAST_POLL) == pytest.approx(0.02)
     for world in (1, 2, 64, 256, 1000, 4096, 16384):
         pace = store_pace.interval(world, FAST_POLL, requests_per_look=3)
-        assert world * 3 / pace <= store_pace.STORE_BUDGET * 1.0001
+        assert world * 3 / pace <= BUDGET
     assert store_pace.looks_per_store_ask(8, FAST_POLL, 10, requests_per_ask=2) == 10
     assert store_pace.looks_per_store_ask(1000, FAST_POLL, 10, requests_per_ask=2) == 20
+    for world in (501, 777, 1025, 3333):  # spaced up, never under the budget's spacing
+        every = store_pace.looks_per_store_ask(world, FAST_POLL, 10, requests_per_ask=2)
+        assert world * 2 / (every * FAST_POLL) <= BUDGET
 
 
 @pytest.mark.parametrize("gen_file", [True, False], ids=["gen-file", "store-only"])

@@ -14,6 +14,8 @@ requests a second together (at 1,000 ranks: a look every 20 ms for one request p
 
 from __future__ import annotations
 
+import math
+
 STORE_BUDGET = 50_000.0  # requests per second that every waiting worker of a job makes together, at most
 
 
@@ -29,4 +31,4 @@ def looks_per_store_ask(world_size: int, look: float, every: int, requests_per_a
     ``every``-th look (``requests_per_ask`` requests): how many looks apart its store asks must be
     for the job's waiting workers to stay under STORE_BUDGET together (``every`` at least)."""
     apart = interval(world_size, look * every, requests_per_ask)
-    return max(every, round(apart / look))
+    return max(every, math.ceil(apart / look - 1e-9))  # up, never under the budget's spacing (1e-9: float noise)
