@@ -7,6 +7,7 @@ under STORE_BUDGET requests a second."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -63,10 +64,21 @@ class _Sleeps:
             raise _Stop
 
 
+class _VirtualTime:
+    """The ``time`` module as the waits see it, with the counting sleep."""
+
+    def __init__(self, sleep: _Sleeps) -> None:
+        self.sleep = sleep
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(time, name)
+
+
 @pytest.fixture
 def sleeps(monkeypatch: pytest.MonkeyPatch) -> _Sleeps:
     fake = _Sleeps()
-    monkeypatch.setattr(context_module.time, "sleep", fake)  # the time module: vote's sleep too
+    for module in (context_module, vote):  # those modules only: no other thread's sleep is touched
+        monkeypatch.setattr(module, "time", _VirtualTime(fake))
     return fake
 
 
