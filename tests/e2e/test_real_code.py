@@ -2,7 +2,8 @@
 fused projection with unfusing state_dict hooks, a chunked loss with its own backward, an
 evaluation inside the loop, gradient accumulation with no_sync, a head reduced by the script,
 per-rank data positions, ``@record`` and a catch-all around training), against the same script
-under plain torchrun: every rank ends bitwise equal, every evaluation printed its true value,
+under plain torchrun: every rank ends bitwise equal, every evaluation printed its true value
+(one after each step's update redone in the next step where a lost peer voided it),
 survivors keep their processes, at most one step is redone, the standby's exit is never
 swallowed; replicas that disagree after a change stop the job in one line."""
 
@@ -29,7 +30,7 @@ def _run(work: Path, launcher: str, *script_args: str, tmrun_args: tuple[str, ..
     work.mkdir()
     args = [str(SCRIPT), "--steps", str(STEPS), "--pause", PAUSE, "--final", str(work / "final-{rank}"),
             "--eval-log", str(work / "eval"), "--step-log", str(work / "steps-{rank}"),
-            "--aborted-log", str(work / "aborted-{rank}"), *script_args]
+            "--aborted-log", str(work / "aborted-{rank}"), "--end-eval-log", str(work / "end-eval"), *script_args]
     if launcher == "torchrun":
         cmd = torchrun_cmd("--standalone", "--nproc-per-node", "2", *args)
     else:
@@ -46,8 +47,10 @@ def _run(work: Path, launcher: str, *script_args: str, tmrun_args: tuple[str, ..
     swallowed = sorted(p.name for p in work.glob("*.ran-on-*"))
     aborted = {r: [tuple(map(int, line.split())) for line in (work / f"aborted-{r}").read_text().splitlines()]
                for r in range(2) if (work / f"aborted-{r}").exists()}
+    end_evals = [(int(s), v, how) for s, v, how in (line.split() for line in (work / "end-eval").read_text().splitlines())] \
+        if (work / "end-eval").exists() else []
     return code, log, {"finals": finals, "evals": evals, "best": best, "steps": steps, "swallowed": swallowed,
-                       "aborted": aborted}
+                       "aborted": aborted, "end_evals": end_evals}
 
 
 def _check_aborted_contract(runs: list[tuple[int, int, int, int]]) -> None:
@@ -72,7 +75,17 @@ def torchrun_reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     assert code == 0, log
     assert len(set(got["finals"].values())) == 1 and len(got["finals"]) == 2, got  # replicas agree
     assert [s for s, _ in got["evals"]] == list(range(STEPS))
+    assert [(s, how) for s, _, how in got["end_evals"]] == [(s, "end") for s in range(STEPS)], got["end_evals"]
     return got
+
+
+def _check_end_evals(got: dict, reference: dict) -> None:
+    """The evaluation after each step's update (an all-reduce): one line per step, torchrun's
+    value, whether it ran at its step's end or was redone in the next step (tm.voided_step)."""
+    truth = {s: v for s, v, _ in reference["end_evals"]}
+    assert sorted(s for s, _, _ in got["end_evals"]) == sorted(truth), got["end_evals"]
+    for step, value, _ in got["end_evals"]:
+        assert value == truth[step], (step, value, truth[step])
 
 
 def _check_in_place(code: int, log: str, got: dict, reference: dict, killed: int = 1,
@@ -86,6 +99,7 @@ def _check_in_place(code: int, log: str, got: dict, reference: dict, killed: int
     assert "in-place replacement" in log and "replicas agree" in log, log
     assert "group restart" not in log.split("recovery totals")[0], log
     assert got["best"] == reference["best"], "rank 0's per-rank best value differs from torchrun's"
+    _check_end_evals(got, reference)
     survivor = got["steps"][1 - killed]
     assert sorted({s for s, _ in survivor}) == list(range(STEPS)), survivor
     assert len({pid for _, pid in survivor}) == 1, f"rank {1 - killed} changed process"
@@ -143,6 +157,9 @@ def test_a_rank_killed_after_the_commit_vote_leaves_the_step_committed_and_flagg
     assert re.search(r"rank 0: step 4 committed and then lost a peer: .* void \(tm.void\); the step is not redone", log), log
     _check_aborted_contract(survivor)
     assert re.search(r"resume at step 5 ", log), log
+    # its evaluation after the update was void there: redone at step 5's start, torchrun's value
+    _check_end_evals(got, torchrun_reference)
+    assert (4, "redo") in [(s, how) for s, _, how in got["end_evals"]], got["end_evals"]
 
 
 def test_a_script_resumed_from_its_checkpoint_says_where_it_resumes(tmp_path: Path) -> None:
@@ -155,6 +172,7 @@ def test_a_script_resumed_from_its_checkpoint_says_where_it_resumes(tmp_path: Pa
     assert code == 0, log
     assert got["finals"] == reference["finals"], log
     assert re.search(r"resume at step 5 ", log), log
+    _check_end_evals(got, reference)  # the evaluation after each update: one true line per step
     assert sorted({s for s, _ in got["steps"][0]}) == list(range(3, STEPS))
 
 

@@ -17,7 +17,9 @@ What tmrun's own example scripts do not do, and third-party trainers do:
 
 Outputs: ``--final`` (per rank, ``{rank}``): a digest of the model and optimizer state;
 ``--eval-log``: rank 0's ``step value`` lines, one per evaluation run (an evaluation of a step that
-is redone appears twice; every value must be the true one).
+is redone appears twice; every value must be the true one). ``--end-eval-log``: an evaluation
+after each step's update on every rank, averaged by an all-reduce; a void one (a peer lost after
+the commit) is redone at the next step's start (``tm.voided_step``): one true line per step.
 """
 
 from __future__ import annotations
@@ -160,6 +162,9 @@ def main() -> None:
     parser.add_argument("--pause", type=float, default=0.0, help="seconds before the chunked loss")
     parser.add_argument("--final", required=True)
     parser.add_argument("--eval-log", required=True)
+    parser.add_argument("--end-eval-log", default="",
+                        help="rank 0's 'step value how' per end-of-step evaluation (every rank evaluates, one "
+                             "all-reduce; how: 'end', or 'redo' when redone in the next step after a void tail)")
     parser.add_argument("--kill-in-loss", type=int, default=-1, help="rank 1 SIGKILLs itself in this step's loss")
     parser.add_argument("--kill-at", default="", help="STEP:SECONDS: --kill-rank is SIGKILLed that long into STEP")
     parser.add_argument("--kill-rank", type=int, default=1)
@@ -200,8 +205,24 @@ def train(args: argparse.Namespace) -> None:
         for _ in range(args.resume_step):
             sched.step()
     val_tokens, val_targets = RankLoader(99, batch=4).next()
+    written: set[int] = set()
+
+    def end_eval(step: int, how: str) -> None:
+        """An evaluation after the step's update, averaged over the ranks (a collective): its
+        value is written unless void (a peer lost: tm.void), and then redone in the next step."""
+        end_tokens, end_targets = RankLoader(50 + tm.rank, batch=4).next()  # each rank its own held-out batch
+        with torch.no_grad():  # (made here: a warm standby's set-up ran before it knew its rank)
+            val = F.cross_entropy(head(model(end_tokens)).flatten(0, 1), end_targets.flatten()).reshape(1)
+        dist.all_reduce(val)
+        if tm.rank == 0 and not tm.is_shadow and not tm.void and step not in written:
+            written.add(step)
+            with open(args.end_eval_log, "a") as log:
+                log.write(f"{step} {val.item() / tm.world_size:.6f} {how}\n")
+
     kill_step, _, kill_after = args.kill_at.partition(":")
     for step in tm.steps(args.steps, start=args.resume_step):
+        if args.end_eval_log and tm.voided_step is not None:  # the last step's tail was void: redo it first
+            end_eval(tm.voided_step, "redo")
         if args.kill_at and step == int(kill_step) and tm.rank == args.kill_rank and not tm.is_shadow \
                 and not os.path.exists(args.final + ".killed"):
             open(args.final + ".killed", "w").close()
@@ -231,12 +252,16 @@ def train(args: argparse.Namespace) -> None:
         sched.step()
         opt.zero_grad()
         dist.all_reduce(step_loss)  # a metrics all-reduce after the optimizer step
+        if args.end_eval_log:
+            end_eval(step, "end")
         if args.aborted_log and not tm.is_shadow:
             with open(args.aborted_log.format(rank=tm.rank), "a") as log:
                 log.write(f"{step} {int(tm.aborted)} {int(tm.committed_step >= step)} {int(tm.void)}\n")
         if args.step_log and not tm.is_shadow and not tm.aborted:  # committed (void perhaps)
             with open(args.step_log.format(rank=tm.rank), "a") as log:
                 log.write(f"{step} {os.getpid()}\n")
+    if args.end_eval_log and not tm.is_standby and tm.voided_step is not None:  # the last step's tail was void
+        end_eval(tm.voided_step, "redo")
     if tm.rank == 0 and not tm.is_standby:
         with open(args.eval_log, "a") as log:
             log.write(f"-1 {best.val:.6f}\n")  # rank 0's best value, as its process ends

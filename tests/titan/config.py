@@ -8,7 +8,8 @@
 Environment: ``TITAN_TEST_ASSETS`` (the directory :func:`tests.titan.assets.make_assets`
 wrote), ``TITAN_TEST_OUT`` (where the probes write), ``TITAN_TEST_KILL=RANK:STEP`` (that rank
 SIGKILLs itself in the forward of the model's middle layer in torchtitan step STEP, 1-based,
-once per job: a marker file in TITAN_TEST_OUT keeps its joiner from doing it again).
+once per job: a marker file in TITAN_TEST_OUT keeps its joiner from doing it again;
+``RANK:STEP:validate``: in that forward of the step's validation, after its update).
 
 Probes, in TITAN_TEST_OUT: ``steps-{rank}`` (``step pid`` per step started, shadow steps
 excepted), ``final-{rank}`` (SHA-256 of the rank's local model shards, buffers, optimizer state
@@ -67,15 +68,26 @@ class ProbedTrainer(TmrunTrainer):
         super().train_step(data_iterator)
 
     def _arm_kill(self) -> None:
-        rank, step = (int(v) for v in os.environ.get("TITAN_TEST_KILL", "-1:-1").split(":"))
+        rank, step, *where = os.environ.get("TITAN_TEST_KILL", "-1:-1").split(":")
         marker = self._out("killed")
-        if self.tm.rank != rank or self.step != step or marker.exists():
+        if self.tm.rank != int(rank) or self.step != int(step) or marker.exists():
             return
         marker.write_text(str(os.getpid()))
         layers = list(self.model_parts[0].layers.values())  # type: ignore[union-attr, operator]
+        in_validation = where == ["validate"]  # in the step's validation, after its update
+        validating = [False]
+        if in_validation:
+            validate = self.validator.validate
+
+            def marked(*args: Any, **kwargs: Any) -> Any:
+                validating[0] = True
+                return validate(*args, **kwargs)
+
+            self.validator.validate = marked  # type: ignore[method-assign]
 
         def kill(*_: Any) -> None:
-            os.kill(os.getpid(), signal.SIGKILL)
+            if validating[0] or not in_validation:
+                os.kill(os.getpid(), signal.SIGKILL)
 
         layers[len(layers) // 2].register_forward_pre_hook(kill)
 

@@ -72,3 +72,67 @@ def test_the_cpu_shim_swaps_every_flex_attention_for_sdpa() -> None:
     sdpa_everywhere(model)
     assert not list(model.traverse(FlexAttention.Config))
     assert len(list(model.traverse(ScaledDotProductAttention.Config))) == 6  # the debug model's layers
+
+
+def test_a_void_tail_is_redone_on_every_rank_and_logged_once() -> None:
+    """tm.voided_step: the committed step's checkpoint and validation run again (collectives: on
+    every rank) with torchtitan's step number set to that step; metrics are logged where this
+    process had not logged that validation, and not again where it had."""
+    from types import SimpleNamespace
+
+    from tmrun.integrations.torchtitan import TmrunTrainer
+
+    trainer = object.__new__(TmrunTrainer)
+    calls: list[tuple] = []
+    logged: list[tuple] = []
+    trainer.tm = SimpleNamespace(void=False, is_shadow=False)
+    trainer.config = SimpleNamespace(training=SimpleNamespace(steps=10), validator=SimpleNamespace(enable=True))
+    trainer.checkpointer = SimpleNamespace(save=lambda step, last_step: calls.append(("save", step, last_step)))
+    trainer.metrics_processor = SimpleNamespace(log=lambda *args, **kwargs: logged.append(args),
+                                                log_validation=lambda loss, step: logged.append((step, loss)))
+    trainer._guard_metrics()
+
+    def validate(_parts: list, step: int) -> None:
+        calls.append(("validate", step, trainer.step))
+        trainer.metrics_processor.log_validation(loss="validation loss", step=step)  # as torchtitan's validator
+
+    trainer.validator = SimpleNamespace(should_validate=lambda step: step % 5 == 0, validate=validate)
+    trainer.model_parts = []
+    trainer.step = 6  # a joiner's counters, or a survivor's: set back after the redo
+    trainer._redo_void_tail(5)
+    assert calls == [("save", 5, False), ("validate", 5, 5)] and trainer.step == 6
+    assert logged == [(5, "validation loss")] and trainer._tail_done == 5
+    calls.clear()
+    trainer._redo_void_tail(5)  # this process logged step 5's validation: it runs, unlogged
+    assert calls == [("save", 5, False), ("validate", 5, 5)] and logged == [(5, "validation loss")]
+    trainer._redo_void_tail(10)  # the last step: its checkpoint is the last one
+    assert calls[-2] == ("save", 10, True) and logged[-1] == (10, "validation loss")
+    trainer.tm.void, trainer._tail_done = True, 0  # the redo itself lost a peer: nothing logged, not done
+    trainer._redo_void_tail(10)
+    assert len(logged) == 2 and trainer._tail_done == 0
+
+
+def test_no_metric_is_logged_in_a_void_step() -> None:
+    """Every logging method of torchtitan's metrics processor is quiet where tm.void (or a shadow
+    step): the validator's ``log_validation`` logged a made-up validation loss when a peer was
+    lost during the validation (its collectives' values are void)."""
+    from types import SimpleNamespace
+
+    from tmrun.integrations.torchtitan import TmrunTrainer
+
+    trainer = object.__new__(TmrunTrainer)
+    logged: list[str] = []
+    trainer.tm = SimpleNamespace(void=False, is_shadow=False)
+    trainer.metrics_processor = SimpleNamespace(log=lambda *_: logged.append("log"),
+                                                log_validation=lambda **_: logged.append("log_validation"),
+                                                close=lambda: logged.append("close"))
+    trainer._guard_metrics()
+    trainer.metrics_processor.log({}, 1)
+    trainer.metrics_processor.log_validation(loss=1.0, step=1)
+    assert logged == ["log", "log_validation"]
+    for void, shadow in ((True, False), (False, True)):
+        trainer.tm.void, trainer.tm.is_shadow = void, shadow
+        trainer.metrics_processor.log({}, 2)
+        trainer.metrics_processor.log_validation(loss=9.0, step=2)
+    trainer.metrics_processor.close()  # not a logging method: runs
+    assert logged == ["log", "log_validation", "close"]

@@ -22,6 +22,7 @@ def _loop(drill: str, pending_plan: bool) -> tuple[StepLoop, mock.MagicMock, moc
     ctx.env.agent_pid = 0
     ctx.aborted_by = None
     ctx.committed_step = -1
+    ctx.void_tail = None
     ctx.first_step_due = None
     ctx.life.is_.side_effect = lambda role: role is Role.ACTIVE
     ctx.drills = DrillRunner([Drill.parse(drill)], rank=3, promoted=False)

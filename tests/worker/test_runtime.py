@@ -46,6 +46,19 @@ SCRIPT = textwrap.dedent("""
     assert tm.void and not tm.aborted
     ctx.aborted_by = None
     assert not tm.void and not tm.aborted
+    # tm.voided_step: step 3's tail was void; seen in the step after it (redone or not), and after
+    # the loop when it was the last, never in step 3 itself nor once a later step committed
+    assert tm.voided_step is None
+    ctx.void_tail, ctx.loop_finished = 3, False  # (as in the loop)
+    assert tm.voided_step is None  # still in step 3
+    ctx.current_step = 4
+    assert tm.voided_step == 3
+    ctx.committed_step = 4
+    assert tm.voided_step is None  # step 4 committed: its start redid the tail
+    ctx.committed_step, ctx.current_step, ctx.loop_finished = 3, 3, True
+    assert tm.voided_step == 3  # the last step's tail: after the loop
+    ctx.void_tail, ctx.loop_finished = None, False
+    assert tm.voided_step is None
     ctx.committed_step = 2
     try:
         tm.migrate()

@@ -194,6 +194,31 @@ def test_a_member_one_step_behind_heals_from_the_others():
         close_all(comms)
 
 
+@pytest.mark.parametrize("tails,committed,expected", [
+    ([4, -1, -1], [4, 4, -1], True),  # one survivor's tail of the agreed step was void: all redo it, the joiner too
+    ([-1, -1, -1], [4, 4, -1], False),  # nobody's
+    ([3, -1, -1], [4, 4, -1], False),  # an older step's tail (redone in step 4, which committed since)
+    ([-1, -1, -1], [-1, -1, -1], False),  # nothing committed: a joiner's -1 is no tail
+    ([4, -1, -1], [4, 3, -1], True),  # a survivor one step behind: the agreed step is still 4
+])
+def test_every_member_learns_whether_the_agreed_steps_tail_was_void(tails, committed, expected):
+    """tm.voided_step's agreement: whether the tail of the agreed last step (what a script did
+    after its update) was void on any member, the same answer on every member, joiners included."""
+    comms = make_group(3, job="tail")
+    try:
+        members = {r: make_member(1, 4) for r in range(3)}
+
+        def body(comm):
+            fresh = committed[comm.rank] < 0 and comm.rank == 2
+            return agree(comm, committed[comm.rank], members[comm.rank][0].layout_digest(), fresh,
+                         void_tail=tails[comm.rank])
+
+        results, _ = run_ranks(comms, body, timeout=60)
+        assert [plan.void_tail for plan in results] == [expected] * 3, results
+    finally:
+        close_all(comms)
+
+
 def test_nobody_holding_the_state_is_an_error():
     comms = make_group(2, job="nobody")
     try:

@@ -27,7 +27,11 @@ What :class:`TmrunTrainer` changes in torchtitan's ``Trainer``:
   checkpoint (it is healed from the ranks).
 * Checkpoint saving, validation and metrics logging are skipped in a step whose collectives
   lost a peer (``tm.void``: aborted, or committed before the loss) and in a standby's shadow
-  steps (``tm.is_shadow``).
+  steps (``tm.is_shadow``). An aborted step is redone, its checkpoint and validation with it; a
+  committed one whose checkpoint or validation was void (``tm.voided_step``: a rank lost after
+  its update) has them redone by every rank before the next step trains (or after the loop,
+  for the last step), the state as that step left it; a rank that had already logged that
+  validation does not log it again.
 * A joiner does not initialise its parameters (zeros; it is healed from the replicas): torchtitan's
   initialisation of sharded parameters runs collectives the survivors never join.
 * ``lm_head``'s FSDP2 unit reshards after forward from the first step on (torchtitan's chunked
@@ -103,6 +107,8 @@ class TmrunTrainer(Trainer):
         pass
 
     tm: Any  # tmrun's runtime (tmrun.init())
+    _tail_done: int = 0  # the last step whose checkpoint and validation this process ran, not void
+    _muted: bool = False  # metrics logging off (a redone validation this process had logged)
 
     @record
     def __init__(self, config: Config) -> None:
@@ -161,19 +167,45 @@ class TmrunTrainer(Trainer):
         (its values are void; redone if aborted) or a standby's shadow step."""
         return bool(self.tm.void or self.tm.is_shadow)
 
+    def _redo_void_tail(self, step: int) -> None:
+        """``step`` (torchtitan's 1-based number) committed, but its checkpoint or validation was
+        void on some rank (``tm.voided_step``): every rank runs them again now (collectives), the
+        model, optimizers and loader as that step left them."""
+        config = self.config
+        logger.info(f"tmrun: step {step}'s checkpoint and validation were void (a rank was lost after its update); "
+                    "running them again")
+        current, self.step = self.step, step
+        self._muted = self._tail_done == step  # this process logged them already
+        try:
+            self.checkpointer.save(step, last_step=(step == config.training.steps))
+            if config.validator.enable and self.validator.should_validate(step):
+                self.validator.validate(self.model_parts, step)
+            if not self._quiet:
+                self._tail_done = step
+        finally:
+            self.step, self._muted = current, False
+
     def _is_healed(self) -> bool:
         """A standby (sandbox) or a promoted standby that still has to be healed."""
         return bool(self.tm.is_standby or getattr(self.tm.role, "value", None) == "joining")
 
     def _guard_metrics(self) -> None:
-        log = self.metrics_processor.log
+        """Every logging method of the metrics processor (``log``, and ``log_validation``, which
+        the validator calls: left unguarded, a validation whose collectives lost a peer logged a
+        made-up loss) does nothing in a quiet step."""
+        processor = self.metrics_processor
+        for name in [n for n in dir(processor) if n == "log" or n.startswith("log_")]:
+            method = getattr(processor, name)
+            if callable(method):
+                setattr(processor, name, self._quieted(method))
 
+    def _quieted(self, method: Callable[..., Any]) -> Callable[..., Any]:
         def guarded(*args: Any, **kwargs: Any) -> Any:
-            if self._quiet:
+            if self._quiet or self._muted:
                 return None
-            return log(*args, **kwargs)
+            return method(*args, **kwargs)
 
-        self.metrics_processor.log = guarded  # type: ignore[method-assign]
+        return guarded
 
     def train_step(self, data_iterator: Any) -> None:
         try:
@@ -211,6 +243,8 @@ class TmrunTrainer(Trainer):
         with config.profiler.build(global_step=self.step, base_folder=config.dump_folder) as profiler:
             data_iterator = None
             for index in tm.steps(config.training.steps, start=loaded_step):
+                if tm.voided_step is not None:  # the last step's checkpoint or validation was void
+                    self._redo_void_tail(tm.voided_step + 1)
                 if data_iterator is None or position.restored:
                     data_iterator = self.batch_generator(self.dataloader)
                     position.restored = False
@@ -228,7 +262,11 @@ class TmrunTrainer(Trainer):
                     if (not self._quiet and config.validator.enable
                             and self.validator.should_validate(self.step)):
                         self.validator.validate(self.model_parts, self.step)
+                    if not self._quiet:
+                        self._tail_done = self.step
                     profiler.step()
+            if tm.voided_step is not None and not tm.is_standby:  # the last step's
+                self._redo_void_tail(tm.voided_step + 1)
         logger.info("Training completed")
 
 

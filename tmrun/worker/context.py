@@ -88,6 +88,10 @@ class Context:
         self.current_step = -1
         self.committed_step = -1  # the last step whose update this rank applied
         self.aborted_by: int | None = None  # rank whose loss aborted the current step (-1: unknown)
+        # the committed step whose tail (what the script did after its update: an evaluation, a
+        # checkpoint) was void, on this rank or, once a change agreed on it, on any: the script
+        # redoes it in the next step (tm.voided_step); kept until a later step commits
+        self.void_tail: int | None = None
         self.step_rng: dict[str, Any] | None = None  # random state at the start of the current step
         self.rng_inherited: Any = None  # a joiner: its rank's random-state record (step_records.Record), once
         self.per_rank_inherited: Any = None  # a joiner: its rank's per-rank record (step_records.Record), once

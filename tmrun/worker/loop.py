@@ -108,7 +108,9 @@ class StepLoop:
                         ctx.tracked.restore_per_rank(self._per_rank_at_start)
                 else:  # this rank's step went through: the boundary into the next one is here
                     log(f"rank {ctx.rank}: step {step} committed and then lost a peer: what the script's collectives "
-                        "returned after the loss is void (tm.void); the step is not redone")
+                        "returned after the loss is void (tm.void); the step is not redone (tm.voided_step: "
+                        "redo its evaluation or checkpoint in the next step)")
+                    ctx.void_tail = step
                     self._fire_at_boundary(step + 1)
                 step = self._recover()
                 if after_body is not None and step == aborted + 1:
@@ -117,6 +119,8 @@ class StepLoop:
                     ctx.tracked.restore_per_rank(after_body)
                 continue
             ctx.committed_step = step
+            if ctx.void_tail is not None and ctx.void_tail < step:
+                ctx.void_tail = None  # the step after it committed: its tail was redone there
             if ctx.in_place and not ctx.life.is_(Role.STANDBY):
                 self._warm_imports.after_commit(ctx.require_store(), ctx.rank, step,
                                                 lambda: bool(subgroups.subgroups()))

@@ -314,7 +314,9 @@ def _heal(ctx: Context, started: float, aborted_step: int, connected: float, rep
     try:
         plan = agree(comm, ctx.committed_step, ctx.tracked.layout_digest(), ctx.fresh, ctx.env.heal_reads,
                      state_tensors=None if link is not None else ctx.tracked.tensors(), shard_key=shard_key,
-                     overlap=overlap, reset_models=ctx.interrupter.reducers_need_reset())
+                     overlap=overlap, reset_models=ctx.interrupter.reducers_need_reset(),
+                     void_tail=-1 if ctx.void_tail is None else ctx.void_tail)
+        ctx.void_tail = plan.target_step if plan.void_tail else None  # every member, joiners too
         if ctx.tracked.per_rank:
             per_rank_records.check(records, plan.fresh, plan.target_step + 1)
         rng_records.check(records, plan.fresh, plan.target_step + 1)

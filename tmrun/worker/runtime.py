@@ -119,6 +119,23 @@ class Runtime:
         return self._ctx.aborted_by is not None
 
     @property
+    def voided_step(self) -> int | None:
+        """The step before this one, when its *tail* (what the script did after its update was
+        applied: an evaluation, a metrics all-reduce, a checkpoint) was void on some rank
+        (:attr:`void` there: a peer was lost after the commit) and the step, committed, is not
+        redone. Every rank sees it, the joiner too, in the first step ``steps()`` yields after the
+        recovery (and in that step again if it is redone), and after the loop when it was the
+        last step; ``None`` otherwise. The model, optimizer and tracked values are then exactly as
+        that step left them, so a script redoes its evaluation or checkpoint of that step first
+        thing, on every rank (they are collectives), and gets torchrun's values. A training-loss
+        metric of that step cannot be redone (the lost rank's share of it is gone)."""
+        ctx = self._ctx
+        tail = ctx.void_tail
+        if tail is None or tail != ctx.committed_step or not (ctx.current_step > tail or ctx.loop_finished):
+            return None
+        return tail
+
+    @property
     def committed_step(self) -> int:
         return self._ctx.committed_step
 
