@@ -31,7 +31,9 @@ What :class:`TmrunTrainer` changes in torchtitan's ``Trainer``:
   committed one whose checkpoint or validation was void (``tm.voided_step``: a rank lost after
   its update) has them redone by every rank before the next step trains (or after the loop,
   for the last step), the state as that step left it; a rank that had already logged that
-  validation does not log it again.
+  validation does not log it again. The validation runs on a fork of the random generators
+  (its data loader's iterator draws a seed), so the training's random stream, which a joiner
+  continues, is the one the step's commit recorded.
 * A joiner does not initialise its parameters (zeros; it is healed from the replicas): torchtitan's
   initialisation of sharded parameters runs collectives the survivors never join.
 * ``lm_head``'s FSDP2 unit reshards after forward from the first step on (torchtitan's chunked
@@ -167,6 +169,18 @@ class TmrunTrainer(Trainer):
         (its values are void; redone if aborted) or a standby's shadow step."""
         return bool(self.tm.void or self.tm.is_shadow)
 
+    def _validate(self, step: int) -> None:
+        """torchtitan's validation, on a fork of the random generators: its draws (the iterator
+        of its data loader draws a seed) leave the training's stream as the step's commit left it,
+        so the random state a rank records at its commit is still its next step's, and a rank lost
+        during a validation is healed in place, the validation redone (``tm.voided_step``). (Drawn
+        from the training's stream, the lost rank's next random state was unknown: the job fell
+        back to its group restart.) The training's numbers are torchtitan's: nothing it computes
+        draws from the global generator after a validation."""
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+        with torch.random.fork_rng(devices=devices):
+            self.validator.validate(self.model_parts, step)
+
     def _redo_void_tail(self, step: int) -> None:
         """``step`` (torchtitan's 1-based number) committed, but its checkpoint or validation was
         void on some rank (``tm.voided_step``): every rank runs them again now (collectives), the
@@ -179,7 +193,7 @@ class TmrunTrainer(Trainer):
         try:
             self.checkpointer.save(step, last_step=(step == config.training.steps))
             if config.validator.enable and self.validator.should_validate(step):
-                self.validator.validate(self.model_parts, step)
+                self._validate(step)
             if not self._quiet:
                 self._tail_done = step
         finally:
@@ -261,7 +275,7 @@ class TmrunTrainer(Trainer):
                         self.checkpointer.save(self.step, last_step=(self.step == config.training.steps))
                     if (not self._quiet and config.validator.enable
                             and self.validator.should_validate(self.step)):
-                        self.validator.validate(self.model_parts, self.step)
+                        self._validate(self.step)
                     if not self._quiet:
                         self._tail_done = self.step
                     profiler.step()
