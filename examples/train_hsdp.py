@@ -26,6 +26,11 @@ same bits. A rank lost during training is replaced in place by the standby, whic
 ``tmrun.init()`` and then builds its mesh and model as that rank (docs/mesh.md); a rank migrated
 (planned) trains on until the switch step and hands its shards over to such a standby.
 
+--eval-log PATH: an evaluation after each step's update, on every rank (FSDP's all-gathers and an
+all-reduce). A rank lost after a step's update leaves that step committed and its evaluation
+void on the survivors (``tm.void``); the next step redoes it first (``tm.voided_step``), so the
+log has one line per step with torchrun's value.
+
 --checkpoint-dir DIR --checkpoint-every N: torchrun's way to survive a failure, for plain runs
 (``torchrun --max-restarts K``, no standby): every N completed steps the ranks save the sharded
 model and optimizer state with torch.distributed.checkpoint (DCP, each rank its local shards)
@@ -117,6 +122,10 @@ def main() -> None:
                         help="after this step, --migrate-rank asks to be moved to a warm standby (tm.migrate: a planned "
                              "migration, nothing recomputed; ignored without a standby, e.g. under torchrun)")
     parser.add_argument("--migrate-rank", type=int, default=1)
+    parser.add_argument("--eval-log", default="",
+                        help="after each step's update every rank evaluates a held-out batch (FSDP's all-gathers, "
+                             "then an all-reduce of the loss); rank 0 appends 'step loss how' (how: 'end', or "
+                             "'redo' when a lost peer voided it and the next step redid it: tm.voided_step)")
     args = parser.parse_args()
     if args.checkpoint_every < 1:
         parser.error("--checkpoint-every must be at least 1")
@@ -147,9 +156,27 @@ def main() -> None:
         if start and tm.rank == 0:
             print(f"resumed from the checkpoint of step {start}", flush=True)
 
+    held_out = TokenLoader(cfg, dp_rank=0, dp_size=1, seed=1)
+    evaluated: set[int] = set()
+
+    def evaluate(step: int, how: str) -> None:
+        """The model after ``step``'s update on a held-out batch, averaged over the ranks. Its
+        collectives are void when a peer is lost (tm.void): then nothing is written, and the
+        next step redoes it (tm.voided_step), the model as ``step`` left it."""
+        idx, target = held_out.tokens[:4, :-1], held_out.tokens[:4, 1:]
+        with torch.no_grad():
+            val = loss_of(model, idx, target).reshape(1)
+        dist.all_reduce(val)
+        if tm.rank == 0 and not tm.is_shadow and not tm.void and step not in evaluated:
+            evaluated.add(step)
+            with open(args.eval_log, "a") as out:
+                out.write(f"{step} {val.item() / tm.world_size:.6f} {how}\n")
+
     for step in tm.steps(args.steps):
         if step < start:  # done before the checkpoint this run resumed from
             continue
+        if args.eval_log and tm.voided_step is not None:  # the last step's evaluation was void: redo it
+            evaluate(tm.voided_step, "redo")
         idx, target = loader.next()
         loss = loss_of(model, idx, target)
         loss.backward()
@@ -168,6 +195,10 @@ def main() -> None:
                 log.write(f"{step} {time.time():.6f} {os.getpid()}\n")
         if tm.rank == 0 and not tm.is_shadow and not tm.void:
             print(f"step {step} loss {loss.item():.4f} lr {sched.get_last_lr()[0]:.2e}", flush=True)
+        if args.eval_log:
+            evaluate(step, "end")
+    if args.eval_log and tm.voided_step is not None:  # the last step's
+        evaluate(tm.voided_step, "redo")
 
     if args.final:
         sha = hashlib.sha256(digest(model, opt).encode())

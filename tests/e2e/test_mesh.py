@@ -84,14 +84,50 @@ def _torchrun(tmp_path_factory: pytest.TempPathFactory, script: list[str]) -> li
     return finals
 
 
+_REFERENCE_EVALS: list[tuple[int, str, str]] = []  # the reference run's evaluations after each update
+
+
+def _evals(path: Path) -> list[tuple[int, str, str]]:
+    """Rank 0's (step, loss, how) lines of train_hsdp.py's --eval-log."""
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [(int(step), loss, how) for step, loss, how in (line.split() for line in lines)]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    return _torchrun(tmp_path_factory, SCRIPT)
+    """Every rank's final digest under torchrun, no failure (its evaluations after each update
+    kept too: they change no state)."""
+    evals = tmp_path_factory.mktemp("evals") / "eval"
+    finals = _torchrun(tmp_path_factory, [*SCRIPT, "--eval-log", str(evals)])
+    _REFERENCE_EVALS[:] = _evals(evals)
+    assert [(s, how) for s, _, how in _REFERENCE_EVALS] == [(s, "end") for s in range(STEPS)], _REFERENCE_EVALS
+    return finals
 
 
 @pytest.fixture(scope="module")
 def dp_tp_reference(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     return _torchrun(tmp_path_factory, DP_TP)
+
+
+def test_hsdp_evaluation_voided_after_the_update_is_redone_in_the_next_step(tmp_path: Path,
+                                                                           reference: list[str]) -> None:
+    """Rank 1 SIGKILLed inside step 2's optimizer step (after the commit vote): the survivors
+    apply step 2, then their evaluation after the update (FSDP's all-gathers over "shard", an
+    all-reduce of the loss) loses the peer: void, not written. Step 2 is not redone; before step
+    3 trains, every rank, the joiner too, evaluates step 2's model again (tm.voided_step). The
+    log has one line per step, each torchrun's value; every rank's final digest is torchrun's."""
+    work = tmp_path / "eval"
+    log = _tmrun(work, "--standby", "1", "--inject-failure", "rank=1,step=2,at=optimizer",
+                 script=[*SCRIPT, "--eval-log", str(tmp_path / "eval-log")])
+    assert _finals(work) == reference, log[-6000:]
+    assert "in-place replacement, generation 1: rank 1" in log, log[-6000:]
+    assert re.search(r"rank 0: step 2 committed and then lost a peer", log), log[-6000:]
+    got = _evals(tmp_path / "eval-log")
+    truth = {s: loss for s, loss, _ in _REFERENCE_EVALS}
+    assert sorted(s for s, _, _ in got) == list(range(STEPS)), got
+    assert all(loss == truth[s] for s, loss, _ in got), (got, _REFERENCE_EVALS)
+    assert (2, "redo") in [(s, how) for s, _, how in got], got
+    assert "Traceback" not in log, log[-6000:]
 
 
 @pytest.mark.parametrize("point", [pytest.param("forward", marks=pytest.mark.variant), "backward",

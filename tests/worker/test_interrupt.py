@@ -556,3 +556,28 @@ def test_a_compiled_module_whose_step_is_doomed_inside_its_backward_survives(job
     job.model(x).sum().backward()
     got = [p.grad for p in job.model.module.parameters()]
     assert all(a is not None and torch.equal(a, b) for a, b in zip(got, clean)), (got, clean)
+
+
+def test_an_evaluation_forward_leaves_the_root_unsharded_and_a_change_reshards_it(fsdp_mesh: Any) -> None:
+    """A whole FSDP2 forward under no_grad (an evaluation at a step's end) leaves the root's
+    parameters unsharded (plain tensors registered on the module): the state a change reads for
+    its transfer then had another layout than a joiner's, and the healing found no replica of
+    the lost shard (the group restart). reset_sharded(), which a change runs first, registers
+    the sharded parameters again, without a reset of the iteration's state (nothing was doomed);
+    the next step gives the same bits as a run without the evaluation."""
+    from torch.distributed.tensor import DTensor
+
+    reference = ShardedJob(fsdp_mesh)
+    job = ShardedJob(fsdp_mesh)
+    for seed in range(2):
+        reference.step(seed)
+        job.step(seed)
+    with torch.no_grad():
+        job.model(torch.ones(4, 8))
+    root = list(job.layers[-1].parameters())
+    assert not any(isinstance(param, DTensor) for param in root), "the evaluation left the root sharded already"
+    assert job.interrupter.reset_sharded() is False  # resharded, not reset
+    assert all(isinstance(param, DTensor) for param in job.layers[-1].parameters())
+    reference.step(2)
+    job.step(2)
+    assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), job.parameters()))

@@ -327,8 +327,24 @@ class StepInterrupter:
         Local, no collective: each member resets what its own step left."""
         if self._sharded_dirty:
             self._reset_fsdp()
+        else:
+            self._reshard_fsdp()
         reset, self._sharded_reset_since = self._sharded_reset_since, False
         return reset
+
+    def _reshard_fsdp(self) -> None:
+        """Register every tracked FSDP2 module's sharded parameters again (torch's public
+        ``FSDPModule.reshard``; nothing where they are): a whole forward leaves the root's
+        unsharded (FSDP2 does not reshard the root after its forward), so after an evaluation
+        under ``no_grad`` at a step's end the state read for the transfer held the root's full
+        parameters, its layout differed from a joiner's and the healing found no replica of the
+        lost shard (the group restart)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self._sharded:
+            for sub in module.modules():
+                if isinstance(sub, FSDPModule):
+                    sub.reshard()
 
     def _reset_fsdp(self) -> None:
         """Put the tracked FSDP2 modules back as after a clean step, once a doomed step cut a
