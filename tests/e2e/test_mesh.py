@@ -236,12 +236,15 @@ def _long_reference(tmp_path: Path) -> list[str]:
         if not work.exists():
             work.mkdir()
             _run(torchrun_cmd("--standalone", "--nproc-per-node", "4", *SCRIPT[:2], str(RANDOM_STEPS), *SCRIPT[3:],
-                              "--final", str(work / "final-{rank}")), work / "torchrun.log")
+                              "--final", str(work / "final-{rank}"), "--eval-log", str(work / "eval")),
+                 work / "torchrun.log")
         _LONG_REFERENCE.extend(_finals(work))
+        _LONG_REFERENCE_EVALS[:] = _evals(work / "eval")
     return _LONG_REFERENCE
 
 
 _LONG_REFERENCE: list[str] = []
+_LONG_REFERENCE_EVALS: list[tuple[int, str, str]] = []  # its evaluations after each update (they change no state)
 RANDOM_STEPS = 12
 
 
@@ -435,11 +438,18 @@ def test_hsdp_planned_migration_recomputes_nothing(tmp_path: Path) -> None:
                       ["migrate", "1", "--reason", "drill"], work / "state", requested)
     thread = threading.Thread(target=request, daemon=True)
     thread.start()
-    log = _tmrun(work, "--standby", "1", script=[*SCRIPT[:2], str(RANDOM_STEPS), *SCRIPT[3:], "--step-time", "1"],
+    log = _tmrun(work, "--standby", "1", script=[*SCRIPT[:2], str(RANDOM_STEPS), *SCRIPT[3:], "--step-time", "1",
+                                                 "--eval-log", str(tmp_path / "eval-log")],
                  env={"TMRUN_STATE_DIR": str(work / "state")})
     thread.join(timeout=5)
     assert requested and "migration of rank 1 requested" in requested[0], (requested, log[-6000:])
     assert _finals(work) == _long_reference(tmp_path), log[-6000:]
+    # an evaluation after each update (the leaver's FSDP root unsharded by it at the switch): each
+    # step's once, torchrun's value
+    truth = {s: loss for s, loss, _ in _LONG_REFERENCE_EVALS}
+    got = _evals(tmp_path / "eval-log")
+    assert sorted(s for s, _, _ in got) == list(range(RANDOM_STEPS)), got
+    assert all(loss == truth[s] for s, loss, _ in got), (got, _LONG_REFERENCE_EVALS)
     assert "planned migration, generation 1: rank 1" in log, log[-6000:]
     assert "promoted to rank 1 (generation 1) in tmrun.init()" in log
     assert re.search(r"rank 1: received the model \(\d+ bytes\) in [\d.]+s \(memory\)", log), log[-6000:]

@@ -78,6 +78,7 @@ class Migration:
                 if ctx.rank in ctx.returned_after(plan.gen):  # a member was lost: the migration is cancelled
                     raise Superseded(plan.gen, ctx.newest_gen(), "the migration's switch")
                 settle_heal(ctx, skip=plan.replaced.keys(), in_change=True)  # nobody reads this process any more
+                ctx.interrupter.reset_sharded()  # FSDP2's root, unsharded by an evaluation's forward: its shards
                 self._hand_over(plan, switch_at, rng.capture())
             except Superseded as exc:  # this rank stays: it recovers into the newer generation
                 self._recovery.superseded(plan, exc)
