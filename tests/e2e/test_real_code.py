@@ -47,8 +47,8 @@ def _run(work: Path, launcher: str, *script_args: str, tmrun_args: tuple[str, ..
     swallowed = sorted(p.name for p in work.glob("*.ran-on-*"))
     aborted = {r: [tuple(map(int, line.split())) for line in (work / f"aborted-{r}").read_text().splitlines()]
                for r in range(2) if (work / f"aborted-{r}").exists()}
-    end_evals = [(int(s), v, how) for s, v, how in (line.split() for line in (work / "end-eval").read_text().splitlines())] \
-        if (work / "end-eval").exists() else []
+    end_lines = (work / "end-eval").read_text().splitlines() if (work / "end-eval").exists() else []
+    end_evals = [(int(s), v, how) for s, v, how in (line.split() for line in end_lines)]
     return code, log, {"finals": finals, "evals": evals, "best": best, "steps": steps, "swallowed": swallowed,
                        "aborted": aborted, "end_evals": end_evals}
 
