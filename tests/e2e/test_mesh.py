@@ -182,11 +182,19 @@ def test_hsdp_rank_killed_at_a_random_moment_is_always_healed_in_place(tmp_path:
     # within steps 2 to 6 of 12, in compute or a collective about half the time
     delay = pick.uniform(0.0, 0.8)
     killer = kill_after_steps(work / "steps-3", 2, delay)
-    log = _tmrun(work, "--standby", "1", script=[*SCRIPT[:2], str(RANDOM_STEPS), *SCRIPT[3:], "--step-time", "0.1"])
+    log = _tmrun(work, "--standby", "1", script=[*SCRIPT[:2], str(RANDOM_STEPS), *SCRIPT[3:], "--step-time", "0.1",
+                                                 "--eval-log", str(tmp_path / "eval-log")])
     killer.join(timeout=10)
     assert "falling back" not in log and "no live replica" not in log, log[-6000:]
     assert "in-place replacement, generation 1: rank 3" in log, log[-6000:]
     assert _finals(work) == _long_reference(tmp_path), log[-6000:]
+    # the evaluation after each update (FSDP's all-gathers, an all-reduce): the kill may land in
+    # it (the step committed, the evaluation void and redone in the next step): one line per step,
+    # torchrun's value
+    truth = {s: loss for s, loss, _ in _LONG_REFERENCE_EVALS}
+    got = _evals(tmp_path / "eval-log")
+    assert sorted(s for s, _, _ in got) == list(range(RANDOM_STEPS)), got
+    assert all(loss == truth[s] for s, loss, _ in got), (got, _LONG_REFERENCE_EVALS)
 
 
 def test_hsdp_rank_lost_during_the_commit_vote_is_healed_in_place(tmp_path: Path, reference: list[str]) -> None:
