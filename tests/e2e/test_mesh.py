@@ -93,6 +93,13 @@ def _evals(path: Path) -> list[tuple[int, str, str]]:
     return [(int(step), loss, how) for step, loss, how in (line.split() for line in lines)]
 
 
+def _check_evals(got: list[tuple[int, str, str]], reference: list[tuple[int, str, str]], steps: int) -> None:
+    """One evaluation line per step, each torchrun's value (run at its step's end or redone)."""
+    truth = {s: loss for s, loss, _ in reference}
+    assert sorted(s for s, _, _ in got) == list(range(steps)), got
+    assert all(loss == truth[s] for s, loss, _ in got), (got, reference)
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     """Every rank's final digest under torchrun, no failure (its evaluations after each update
@@ -123,9 +130,7 @@ def test_hsdp_evaluation_voided_after_the_update_is_redone_in_the_next_step(tmp_
     assert "in-place replacement, generation 1: rank 1" in log, log[-6000:]
     assert re.search(r"rank 0: step 2 committed and then lost a peer", log), log[-6000:]
     got = _evals(tmp_path / "eval-log")
-    truth = {s: loss for s, loss, _ in _REFERENCE_EVALS}
-    assert sorted(s for s, _, _ in got) == list(range(STEPS)), got
-    assert all(loss == truth[s] for s, loss, _ in got), (got, _REFERENCE_EVALS)
+    _check_evals(got, _REFERENCE_EVALS, STEPS)
     assert (2, "redo") in [(s, how) for s, _, how in got], got
     assert "Traceback" not in log, log[-6000:]
 
@@ -191,10 +196,7 @@ def test_hsdp_rank_killed_at_a_random_moment_is_always_healed_in_place(tmp_path:
     # the evaluation after each update (FSDP's all-gathers, an all-reduce): the kill may land in
     # it (the step committed, the evaluation void and redone in the next step): one line per step,
     # torchrun's value
-    truth = {s: loss for s, loss, _ in _LONG_REFERENCE_EVALS}
-    got = _evals(tmp_path / "eval-log")
-    assert sorted(s for s, _, _ in got) == list(range(RANDOM_STEPS)), got
-    assert all(loss == truth[s] for s, loss, _ in got), (got, _LONG_REFERENCE_EVALS)
+    _check_evals(_evals(tmp_path / "eval-log"), _LONG_REFERENCE_EVALS, RANDOM_STEPS)
 
 
 def test_hsdp_rank_lost_during_the_commit_vote_is_healed_in_place(tmp_path: Path, reference: list[str]) -> None:
@@ -454,10 +456,7 @@ def test_hsdp_planned_migration_recomputes_nothing(tmp_path: Path) -> None:
     assert _finals(work) == _long_reference(tmp_path), log[-6000:]
     # an evaluation after each update (the leaver's FSDP root unsharded by it at the switch): each
     # step's once, torchrun's value
-    truth = {s: loss for s, loss, _ in _LONG_REFERENCE_EVALS}
-    got = _evals(tmp_path / "eval-log")
-    assert sorted(s for s, _, _ in got) == list(range(RANDOM_STEPS)), got
-    assert all(loss == truth[s] for s, loss, _ in got), (got, _LONG_REFERENCE_EVALS)
+    _check_evals(_evals(tmp_path / "eval-log"), _LONG_REFERENCE_EVALS, RANDOM_STEPS)
     assert "planned migration, generation 1: rank 1" in log, log[-6000:]
     assert "promoted to rank 1 (generation 1) in tmrun.init()" in log
     assert re.search(r"rank 1: received the model \(\d+ bytes\) in [\d.]+s \(memory\)", log), log[-6000:]

@@ -185,19 +185,26 @@ class TmrunTrainer(Trainer):
         """``step`` (torchtitan's 1-based number) committed, but its checkpoint or validation was
         void on some rank (``tm.voided_step``): every rank runs them again now (collectives), the
         model, optimizers and loader as that step left them."""
-        config = self.config
         logger.info(f"tmrun: step {step}'s checkpoint and validation were void (a rank was lost after its update); "
                     "running them again")
         current, self.step = self.step, step
         self._muted = self._tail_done == step  # this process logged them already
         try:
-            self.checkpointer.save(step, last_step=(step == config.training.steps))
-            if config.validator.enable and self.validator.should_validate(step):
-                self._validate(step)
-            if not self._quiet:
-                self._tail_done = step
+            self._step_tail(step)
         finally:
             self.step, self._muted = current, False
+
+    def _step_tail(self, step: int) -> None:
+        """What follows ``step``'s update: torchtitan's checkpoint and validation (collectives),
+        neither in a quiet step; the step's tail is done here once neither was void."""
+        config = self.config
+        if self._quiet:
+            return
+        self.checkpointer.save(step, last_step=(step == config.training.steps))
+        if not self._quiet and config.validator.enable and self.validator.should_validate(step):
+            self._validate(step)
+        if not self._quiet:
+            self._tail_done = step
 
     def _is_healed(self) -> bool:
         """A standby (sandbox) or a promoted standby that still has to be healed."""
@@ -271,13 +278,7 @@ class TmrunTrainer(Trainer):
                     except DataloaderExhaustedError:
                         logger.warning("Ran out of data; last step was canceled.")
                         break
-                    if not self._quiet:
-                        self.checkpointer.save(self.step, last_step=(self.step == config.training.steps))
-                    if (not self._quiet and config.validator.enable
-                            and self.validator.should_validate(self.step)):
-                        self._validate(self.step)
-                    if not self._quiet:
-                        self._tail_done = self.step
+                    self._step_tail(self.step)
                     profiler.step()
             if tm.voided_step is not None and not tm.is_standby:  # the last step's
                 self._redo_void_tail(tm.voided_step + 1)
