@@ -26,7 +26,8 @@ KILL_STEP = 4  # torchtitan's 1-based step in whose forward the rank kills itsel
 JOB_TIMEOUT = 300
 # layout name -> (processes, torchtitan's parallelism flags)
 LAYOUTS = {
-    "ddp": (2, ["--parallelism.data_parallel_replicate_degree", "2"]),
+    # with gradient accumulation: a global batch of 8 is 2 microbatches of 2 per rank and step
+    "ddp": (2, ["--parallelism.data_parallel_replicate_degree", "2", "--training.global_batch_size", "8"]),
     "hsdp": (4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]),
     "tp_dp": (4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
                   "--parallelism.tensor_parallel_degree", "2"]),
@@ -143,12 +144,14 @@ def _check_in_place(code: int, log: str, got: dict, reference: dict, killed: int
                          ids=["rank1-step4", "rank0-step6"])
 def test_ddp_layout_rank_killed_mid_step_is_replaced_in_place(tmp_path: Path, assets: Path, ddp_reference: dict,
                                                               killed: int, step: int) -> None:
-    """``dp_replicate`` 2 (FSDP2 over a 2 x 1 mesh, every parameter replicated): a rank SIGKILLed
-    in the forward of the middle layer of a step (rank 1 in step 4; rank 0, which logs the
-    metrics, in step 6); the standby takes its place and is healed from the other rank's
-    memory; the result is torchrun's, bit for bit."""
-    code, log, got = _run(tmp_path / "tmrun", assets, "tmrun", "ddp", kill=f"{killed}:{step}")
+    """``dp_replicate`` 2 (FSDP2 over a 2 x 1 mesh, every parameter replicated) with torchtitan's
+    gradient accumulation (2 microbatches a step): a rank SIGKILLed in the forward of the middle
+    layer of a step's second microbatch, its first one's gradients accumulated (rank 1 in step 4;
+    rank 0, which logs the metrics, in step 6); the standby takes its place and is healed from
+    the other rank's memory; the result is torchrun's, bit for bit."""
+    code, log, got = _run(tmp_path / "tmrun", assets, "tmrun", "ddp", kill=f"{killed}:{step}:forward=2")
     _check_in_place(code, log, got, ddp_reference, killed=killed)
+    assert (tmp_path / "tmrun" / "killed").read_text().split()[1:] == [str(step)], log  # in that step, not a later one
 
 
 # ddp-21 is a variant (CI time): the DDP layout is replaced in place by default in

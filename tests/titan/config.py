@@ -9,7 +9,9 @@ Environment: ``TITAN_TEST_ASSETS`` (the directory :func:`tests.titan.assets.make
 wrote), ``TITAN_TEST_OUT`` (where the probes write), ``TITAN_TEST_KILL=RANK:STEP`` (that rank
 SIGKILLs itself in the forward of the model's middle layer in torchtitan step STEP, 1-based,
 once per job: a marker file in TITAN_TEST_OUT keeps its joiner from doing it again;
-``RANK:STEP:validate``: in that forward of the step's validation, after its update).
+``RANK:STEP:validate``: in that forward of the step's validation, after its update;
+``RANK:STEP:forward=N``: in the step's Nth forward of that layer, a later microbatch of a
+gradient accumulation).
 
 Probes, in TITAN_TEST_OUT: ``steps-{rank}`` (``step pid`` per step started, shadow steps
 excepted), ``final-{rank}`` (SHA-256 of the rank's local model shards, buffers, optimizer state
@@ -85,8 +87,17 @@ class ProbedTrainer(TmrunTrainer):
 
             self.validator.validate = marked  # type: ignore[method-assign]
 
+        # "forward=N": in the step's Nth forward of that layer outside a backward (the Nth
+        # microbatch of a gradient accumulation; activation checkpointing's recomputations in a
+        # backward are not counted)
+        forwards = [int(where[0].split("=", 1)[1]) if where and where[0].startswith("forward=") else 1]
+
         def kill(*_: Any) -> None:
-            if validating[0] or not in_validation:
+            if torch._C._current_graph_task_id() != -1:
+                return  # a recomputation inside a backward
+            forwards[0] -= 1
+            if (validating[0] or not in_validation) and forwards[0] <= 0:
+                marker.write_text(f"{os.getpid()} {self.step}\n")
                 os.kill(os.getpid(), signal.SIGKILL)
 
         layers[len(layers) // 2].register_forward_pre_hook(kill)
