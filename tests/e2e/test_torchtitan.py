@@ -28,7 +28,9 @@ JOB_TIMEOUT = 300
 LAYOUTS = {
     # with gradient accumulation: a global batch of 8 is 2 microbatches of 2 per rank and step
     "ddp": (2, ["--parallelism.data_parallel_replicate_degree", "2", "--training.global_batch_size", "8"]),
-    "hsdp": (4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]),
+    # compiled as torchtitan compiles (each transformer block whole, fullgraph; inductor on the CPU)
+    "hsdp": (4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
+                 "--compile.enable"]),
     "tp_dp": (4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
                   "--parallelism.tensor_parallel_degree", "2"]),
     # pipeline parallel 2 x dp_replicate 2 (torchtitan's mesh puts "pp" outermost: ranks 0, 1 hold stage 0)
@@ -154,17 +156,21 @@ def test_ddp_layout_rank_killed_mid_step_is_replaced_in_place(tmp_path: Path, as
     assert (tmp_path / "tmrun" / "killed").read_text().split()[1:] == [str(step)], log  # in that step, not a later one
 
 
-# ddp-21 is a variant (CI time): the DDP layout is replaced in place by default in
-# test_ddp_layout_rank_killed_mid_step_is_replaced_in_place[rank1-step4]
-@pytest.mark.parametrize("layout, seed", [pytest.param("ddp", 21, marks=pytest.mark.variant), ("hsdp", 22),
-                                          ("tp_dp", 23)])
+# ddp-21 and hsdp-22 are variants (CI time): those layouts are replaced in place by default in
+# test_ddp_layout_rank_killed_mid_step_is_replaced_in_place[rank1-step4] and
+# test_hsdp_layout_rank_killed_mid_step_is_replaced_in_place (HSDP at random moments by default:
+# tests/e2e/test_mesh.py)
+@pytest.mark.parametrize("layout, seed", [pytest.param("ddp", 21, marks=pytest.mark.variant),
+                                          pytest.param("hsdp", 22, marks=pytest.mark.variant), ("tp_dp", 23)])
 def test_rank_killed_at_a_random_moment_is_replaced_in_place(tmp_path: Path, assets: Path,
                                                              references: Callable[[str], dict], layout: str,
                                                              seed: int) -> None:
     """Rank 1 SIGKILLed from outside at a random moment of a step (after its third step): not at a
     fixed point of torchtitan's step (forward, the chunked loss's backward, the optimizer step,
     its metrics all-reduce after the optimizer step can all be hit), in the DDP-like, HSDP 2 x 2
-    and TP x DP layouts."""
+    and TP x DP layouts. HSDP's blocks are compiled (``--compile.enable``: torchtitan compiles each
+    block whole, fullgraph): a survivor doomed inside one used to die of dynamo's
+    ``Unsupported: Observed exception`` (tmrun's check, traced into the block, raised there)."""
     import random
     import signal
     import threading
@@ -196,15 +202,17 @@ def test_rank_killed_at_a_random_moment_is_replaced_in_place(tmp_path: Path, ass
     _check_in_place(code, log, got, reference, killed=1)
 
 
-@pytest.mark.variant  # the default run kills HSDP's rank 1 at a random moment instead (above)
 def test_hsdp_layout_rank_killed_mid_step_is_replaced_in_place(tmp_path: Path, assets: Path,
                                                                references: Callable[[str], dict]) -> None:
     """HSDP 2 x 2 (``dp_replicate`` 2, ``dp_shard`` 2: ranks 0, 1 and 2, 3 shard the model, 0 and 2,
-    1 and 3 replicate the shards): rank 1 SIGKILLed mid-forward in step 4; its standby is healed
+    1 and 3 replicate the shards), each block compiled: rank 1 SIGKILLed in step 4's forward (at
+    the token embedding, before the compiled blocks); its standby is healed
     from rank 3's shards; the result is torchrun's, bit for bit. (torchtitan's chunked loss
     switches lm_head's FSDP2 unit to reshard after forward after its first step: the integration
     sets that from the start, or the joiner's first step would all-gather once less than the
-    survivors' redone one.)"""
+    survivors' redone one.) The survivors' forwards run into the compiled blocks doomed: each of
+    them died of dynamo's ``Unsupported: Observed exception`` before (tmrun's check, traced into
+    the block, raised there), and the job restarted from step 0."""
     reference = references("hsdp")
     assert reference["finals"][0] == reference["finals"][2] and reference["finals"][1] == reference["finals"][3]
     code, log, got = _run(tmp_path / "tmrun", assets, "tmrun", "hsdp", kill=f"1:{KILL_STEP}")

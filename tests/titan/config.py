@@ -100,7 +100,11 @@ class ProbedTrainer(TmrunTrainer):
                 marker.write_text(f"{os.getpid()} {self.step}\n")
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        layers[len(layers) // 2].register_forward_pre_hook(kill)
+        # the middle layer; under torchtitan's compile (each layer compiled whole, fullgraph) the
+        # token embedding before the layers, which stays eager: dynamo would trace the kill
+        middle = layers[len(layers) // 2]
+        compiled = getattr(middle, "_compiled_call_impl", None) is not None
+        (self.model_parts[0].tok_embeddings if compiled else middle).register_forward_pre_hook(kill)  # type: ignore[union-attr, operator]
 
     def close(self) -> None:
         super().close()

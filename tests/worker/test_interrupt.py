@@ -581,3 +581,54 @@ def test_an_evaluation_forward_leaves_the_root_unsharded_and_a_change_reshards_i
     reference.step(2)
     job.step(2)
     assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), job.parameters()))
+
+
+class _CompiledBlocks:
+    """torchtitan's shape: a tracked model whose blocks are each compiled whole
+    (``block.compile(fullgraph=True)``; dynamo only here, ``backend="eager"``: no inductor), between
+    eager layers, the doom set in the first layer's forward."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.first, self.last = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.blocks = [torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+                       for _ in range(2)]
+        self.model = torch.nn.Sequential(self.first, *self.blocks, self.last)
+        self.doomed = False
+        self.doom_in_first = False
+        self.first.register_forward_hook(lambda *_: setattr(self, "doomed", self.doomed or self.doom_in_first))
+        self.interrupter = StepInterrupter(doomed=lambda: self.doomed)
+        self.interrupter.install_sharded(self.model)
+        for block in self.blocks:  # after tmrun's hooks, as torchtitan compiles after the model is built
+            block.compile(fullgraph=True, backend="eager")
+
+    def step(self) -> list[torch.Tensor | None]:
+        for param in self.model.parameters():
+            param.grad = None
+        self.model(torch.full((2, 4), 0.5)).sum().backward()  # never raises: tmrun catches the stop
+        return [None if p.grad is None else p.grad.clone() for p in self.model.parameters()]
+
+
+def test_a_forward_doomed_before_blocks_compiled_whole_runs_them_and_stops_after() -> None:
+    """torch.compile traces tmrun's checks on a compiled block's submodules into the block. Doomed
+    before such a block, the traced check raised inside dynamo: under ``fullgraph=True``
+    (torchtitan's per-block compile) the forward failed with ``torch._dynamo.exc.Unsupported:
+    Observed exception`` and the survivor died (torchtitan's HSDP with ``--compile.enable``: every
+    survivor, then the group restart). Traced, the check is empty: the blocks run whole, the
+    forward stops at the next eager layer, and the next clean step's gradients are a never-doomed
+    step's, the blocks not compiled again."""
+    torch._dynamo.reset()
+    job = _CompiledBlocks()
+    try:
+        clean = job.step()  # compiles each block
+        frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        job.doom_in_first = True
+        job.step()
+        assert job.interrupter.counts.forwards_stopped == 1, job.interrupter.counts
+        job.doomed = job.doom_in_first = False
+        again = job.step()
+        assert all(a is not None and b is not None and torch.equal(a, b) for a, b in zip(again, clean))
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames  # no recompilation
+    finally:
+        remove_backward_guard()
+        torch._dynamo.reset()

@@ -13,7 +13,10 @@ that waste short, for the DDP models of the job (``tm.ddp``'s, or the script's o
   doomed step it raises :class:`StepInterrupted`, which the DDP model's own forward catches
   (:meth:`StepInterrupter.wrap_forward`): it returns a *placeholder*, zeros shaped like the last
   output, so the script's loss computation and ``backward()`` cost nothing. A forward entered
-  in a doomed step returns the placeholder without running.
+  in a doomed step returns the placeholder without running. Inside code that ``torch.compile``
+  traces (a compiled block's submodules) the check is empty: the compiled part runs whole and
+  the forward stops at the next eager module (a stop raised inside dynamo's trace failed the
+  whole forward under ``fullgraph=True``, torchtitan's per-block compile).
 * **backward**: a check after each parameter's gradient is accumulated (a post-accumulate-grad
   hook; between the layers' backward kernels). It raises :class:`StepInterrupted`, the autograd
   engine stops and re-raises it in ``torch.autograd.backward``, which tmrun wraps
@@ -130,7 +133,15 @@ class StepInterrupter:
     # -- the checks ----------------------------------------------------------------------------
 
     def checkpoint(self) -> None:
-        """Raise :class:`StepInterrupted` when the step is doomed and tmrun can catch it."""
+        """Raise :class:`StepInterrupted` when the step is doomed and tmrun can catch it.
+
+        Nothing inside code that torch.compile traces (a compiled block's own submodules, whose
+        hooks dynamo inlines): raised there, under ``fullgraph=True`` (torchtitan's per-block
+        compile), dynamo fails the forward with ``Unsupported: Observed exception`` and the
+        survivor dies; elsewhere each change of the doomed state would recompile the block.
+        Traced, this check is empty: such a forward runs whole and stops at the next eager module."""
+        if torch.compiler.is_compiling():
+            return
         if self._armed and self._doomed():
             raise StepInterrupted()
 
@@ -169,8 +180,8 @@ class StepInterrupter:
         install_backward_guard(self)
 
     def _check_output_grad(self, _module: torch.nn.Module, _inputs: Any, output: Any) -> None:
-        if not torch.is_grad_enabled():
-            return
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return  # (traced by torch.compile: no hook on its intermediates, see checkpoint)
         for value in pytree.tree_leaves(output):
             if isinstance(value, torch.Tensor) and value.requires_grad:
                 value.register_hook(self._grad_checkpoint)
