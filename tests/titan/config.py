@@ -104,7 +104,8 @@ class ProbedTrainer(TmrunTrainer):
         # token embedding before the layers, which stays eager: dynamo would trace the kill
         middle = layers[len(layers) // 2]
         compiled = getattr(middle, "_compiled_call_impl", None) is not None
-        (self.model_parts[0].tok_embeddings if compiled else middle).register_forward_pre_hook(kill)  # type: ignore[union-attr, operator]
+        target = self.model_parts[0].tok_embeddings if compiled else middle  # type: ignore[union-attr]
+        target.register_forward_pre_hook(kill)  # type: ignore[union-attr, operator]
 
     def close(self) -> None:
         super().close()
