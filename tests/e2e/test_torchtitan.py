@@ -26,8 +26,10 @@ KILL_STEP = 4  # torchtitan's 1-based step in whose forward the rank kills itsel
 JOB_TIMEOUT = 300
 # layout name -> (processes, torchtitan's parallelism flags)
 LAYOUTS = {
-    # with gradient accumulation: a global batch of 8 is 2 microbatches of 2 per rank and step
-    "ddp": (2, ["--parallelism.data_parallel_replicate_degree", "2", "--training.global_batch_size", "8"]),
+    # with gradient accumulation (a global batch of 8 is 2 microbatches of 2 per rank and step) and
+    # torchtitan's DCP checkpoint every 2 steps (compared with torchrun's by content)
+    "ddp": (2, ["--parallelism.data_parallel_replicate_degree", "2", "--training.global_batch_size", "8",
+                "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.folder", "ckpt"]),
     # compiled as torchtitan compiles (each transformer block whole, fullgraph; inductor on the CPU)
     "hsdp": (4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
                  "--compile.enable"]),
@@ -70,7 +72,8 @@ CONFIGS = {"pp_dp_validate": "titan_debug_cpu_validate"}  # layout -> its --conf
 
 def _run(work: Path, assets: Path, launcher: str, layout: str, config: str = "",
          kill: str | None = None) -> tuple[int, str, dict]:
-    """Train the layout; returns (exit code, log, {"finals": {rank: digest}, "steps": {rank: [(step, pid)]}})."""
+    """Train the layout; returns (exit code, log, {"finals": {rank: digest}, "steps": {rank: [(step, pid)]},
+    "checkpoints": {step folder: content digest}})."""
     work.mkdir()
     config = config or CONFIGS.get(layout, "titan_debug_cpu")
     nproc, flags = LAYOUTS[layout]
@@ -89,7 +92,42 @@ def _run(work: Path, assets: Path, launcher: str, layout: str, config: str = "",
     finals = {r: (work / f"final-{r}").read_text().strip() for r in range(nproc) if (work / f"final-{r}").exists()}
     steps = {r: [tuple(map(int, line.split())) for line in (work / f"steps-{r}").read_text().splitlines()]
              for r in range(nproc) if (work / f"steps-{r}").exists()}
-    return code, log, {"finals": finals, "steps": steps}
+    # torchtitan's checkpoints (the DDP-like layout's), by content: the files' bytes vary between runs
+    checkpoints = _checkpoint_digests(work / "ckpt") if layout == "ddp" else {}
+    return code, log, {"finals": finals, "steps": steps, "checkpoints": checkpoints}
+
+
+def _checkpoint_digests(folder: Path) -> dict[str, str]:
+    """step folder -> SHA-256 of everything torchtitan's DCP checkpoint there holds (read back in
+    this process: model, optimizer, LR schedulers, data loader and train state, in key order)."""
+    import hashlib
+    import tempfile
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    def leaves(value: object, path: str = "") -> list[tuple[str, object]]:
+        if isinstance(value, dict):
+            return [leaf for key in sorted(value, key=str) for leaf in leaves(value[key], f"{path}.{key}")]
+        if isinstance(value, (list, tuple)):
+            return [leaf for i, item in enumerate(value) for leaf in leaves(item, f"{path}[{i}]")]
+        return [(path, value)]
+
+    digests: dict[str, str] = {}
+    for step in sorted(p for p in folder.glob("step-*") if p.is_dir()) if folder.is_dir() else []:
+        with tempfile.TemporaryDirectory() as scratch:
+            dcp_to_torch_save(step, Path(scratch) / "state.pt")
+            state = torch.load(Path(scratch) / "state.pt", weights_only=False)
+        digest = hashlib.sha256()
+        for path, value in leaves(state):
+            digest.update(path.encode())
+            if isinstance(value, torch.Tensor):
+                digest.update(f"{tuple(value.shape)} {value.dtype}".encode())
+                digest.update(value.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+            else:
+                digest.update(repr(value).encode())
+        digests[step.name] = digest.hexdigest()
+    return digests
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +153,7 @@ def references(tmp_path_factory: pytest.TempPathFactory, assets: Path) -> Callab
 def ddp_reference(references: Callable[[str], dict]) -> dict:
     got = references("ddp")
     assert len(set(got["finals"].values())) == 1, got  # every parameter is replicated
+    assert sorted(got["checkpoints"]) == ["step-2", "step-4", "step-6", "step-8"], got["checkpoints"]
     return got
 
 
@@ -124,11 +163,13 @@ def test_the_integration_trains_as_torchtitans_own_trainer(tmp_path: Path, asset
     code, log, got = _run(tmp_path / "plain", assets, "torchrun", "ddp", config="titan_debug_cpu_plain")
     assert code == 0, log
     assert got["finals"] == ddp_reference["finals"], log
+    assert got["checkpoints"] == ddp_reference["checkpoints"], log
 
 
 def _check_in_place(code: int, log: str, got: dict, reference: dict, killed: int) -> None:
     assert code == 0, log
     assert got["finals"] == reference["finals"], "a rank's final state differs from torchrun's\n" + log
+    assert got["checkpoints"] == reference["checkpoints"], "a checkpoint differs from torchrun's\n" + log
     assert "in-place replacement" in log and "replicas agree" in log, log
     # (not "group restart" anywhere: a script drawing random numbers after opt.step() is told in
     # one line that a rank lost after its optimizer step would take the group restart)
@@ -154,6 +195,20 @@ def test_ddp_layout_rank_killed_mid_step_is_replaced_in_place(tmp_path: Path, as
     code, log, got = _run(tmp_path / "tmrun", assets, "tmrun", "ddp", kill=f"{killed}:{step}:forward=2")
     _check_in_place(code, log, got, ddp_reference, killed=killed)
     assert (tmp_path / "tmrun" / "killed").read_text().split()[1:] == [str(step)], log  # in that step, not a later one
+
+
+def test_a_rank_lost_in_a_checkpoint_save_has_it_redone(tmp_path: Path, assets: Path, ddp_reference: dict) -> None:
+    """Rank 1 SIGKILLed as step 4's DCP checkpoint save begins (after the step's update): DCP
+    gathers and broadcasts its save plans, and the survivor decoded what the collectives served
+    locally after the loss (``EOFError: Ran out of input``; rank 0 of HSDP: "Failed to validate
+    global plan") and died: the group restart from the checkpoint of step 2. Now the failed save
+    is void (one line), step 4 is not redone, every rank saves step 4 again before step 5
+    (``tm.voided_step``), and every checkpoint holds torchrun's values, as does every rank at the end."""
+    code, log, got = _run(tmp_path / "tmrun", assets, "tmrun", "ddp", kill="1:4:save")
+    _check_in_place(code, log, got, ddp_reference, killed=1)
+    assert "rank 0: step 4's checkpoint save failed in a void step" in log, log
+    assert "step 4's checkpoint and validation were void" in log, log
+    assert re.search(r"1 in-place recoveries \(0 planned\), 0 steps recomputed", log), log
 
 
 # ddp-21 and hsdp-22 are variants (CI time): those layouts are replaced in place by default in

@@ -11,7 +11,8 @@ SIGKILLs itself in the forward of the model's middle layer in torchtitan step ST
 once per job: a marker file in TITAN_TEST_OUT keeps its joiner from doing it again;
 ``RANK:STEP:validate``: in that forward of the step's validation, after its update;
 ``RANK:STEP:forward=N``: in the step's Nth forward of that layer, a later microbatch of a
-gradient accumulation).
+gradient accumulation; ``RANK:STEP:save``: as the step's checkpoint save begins, after its
+update; under ``--compile.enable`` the kill is at the token embedding, before the compiled blocks).
 
 Probes, in TITAN_TEST_OUT: ``steps-{rank}`` (``step pid`` per step started, shadow steps
 excepted), ``final-{rank}`` (SHA-256 of the rank's local model shards, buffers, optimizer state
@@ -76,6 +77,17 @@ class ProbedTrainer(TmrunTrainer):
             return
         marker.write_text(str(os.getpid()))
         layers = list(self.model_parts[0].layers.values())  # type: ignore[union-attr, operator]
+        if where == ["save"]:  # at the start of the step's checkpoint save, after its update
+            save = self.checkpointer.save
+
+            def killed_in_save(*args: Any, **kwargs: Any) -> Any:
+                if self.step == int(step):
+                    marker.write_text(f"{os.getpid()} {self.step}\n")
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return save(*args, **kwargs)
+
+            self.checkpointer.save = killed_in_save  # type: ignore[method-assign]
+            return
         in_validation = where == ["validate"]  # in the step's validation, after its update
         validating = [False]
         if in_validation:

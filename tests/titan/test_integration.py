@@ -74,6 +74,17 @@ def test_the_cpu_shim_swaps_every_flex_attention_for_sdpa() -> None:
     assert len(list(model.traverse(ScaledDotProductAttention.Config))) == 6  # the debug model's layers
 
 
+def _fake_tm() -> Any:
+    """What the integration uses of ``tm``: ``void``, ``is_shadow`` and the real ``tolerate_void``."""
+    from types import SimpleNamespace
+
+    from tmrun.worker.runtime import Runtime
+
+    tm = SimpleNamespace(void=False, is_shadow=False, _ctx=SimpleNamespace(rank=0))
+    tm.tolerate_void = lambda what="": Runtime.tolerate_void(tm, what)  # type: ignore[arg-type]
+    return tm
+
+
 def test_a_void_tail_is_redone_on_every_rank_and_logged_once() -> None:
     """tm.voided_step: the committed step's checkpoint and validation run again (collectives: on
     every rank) with torchtitan's step number set to that step; metrics are logged where this
@@ -85,7 +96,7 @@ def test_a_void_tail_is_redone_on_every_rank_and_logged_once() -> None:
     trainer = object.__new__(TmrunTrainer)
     calls: list[tuple] = []
     logged: list[tuple] = []
-    trainer.tm = SimpleNamespace(void=False, is_shadow=False)
+    trainer.tm = _fake_tm()
     trainer.config = SimpleNamespace(training=SimpleNamespace(steps=10), validator=SimpleNamespace(enable=True))
     trainer.checkpointer = SimpleNamespace(save=lambda step, last_step: calls.append(("save", step, last_step)))
     trainer.metrics_processor = SimpleNamespace(log=lambda *args, **kwargs: logged.append(args),
@@ -136,3 +147,44 @@ def test_no_metric_is_logged_in_a_void_step() -> None:
         trainer.metrics_processor.log_validation(loss=9.0, step=2)
     trainer.metrics_processor.close()  # not a logging method: runs
     assert logged == ["log", "log_validation", "close"]
+
+
+def test_a_checkpoint_save_failing_in_a_void_step_is_redone_not_raised(capsys: pytest.CaptureFixture[str]) -> None:
+    """A rank lost during torchtitan's checkpoint save (DCP gathers and broadcasts its plans: a
+    survivor decoding what a locally served collective gave raised ``EOFError`` or "Failed to
+    validate global plan" and died; the job restarted from its last checkpoint). Raised in a void
+    step, the error is one line and the step's tail is not done (tm.voided_step redoes it); raised
+    in a step that is not void, it propagates."""
+    from types import SimpleNamespace
+
+    from tmrun.integrations.torchtitan import TmrunTrainer
+
+    trainer = object.__new__(TmrunTrainer)
+    trainer.tm = _fake_tm()
+    trainer.config = SimpleNamespace(training=SimpleNamespace(steps=10), validator=SimpleNamespace(enable=False))
+    saves: list[int] = []
+
+    def save(step: int, last_step: bool) -> None:
+        saves.append(step)
+        trainer.tm.void = True  # a peer lost in the save's first collective
+        raise EOFError("Ran out of input")
+
+    trainer.checkpointer = SimpleNamespace(save=save)
+    trainer.model_parts = []
+    trainer._tail_done = 0
+    trainer._step_tail(4)
+    assert saves == [4] and trainer._tail_done == 0  # not done: redone through tm.voided_step
+    line = "rank 0: step 4's checkpoint save failed in a void step (EOFError: Ran out of input)"
+    assert line in capsys.readouterr().err
+    trainer.tm.void = False
+    trainer.checkpointer = SimpleNamespace(save=lambda step, last_step: saves.append(step))
+    trainer.step = 5
+    trainer._redo_void_tail(4)
+    assert saves == [4, 4] and trainer._tail_done == 4 and trainer.step == 5
+
+    def broken(step: int, last_step: bool) -> None:
+        raise OSError("disk full")
+
+    trainer.checkpointer = SimpleNamespace(save=broken)
+    with pytest.raises(OSError, match="disk full"):  # not void: the script's own error
+        trainer._step_tail(6)

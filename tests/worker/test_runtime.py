@@ -59,6 +59,18 @@ SCRIPT = textwrap.dedent("""
     assert tm.voided_step == 3  # the last step's tail: after the loop
     ctx.void_tail, ctx.loop_finished = None, False
     assert tm.voided_step is None
+    # tm.tolerate_void: an Exception in its block is swallowed while the step is void, else raised
+    ctx.aborted_by = 1
+    with tm.tolerate_void("the save"):
+        raise EOFError("Ran out of input")
+    ctx.aborted_by = None
+    try:
+        with tm.tolerate_void("the save"):
+            raise EOFError("not void")
+    except EOFError:
+        pass
+    else:
+        raise AssertionError("an error outside a void step must propagate")
     ctx.committed_step = 2
     try:
         tm.migrate()

@@ -200,9 +200,13 @@ class TmrunTrainer(Trainer):
         config = self.config
         if self._quiet:
             return
-        self.checkpointer.save(step, last_step=(step == config.training.steps))
+        # a rank lost during the save (its plans gathered and broadcast) fails DCP on every
+        # survivor: void, the save is done again through tm.voided_step
+        with self.tm.tolerate_void(f"step {step}'s checkpoint save"):
+            self.checkpointer.save(step, last_step=(step == config.training.steps))
         if not self._quiet and config.validator.enable and self.validator.should_validate(step):
-            self._validate(step)
+            with self.tm.tolerate_void(f"step {step}'s validation"):
+                self._validate(step)
         if not self._quiet:
             self._tail_done = step
 

@@ -24,6 +24,7 @@ waits inside until the controller promotes it to a rank.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 from typing import Any, Iterator
@@ -134,6 +135,25 @@ class Runtime:
         if tail is None or tail != ctx.committed_step or not (ctx.current_step > tail or ctx.loop_finished):
             return None
         return tail
+
+    @contextlib.contextmanager
+    def tolerate_void(self, what: str = "a collective block") -> Iterator[None]:
+        """Around code whose collectives can lose a peer mid-way and then fail on what the
+        locally served ones returned: a checkpoint save (``torch.distributed.checkpoint`` decodes
+        the plans it gathers and broadcasts: a survivor got ``EOFError`` or "Failed to validate
+        global plan" and died, turning the failure into the group restart), an evaluation with
+        object collectives. An ``Exception`` raised in the block while the step is :attr:`void`
+        is swallowed, in one line naming ``what`` and the error: the block's result is void,
+        and when it ran after the update, :attr:`voided_step` asks for it again in the next step.
+        Raised while the step is not void, it propagates unchanged."""
+        try:
+            yield
+        except Exception as error:
+            if not self.void:
+                raise
+            first = (str(error).splitlines() or [""])[0][:200]
+            log(f"rank {self._ctx.rank}: {what} failed in a void step ({type(error).__name__}: {first}); "
+                "its result is void: nothing raised")
 
     @property
     def committed_step(self) -> int:
