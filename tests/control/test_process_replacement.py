@@ -246,6 +246,25 @@ def test_a_migration_asked_while_the_training_finishes_is_refused(tmp_path: Path
     assert "training is finishing" in job.get(keys.event(0)).decode()
 
 
+def test_a_migration_of_a_job_that_cannot_heal_in_place_is_refused(tmp_path: Path, procs) -> None:  # type: ignore[no-untyped-def]
+    """The script made a gloo group (tmrun.worker.gloo_groups): its ranks recorded that no
+    joiner can enter it; a planned migration would leave its joiner waiting in gloo's rendezvous."""
+    a, b, standby = (child("import time; time.sleep(60)") for _ in range(3))
+    procs += [a, b, standby]
+    pool = FakePool([FakeMember(2, standby)])
+    store, job = dist.HashStore(), dist.HashStore()
+    controller = ProcessReplacement(store, pool, 2, 0.0, 3, job, str(tmp_path / "gen"))  # type: ignore[arg-type]
+    controller.adopt({0: a, 1: b})
+    store.set(keys.API, "1")
+    store.add(keys.MEMBERS, 2)
+    store.set(keys.standby_ready(2), "{}")
+    store.set(keys.UNHEALABLE, "the script made a gloo group")
+    proto.request_migration(job, 1, "drain")
+    controller.step()
+    assert not store.check([keys.plan(1)]) and pool.members  # nothing published, the standby stays
+    assert "the script made a gloo group" in job.get(keys.event(0)).decode()
+
+
 def test_a_change_its_members_found_unhealable_falls_back_without_waiting(tmp_path: Path, procs) -> None:  # type: ignore[no-untyped-def]
     """Every replica of a shard lost (docs/mesh.md, section 4): the members record why in the
     store as they fail; the ranks that fail next are not waited for (no standby wait), the group

@@ -193,3 +193,21 @@ def test_replicas_that_disagree_after_a_change_stop_the_job_in_one_line(tmp_path
     events = [json.loads(line) for line in Path(events_file.group(1)).read_text().splitlines()]
     diverged = [e for e in events if e.get("kind") == "diverged"]
     assert len(diverged) == 1 and "head.weight" in json.dumps(diverged[0]), events
+
+
+def test_a_gloo_group_is_said_at_once_and_a_failure_takes_the_group_restart_at_once(
+        tmp_path: Path, torchrun_reference: dict) -> None:
+    """The script makes a CPU side group with ``dist.new_group(backend="gloo")`` (torchtitan's
+    asynchronous checkpoint does): no standby can join a gloo group (its sandbox waited in gloo's
+    rendezvous, never warm), so before, a failure waited out ``--standby-wait`` (60 s) for a warm
+    standby, then took the group restart, and nothing said why. Now rank 0 says so in one line
+    as the group is made, a failure takes the group restart at once (no wait), and the restarted
+    job ends with torchrun's bits."""
+    code, log, got = _run(tmp_path / "gloo", "tmrun", "--gloo-group", "--kill-at", "3:0.1")
+    assert code == 0, log
+    said = "rank 0: the script made a gloo group (dist.new_group(backend='gloo')"
+    assert log.count(said) == 2, log  # once per start of the group: the first and the restarted one
+    assert re.search(r"rank 1 failed and the script made a gloo group .* falling back to restarting the worker "
+                     r"group", log), log
+    assert "waiting up to" not in log and "in-place replacement, generation" not in log, log
+    assert got["finals"] == torchrun_reference["finals"], log

@@ -170,6 +170,9 @@ def main() -> None:
     parser.add_argument("--kill-rank", type=int, default=1)
     parser.add_argument("--step-log", default="", help="per rank ({rank}): 'step pid' per completed step")
     parser.add_argument("--aborted-log", default="", help="per rank ({rank}): 'step aborted committed void' per step run")
+    parser.add_argument("--gloo-group", action="store_true",
+                        help="a CPU side group (dist.new_group(backend='gloo')) counts the steps, as torchtitan's "
+                             "asynchronous checkpoint makes one")
     parser.add_argument("--corrupt-on-heal", action="store_true",
                         help="a tracked object's load_state_dict changes a weight (a buggy state hook)")
     args = parser.parse_args()
@@ -206,6 +209,7 @@ def train(args: argparse.Namespace) -> None:
             sched.step()
     val_tokens, val_targets = RankLoader(99, batch=4).next()
     written: set[int] = set()
+    side_group = dist.new_group(backend="gloo") if args.gloo_group else None
 
     def end_eval(step: int, how: str) -> None:
         """An evaluation after the step's update, averaged over the ranks (a collective): its

@@ -26,7 +26,7 @@ from tmrun.console import say
 from tmrun.protocol import keys, messages as proto, orphan_guard
 from tmrun.protocol.environment import LaunchEnv, Mode
 from tmrun.protocol.stores import open_job_store
-from tmrun.worker import group, pipeline_startup, rehearsal, startup_replay, store_pace, warm_imports
+from tmrun.worker import gloo_groups, group, pipeline_startup, rehearsal, startup_replay, store_pace, warm_imports
 from tmrun.worker.drills import DrillRunner
 from tmrun.worker.interrupt import StepInterrupter
 from tmrun.worker.leave import exit_now
@@ -161,6 +161,7 @@ class Context:
             # a drill fires once per job: in the first start of the group (no store to claim it in)
             self.drills.claim = lambda index: os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
             return
+        gloo_groups.watch(self._made_a_foreign_group, group.BACKEND)  # a gloo group cannot follow a replacement
         tcp = open_job_store(env, timeout=60)
         store = self.store = dist.PrefixStore(env.store_prefix, tcp)
         job_store = self.job_store = dist.PrefixStore(keys.job_prefix(env.run_id), tcp)
@@ -194,6 +195,18 @@ class Context:
             store.set(keys.JOB_ID, group.comm().job_id)
         store.set(keys.API, "1")
         store.add(keys.MEMBERS, 1)
+
+    def _made_a_foreign_group(self, asked: str) -> None:
+        """The script asked ``dist.new_group`` for gloo (:mod:`tmrun.worker.gloo_groups`): rank 0
+        says so, and every rank marks the job's changes unhealable (the controller then takes the group
+        restart at once instead of waiting for a standby that cannot join); a standby's sandbox
+        says nothing (its ranks did)."""
+        if self.env.mode is Mode.STANDBY:
+            return
+        why = gloo_groups.why(asked)
+        if self.rank == 0:
+            log(f"rank 0: {why}: a failure of this job takes the group restart, not an in-place replacement")
+        self.require_store().set(keys.UNHEALABLE, why)
 
     def _job_has_subgroups(self) -> bool:
         """A standby: whether the job's ranks made subgroups (a device mesh, ``new_group``),

@@ -176,6 +176,9 @@ class NodeReplacement:
             if core.any_done(store, [r for node_ranks in ranks for r in node_ranks]):
                 events.append(("migrate-refused", f"{request.describe()}: the training is finishing"))
                 continue
+            if core.unhealable(store):  # (a gloo group: no joiner can enter it)
+                events.append(("migrate-refused", f"{request.describe()}: {core.unhealable(store)}"))
+                continue
             standby = self._ready_standby_nodes(store, membership, len(ranks[group_rank]))
             if not standby:
                 events.append(("migrate-refused", f"{request.describe()}: no warm standby node"))
