@@ -266,6 +266,10 @@ def train(args: argparse.Namespace) -> None:
                 log.write(f"{step} {os.getpid()}\n")
     if args.end_eval_log and not tm.is_standby and tm.voided_step is not None:  # the last step's tail was void
         end_eval(tm.voided_step, "redo")
+    if side_group is not None and not tm.is_standby:
+        done = torch.ones(1)
+        dist.all_reduce(done, group=side_group)  # the CPU side group in use: every rank finished
+        assert done.item() == tm.world_size
     if tm.rank == 0 and not tm.is_standby:
         with open(args.eval_log, "a") as log:
             log.write(f"-1 {best.val:.6f}\n")  # rank 0's best value, as its process ends
