@@ -227,9 +227,9 @@ def test_migration_requests(tmp_path: Path, procs) -> None:  # type: ignore[no-u
     assert controller.slots[1].process is standby
 
 
-def test_a_migration_asked_while_the_training_finishes_is_refused(tmp_path: Path, procs) -> None:  # type: ignore[no-untyped-def]
-    """A rank that finished its steps never reaches a switch step: publishing the migration
-    would leave its joiner waiting for addresses nobody publishes."""
+def _two_ranks_and_a_warm_standby(tmp_path: Path, procs) -> tuple:  # type: ignore[no-untyped-def]
+    """Ranks 0 and 1 on the worker API and standby 2 warm: (store, job store, controller, pool,
+    their three processes)."""
     a, b, standby = (child("import time; time.sleep(60)") for _ in range(3))
     procs += [a, b, standby]
     pool = FakePool([FakeMember(2, standby)])
@@ -239,6 +239,13 @@ def test_a_migration_asked_while_the_training_finishes_is_refused(tmp_path: Path
     store.set(keys.API, "1")
     store.add(keys.MEMBERS, 2)
     store.set(keys.standby_ready(2), "{}")
+    return store, job, controller, pool, (a, b, standby)
+
+
+def test_a_migration_asked_while_the_training_finishes_is_refused(tmp_path: Path, procs) -> None:  # type: ignore[no-untyped-def]
+    """A rank that finished its steps never reaches a switch step: publishing the migration
+    would leave its joiner waiting for addresses nobody publishes."""
+    store, job, controller, pool, (_, b, standby) = _two_ranks_and_a_warm_standby(tmp_path, procs)
     store.set(keys.done(0), "9")
     proto.request_migration(job, 1, "drain")
     controller.step()
@@ -249,15 +256,7 @@ def test_a_migration_asked_while_the_training_finishes_is_refused(tmp_path: Path
 def test_a_migration_of_a_job_that_cannot_heal_in_place_is_refused(tmp_path: Path, procs) -> None:  # type: ignore[no-untyped-def]
     """The script made a gloo group (tmrun.worker.gloo_groups): its ranks recorded that no
     joiner can enter it; a planned migration would leave its joiner waiting in gloo's rendezvous."""
-    a, b, standby = (child("import time; time.sleep(60)") for _ in range(3))
-    procs += [a, b, standby]
-    pool = FakePool([FakeMember(2, standby)])
-    store, job = dist.HashStore(), dist.HashStore()
-    controller = ProcessReplacement(store, pool, 2, 0.0, 3, job, str(tmp_path / "gen"))  # type: ignore[arg-type]
-    controller.adopt({0: a, 1: b})
-    store.set(keys.API, "1")
-    store.add(keys.MEMBERS, 2)
-    store.set(keys.standby_ready(2), "{}")
+    store, job, controller, pool, (_, b, standby) = _two_ranks_and_a_warm_standby(tmp_path, procs)
     store.set(keys.UNHEALABLE, "the script made a gloo group")
     proto.request_migration(job, 1, "drain")
     controller.step()
@@ -288,15 +287,7 @@ def test_a_migration_in_a_job_with_subgroups_is_planned_like_any_other(tmp_path:
     """A job with subgroups (a device mesh): its standby, warm in tmrun.init(), gets a planned
     assignment; the leaver stays a running process of the node until it handed over
     (docs/mesh.md; end to end: tests/e2e/test_mesh.py::test_hsdp_planned_migration_recomputes_nothing)."""
-    a, b, standby = (child("import time; time.sleep(60)") for _ in range(3))
-    procs += [a, b, standby]
-    pool = FakePool([FakeMember(2, standby)])
-    store, job = dist.HashStore(), dist.HashStore()
-    controller = ProcessReplacement(store, pool, 2, 0.0, 3, job, str(tmp_path / "gen"))  # type: ignore[arg-type]
-    controller.adopt({0: a, 1: b})
-    store.set(keys.API, "1")
-    store.add(keys.MEMBERS, 2)
-    store.set(keys.standby_ready(2), "{}")
+    store, job, controller, pool, (_, b, standby) = _two_ranks_and_a_warm_standby(tmp_path, procs)
     store.set(keys.SUBGROUPS, "1")
     proto.request_migration(job, 1, "drain")
     controller.step()
