@@ -143,9 +143,13 @@ def _write_final(trainer: Trainer, path: Path) -> None:
     if getattr(trainer, "step", 0) != trainer.config.training.steps:
         return
     digest = hashlib.sha256()
+    each: list[str] = []  # one line per tensor (name, its own digest), beside the final digest: where two runs differ
     for part in trainer.model_parts:
-        for _, tensor in sorted([*part.named_parameters(), *part.named_buffers()], key=lambda item: item[0]):
+        for name, tensor in sorted([*part.named_parameters(), *part.named_buffers()], key=lambda item: item[0]):
             _feed(digest, tensor)
+            one = hashlib.sha256()
+            _feed(one, tensor)
+            each.append(f"{name} {one.hexdigest()[:16]}")
     for optimizer in trainer.optimizers.optimizers:
         for group in optimizer.param_groups:
             digest.update(repr(group["lr"]).encode())
@@ -157,6 +161,7 @@ def _write_final(trainer: Trainer, path: Path) -> None:
                     else:
                         digest.update(repr(value).encode())
     path.write_text(digest.hexdigest() + "\n")
+    path.with_name(path.name + ".tensors").write_text("\n".join(each) + "\n")
 
 
 def _small_cpu_config() -> Trainer.Config:

@@ -201,9 +201,14 @@ class Context:
         says so, and every rank marks the job's changes unhealable (the controller then takes the group
         restart at once instead of waiting for a standby that cannot join); a standby's sandbox
         says nothing (its ranks did)."""
+        self.refuse_in_place(gloo_groups.why(asked))
+
+    def refuse_in_place(self, why: str) -> None:
+        """This job's failures take the group restart (``why``: what makes an in-place replacement
+        impossible or unverified): rank 0 says so in one line, every rank records it for the
+        controller (which falls back at once, and refuses planned migrations). Not in a standby."""
         if self.env.mode is Mode.STANDBY:
             return
-        why = gloo_groups.why(asked)
         if self.rank == 0:
             log(f"rank 0: {why}: a failure of this job takes the group restart, not an in-place replacement")
         self.require_store().set(keys.UNHEALABLE, why)

@@ -136,6 +136,13 @@ class Runtime:
             return None
         return tail
 
+    def refuse_in_place(self, why: str) -> None:
+        """Make every failure of this job take the group restart, for ``why`` (a set-up that an
+        in-place replacement cannot follow, or gave wrong values with): rank 0 says so in one
+        line, the controller falls back at once and refuses planned migrations. Call it on every
+        rank (a standby's call does nothing)."""
+        self._ctx.refuse_in_place(why)
+
     @contextlib.contextmanager
     def tolerate_void(self, what: str = "a collective block") -> Iterator[None]:
         """Around code whose collectives can lose a peer mid-way and then fail on what the
