@@ -201,12 +201,15 @@ def test_a_rank_lost_in_a_checkpoint_save_has_it_redone(tmp_path: Path, assets: 
     """Rank 1 SIGKILLed as step 4's DCP checkpoint save begins (after the step's update): DCP
     gathers and broadcasts its save plans, and the survivor decoded what the collectives served
     locally after the loss (``EOFError: Ran out of input``; rank 0 of HSDP: "Failed to validate
-    global plan") and died: the group restart from the checkpoint of step 2. Now the failed save
+    global plan") and died: the group restart from the checkpoint of step 2. Now a failed save
     is void (one line), step 4 is not redone, every rank saves step 4 again before step 5
     (``tm.voided_step``), and every checkpoint holds torchrun's values, as does every rank at the end."""
     code, log, got = _run(tmp_path / "tmrun", assets, "tmrun", "ddp", kill="1:4:save")
     _check_in_place(code, log, got, ddp_reference, killed=1)
-    assert "rank 0: step 4's checkpoint save failed in a void step" in log, log
+    # (rank 0's save fails, in one line, when DCP decodes what a collective served after the loss
+    # gave: "step 4's checkpoint save failed in a void step (EOFError ...)"; in some runs what it
+    # decoded was whole and the void save ended without an error; either way it is done again)
+    assert "rank 0: step 3 committed and then lost a peer" in log, log
     assert "step 4's checkpoint and validation were void" in log, log
     assert re.search(r"1 in-place recoveries \(0 planned\), 0 steps recomputed", log), log
 
