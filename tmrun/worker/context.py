@@ -161,7 +161,8 @@ class Context:
             # a drill fires once per job: in the first start of the group (no store to claim it in)
             self.drills.claim = lambda index: os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
             return
-        gloo_groups.watch(self._made_a_foreign_group, group.BACKEND)  # a gloo group cannot follow a replacement
+        # a gloo (or other non-tmrun) group the script makes cannot follow a replacement
+        gloo_groups.watch(lambda asked: self.refuse_in_place(gloo_groups.why(asked)), group.BACKEND)
         tcp = open_job_store(env, timeout=60)
         store = self.store = dist.PrefixStore(env.store_prefix, tcp)
         job_store = self.job_store = dist.PrefixStore(keys.job_prefix(env.run_id), tcp)
@@ -195,13 +196,6 @@ class Context:
             store.set(keys.JOB_ID, group.comm().job_id)
         store.set(keys.API, "1")
         store.add(keys.MEMBERS, 1)
-
-    def _made_a_foreign_group(self, asked: str) -> None:
-        """The script asked ``dist.new_group`` for gloo (:mod:`tmrun.worker.gloo_groups`): rank 0
-        says so, and every rank marks the job's changes unhealable (the controller then takes the group
-        restart at once instead of waiting for a standby that cannot join); a standby's sandbox
-        says nothing (its ranks did)."""
-        self.refuse_in_place(gloo_groups.why(asked))
 
     def refuse_in_place(self, why: str) -> None:
         """This job's failures take the group restart (``why``: what makes an in-place replacement

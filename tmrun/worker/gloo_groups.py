@@ -12,8 +12,9 @@ place does not do either: torch's asynchronous DCP save requires a group with a 
 backend, which a Python process group has not.)
 
 :func:`watch` makes ``torch.distributed.new_group`` say so in one line when the script asks for
-gloo (or another named backend than tmrun's: nccl is no better), and tells the controller that this job's changes cannot heal in place
-(``keys.UNHEALABLE``): a failure then takes the group restart at once.
+gloo (or another named backend than tmrun's: nccl is no better), and tells the controller that
+this job's changes cannot heal in place (``keys.UNHEALABLE``): a failure then takes the group
+restart at once.
 """
 
 from __future__ import annotations

@@ -176,8 +176,9 @@ class NodeReplacement:
             if core.any_done(store, [r for node_ranks in ranks for r in node_ranks]):
                 events.append(("migrate-refused", f"{request.describe()}: the training is finishing"))
                 continue
-            if core.unhealable(store):  # (a gloo group: no joiner can enter it)
-                events.append(("migrate-refused", f"{request.describe()}: {core.unhealable(store)}"))
+            unhealable = core.unhealable(store)  # (a gloo group: no joiner can enter it)
+            if unhealable:
+                events.append(("migrate-refused", f"{request.describe()}: {unhealable}"))
                 continue
             standby = self._ready_standby_nodes(store, membership, len(ranks[group_rank]))
             if not standby:

@@ -182,8 +182,9 @@ class ProcessReplacement:
             return self._refuse(f"rank {request.rank}", "no such running rank on this node")
         if core.any_done(self._store, self.slots.ranks()):
             return self._refuse(f"rank {request.rank}", "the training is finishing (a rank finished its steps)")
-        if core.unhealable(self._store):  # (a gloo group: no joiner can enter it)
-            return self._refuse(f"rank {request.rank}", core.unhealable(self._store))
+        unhealable = core.unhealable(self._store)  # (a gloo group: no joiner can enter it)
+        if unhealable:
+            return self._refuse(f"rank {request.rank}", unhealable)
         member = self._ready_standby()
         if member is None:
             return self._refuse(f"rank {request.rank}", "no warm standby")
