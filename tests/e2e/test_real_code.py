@@ -116,10 +116,13 @@ def test_a_rank_killed_inside_its_chunked_loss_is_replaced_in_place(tmp_path: Pa
     """Rank 1 dies while rank 0 computes its chunked loss: rank 0's step is doomed before the
     loss's first own backward, which is skipped; the loss's assertion that the detached hidden
     state got a gradient holds (it killed the survivor before), DDP's reducer is reset (the
-    redone backward crashed in it before), the evaluation of the redone step is true."""
-    code, log, got = _run(tmp_path / "loss", "tmrun", "--kill-in-loss", "3")
+    redone backward crashed in it before), the evaluation of the redone step is true. Each step
+    also checks the rank a compiled function reads: the standby traced it in its sandbox as rank
+    0, and dynamo folds the rank into the graph (the joiner computed as rank 0 before)."""
+    code, log, got = _run(tmp_path / "loss", "tmrun", "--kill-in-loss", "3", "--compiled-rank")
     _check_in_place(code, log, got, torchrun_reference, expect_aborted=True)
     assert re.search(r"rank 0: recovered into generation 1 .*DDP reducers reset", log), log
+    assert re.search(r"rank 1: 1 graph\(s\) compiled before this process had its rank dropped", log), log
 
 
 @pytest.mark.parametrize("seed", [1, pytest.param(2, marks=pytest.mark.variant), pytest.param(3, marks=pytest.mark.variant)])

@@ -33,8 +33,10 @@ LAYOUTS = {
     # compiled as torchtitan compiles (each transformer block whole, fullgraph; inductor on the CPU)
     "hsdp": (4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
                  "--compile.enable"]),
+    # compiled too: the loss's vocabulary-parallel cross-entropy reads its TP rank, which dynamo folds
+    # into the graph (a joiner that kept its rehearsal's graph trained on with wrong values)
     "tp_dp": (4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
-                  "--parallelism.tensor_parallel_degree", "2"]),
+                  "--parallelism.tensor_parallel_degree", "2", "--compile.enable"]),
     # pipeline parallel 2 x dp_replicate 2 (torchtitan's mesh puts "pp" outermost: ranks 0, 1 hold stage 0)
     "pp_dp": (4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.pipeline_parallel_degree", "2"]),
     # the same with two stages per rank (Interleaved 1F1B: rank r holds stages r // 2 and r // 2 + 2)

@@ -12,6 +12,7 @@ What tmrun's own example scripts do not do, and third-party trainers do:
   says);
 * a data loader whose position differs by rank (``tm.track_per_rank``), an LR schedule;
 * ``@record`` on ``main`` (torch's elastic error handler, which swallows ``SystemExit(0)``);
+* a function compiled with ``torch.compile`` that reads ``dist.get_rank()`` (``--compiled-rank``);
 * resuming: ``--start`` runs steps ``start .. steps - 1`` as a script restarted from its
   checkpoint would.
 
@@ -173,6 +174,8 @@ def main() -> None:
     parser.add_argument("--gloo-group", action="store_true",
                         help="a CPU side group (dist.new_group(backend='gloo')) counts the steps, as torchtitan's "
                              "asynchronous checkpoint makes one")
+    parser.add_argument("--compiled-rank", action="store_true",
+                        help="each step checks dist.get_rank() read inside a compiled function (dynamo folds it in)")
     parser.add_argument("--corrupt-on-heal", action="store_true",
                         help="a tracked object's load_state_dict changes a weight (a buggy state hook)")
     args = parser.parse_args()
@@ -223,6 +226,9 @@ def train(args: argparse.Namespace) -> None:
             with open(args.end_eval_log, "a") as log:
                 log.write(f"{step} {val.item() / tm.world_size:.6f} {how}\n")
 
+    # compiled code reading the rank: a standby traces it in its sandbox, as another rank
+    compiled_rank = torch.compile(lambda x: x + dist.get_rank(), backend="eager", fullgraph=True) \
+        if args.compiled_rank else None
     kill_step, _, kill_after = args.kill_at.partition(":")
     for step in tm.steps(args.steps, start=args.resume_step):
         if args.end_eval_log and tm.voided_step is not None:  # the last step's tail was void: redo it first
@@ -238,6 +244,9 @@ def train(args: argparse.Namespace) -> None:
                 log.write(f"{step} {val:.6f}\n")
             if val < best.val and not tm.aborted:
                 best.val = val  # a checkpoint with the best value would be written here
+        if compiled_rank is not None:
+            seen = int(compiled_rank(torch.zeros(())).item())
+            assert seen == dist.get_rank(), f"rank {dist.get_rank()}: compiled code computed with rank {seen}"
         step_loss = torch.zeros(())
         for micro in range(args.micro):
             tokens, targets = loader.next()

@@ -189,22 +189,3 @@ def test_a_checkpoint_save_failing_in_a_void_step_is_redone_not_raised(capsys: p
     with pytest.raises(OSError, match="disk full"):  # not void: the script's own error
         trainer._step_tail(6)
 
-
-def test_a_compiled_loss_under_tensor_parallelism_refuses_the_in_place_path() -> None:
-    """torchtitan's loss compiled with TP on trained on with wrong values after an in-place
-    replacement (every rank alike: the replica check agreed). Such a job takes the group restart
-    (``tm.refuse_in_place``); the loss left eager, or no TP, keeps the in-place path."""
-    from types import SimpleNamespace
-
-    from tmrun.integrations.torchtitan import TmrunTrainer
-
-    for components, tp, refused in ((["model", "loss"], True, True), (["model"], True, False),
-                                    (["model", "loss"], False, False)):
-        trainer = object.__new__(TmrunTrainer)
-        why: list[str] = []
-        trainer.tm = SimpleNamespace(in_place=True, refuse_in_place=why.append)
-        trainer.config = SimpleNamespace(compile=SimpleNamespace(enable=True, components=components))
-        trainer.parallel_dims = SimpleNamespace(tp_enabled=tp)
-        trainer._refuse_unverified_in_place()
-        assert bool(why) == refused, (components, tp, why)
-        assert not why or "loss compiled under tensor parallelism" in why[0]

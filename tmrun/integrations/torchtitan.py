@@ -116,19 +116,6 @@ class TmrunTrainer(Trainer):
     def __init__(self, config: Config) -> None:
         super().__init__(config)
         self._settle_lm_head_resharding()
-        self._refuse_unverified_in_place()
-
-    def _refuse_unverified_in_place(self) -> None:
-        """torchtitan's compiled loss with tensor parallelism (``--compile.enable`` with ``loss`` in
-        ``--compile.components``, its default, and TP on): an in-place replacement trained on with
-        wrong values (tmrun's tests, 2026-12-07: the redone step's loss 12.15 against torchrun's
-        8.08, every rank alike, so the replica check agreed; cause not found). Such a job takes
-        the group restart at each failure instead; with the loss left eager it is healed in place."""
-        config = self.config
-        if (self.tm.in_place and config.compile.enable and "loss" in config.compile.components
-                and self.parallel_dims.tp_enabled):
-            self.tm.refuse_in_place("torchtitan's loss compiled under tensor parallelism gave wrong values after an "
-                                    "in-place replacement in tmrun's tests (--compile.components model keeps it eager)")
 
     def _settle_lm_head_resharding(self) -> None:
         """torchtitan shards ``[norm, lm_head]`` as one FSDP2 unit that does not reshard after

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from tmrun.comm import backend as tmrun_backend, native
 from tmrun.protocol import keys, messages as proto
-from tmrun.worker import drills, group, rehearsal, subgroups, warm_imports
+from tmrun.worker import compiled_code, drills, group, rehearsal, subgroups, warm_imports
 from tmrun.worker.context import Context, Rejoin, Superseded, log
 from tmrun.worker.leave import exit_now
 from tmrun.worker.mesh_slices import SliceMemo
@@ -175,6 +175,7 @@ class Standby:
             assignment, started = self._await_in_init(store)
         if assignment.stop:
             exit_now(0)  # the job ends (or needs no standby): nothing may swallow this exit
+        compiled_code.forget_for_new_rank(assignment.rank, log)
         if assignment.planned:
             self._build_before_switch(assignment, started)
             return
@@ -390,6 +391,7 @@ class Standby:
         group.set_failure_handler(self._recovery.on_comm_failure)
         ctx.rank = assignment.rank
         ctx.gen = assignment.gen
+        compiled_code.forget_for_new_rank(ctx.rank, log)
         if not ctx.life.is_(Role.JOINING):
             ctx.life.to(Role.JOINING)
         ctx.fresh = True
