@@ -3,7 +3,10 @@
 The job: torchtitan's own trainer code (0.3.0) on its llama3 debug model, on CPU (the test-only
 shim, offline tokenizer and data of tests/titan/), float32, 128 tokens x 2 per rank, seeded;
 by default the DDP-like layout (``--parallelism.data_parallel_replicate_degree 2``: FSDP2 over
-a 2 x 1 mesh, every parameter replicated) on 2 processes, with ``--layout hsdp`` HSDP 2 x 2 on 4.
+a 2 x 1 mesh, every parameter replicated) on 2 processes, with ``--layout hsdp`` HSDP 2 x 2 on 4,
+with ``--layout tp_dp`` TP 2 x DP 2 on 4; ``--compile`` adds torchtitan's ``--compile.enable`` under
+both launchers (a restarted torchrun group compiles again in every process, a tmrun joiner in
+its own: dynamo folds the rank into its graphs, tmrun/worker/compiled_code.py).
 ``OMP_NUM_THREADS=1``. The same steps under both launchers, interleaved run by run in one
 invocation (the ``--module`` configs are tests/titan/bench_config.py's):
 
@@ -49,6 +52,7 @@ imports), also on Ctrl-C; every wait is bounded (``--timeout`` per run). Needs t
     python bench/torchtitan_failover.py                    # --runs 3, 20 steps: about 8 minutes on 2 cores
     python bench/torchtitan_failover.py --runs 1           # smoke run
     python bench/torchtitan_failover.py --layout hsdp      # HSDP 2 x 2, 4 processes (+ 1 standby)
+    python bench/torchtitan_failover.py --layout tp_dp --compile   # TP x DP, compiled
 """
 
 from __future__ import annotations
@@ -96,6 +100,13 @@ LAUNCHERS = ("torchrun", "tmrun")
 LAYOUTS = {
     "ddp": (2, ["--parallelism.data_parallel_replicate_degree", "2"]),
     "hsdp": (4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]),
+    "tp_dp": (4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+                  "--parallelism.tensor_parallel_degree", "2"]),
+}
+LAYOUT_NAMES = {
+    "ddp": "DDP-like (`--parallelism.data_parallel_replicate_degree 2`)",
+    "hsdp": "HSDP 2 x 2 (`data_parallel_replicate_degree 2`, `data_parallel_shard_degree 2`)",
+    "tp_dp": "TP 2 x DP 2 (`tensor_parallel_degree 2`, `data_parallel_replicate_degree 2`)",
 }
 NAN = float("nan")
 POLL = 0.05
@@ -117,7 +128,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = OneLineParser(prog="torchtitan_failover.py", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3, help="runs per launcher, interleaved (default 3)")
-    parser.add_argument("--layout", default="ddp", help="ddp (2 processes, default) or hsdp (2 x 2, 4 processes)")
+    parser.add_argument("--layout", default="ddp",
+                        help="ddp (2 processes, default), hsdp (2 x 2, 4 processes) or tp_dp (TP 2 x DP 2, 4 processes)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torchtitan's --compile.enable (blocks and loss compiled) under both launchers")
     parser.add_argument("--steps", type=int, default=20, help="torchtitan steps per run (default 20)")
     parser.add_argument("--checkpoint-every", type=int, default=5,
                         help="torchrun's torchtitan --checkpoint.interval (default 5)")
@@ -130,7 +144,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     low, high = kill_range(args.steps, max(1, args.checkpoint_every))
     problems = [
         (args.runs < 1, "--runs must be at least 1"),
-        (args.layout not in LAYOUTS, f"unknown --layout {args.layout!r} (ddp, hsdp)"),
+        (args.layout not in LAYOUTS, f"unknown --layout {args.layout!r} (ddp, hsdp, tp_dp)"),
         (args.checkpoint_every < 1, "--checkpoint-every must be at least 1"),
         (low > high, f"--steps must be at least {low + 3} with --checkpoint-every {args.checkpoint_every} "
                      "(a checkpoint and a steady step before the kill, 3 steps after it)"),
@@ -191,7 +205,7 @@ def command(args: argparse.Namespace, launcher: str, work: Path, assets: Path) -
     nproc, flags = LAYOUTS[args.layout]
     config = "titan_bench_tmrun" if launcher == "tmrun" else "titan_bench_plain"
     titan = ["-m", "torchtitan.train", "--module", CONFIG_MODULE, "--config", config, *flags,
-             "--training.steps", str(args.steps)]
+             *(["--compile.enable"] if args.compile else []), "--training.steps", str(args.steps)]
     env = dict(base_env(), TITAN_TEST_ASSETS=str(assets), TITAN_TEST_OUT=str(work), HF_HUB_OFFLINE="1",
                HF_DATASETS_OFFLINE="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
@@ -255,8 +269,8 @@ def report(args: argparse.Namespace, runs: list[Run], total: float) -> None:
     print(f"Other processes on the machine (not this bench's) kept {spread([r.others for r in runs])} CPU cores "
           "busy during a run (min / median / max).")
     print()
-    layout = ("DDP-like (`--parallelism.data_parallel_replicate_degree 2`)" if args.layout == "ddp"
-              else "HSDP 2 x 2 (`data_parallel_replicate_degree 2`, `data_parallel_shard_degree 2`)")
+    layout = LAYOUT_NAMES[args.layout] + (", compiled (`--compile.enable`: each block and the loss)"
+                                          if args.compile else "")
     kills = ", ".join(f"{r.kill_step} + {r.fraction:.2f}" for r in runs if r.launcher == args.launchers[0])
     print(f"torchtitan's llama3 debug model on CPU, {layout}, {nproc} processes, {args.steps} steps; "
           f"rank {KILL_RANK} SIGKILLed from outside at a random moment (seed {args.seed}; per run: step + "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -23,7 +24,18 @@ def test_defaults_and_launchers() -> None:
     assert (args.runs, args.layout, args.steps, args.checkpoint_every, args.seed) == (3, "ddp", 20, 5, 0)
     assert args.launchers == ["torchrun", "tmrun"]
     assert _bench().parse_args(["--launchers", "tmrun", "--layout", "hsdp"]).launchers == ["tmrun"]
-    assert _bench().LAYOUTS["ddp"][0] == 2 and _bench().LAYOUTS["hsdp"][0] == 4
+    assert _bench().LAYOUTS["ddp"][0] == 2 and _bench().LAYOUTS["hsdp"][0] == 4 and _bench().LAYOUTS["tp_dp"][0] == 4
+    assert set(_bench().LAYOUT_NAMES) == set(_bench().LAYOUTS)
+    assert args.compile is False and _bench().parse_args(["--layout", "tp_dp", "--compile"]).compile is True
+
+
+def test_compile_adds_torchtitans_flag_under_both_launchers(tmp_path: Path) -> None:
+    bench = _bench()
+    for launcher in ("torchrun", "tmrun"):
+        plain, _ = bench.command(bench.parse_args(["--layout", "tp_dp"]), launcher, tmp_path, tmp_path)
+        compiled, _ = bench.command(bench.parse_args(["--layout", "tp_dp", "--compile"]), launcher, tmp_path, tmp_path)
+        assert "--compile.enable" not in plain and compiled.count("--compile.enable") == 1
+        assert "--parallelism.tensor_parallel_degree" in compiled
 
 
 @pytest.mark.parametrize(
