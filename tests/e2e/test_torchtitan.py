@@ -37,6 +37,10 @@ LAYOUTS = {
     # into the graph (a joiner that kept its rehearsal's graph trained on with wrong values)
     "tp_dp": (4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
                   "--parallelism.tensor_parallel_degree", "2", "--compile.enable"]),
+    # DeepSeek-V3's debug model (mixture of experts: routed experts sharded over "ep", their tokens
+    # exchanged by all-to-all with data-dependent splits) on HSDP 2 x 2, experts parallel 2, compiled
+    "moe_ep": (4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
+                   "--parallelism.expert_parallel_degree", "2", "--compile.enable"]),
     # pipeline parallel 2 x dp_replicate 2 (torchtitan's mesh puts "pp" outermost: ranks 0, 1 hold stage 0)
     "pp_dp": (4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.pipeline_parallel_degree", "2"]),
     # the same with two stages per rank (Interleaved 1F1B: rank r holds stages r // 2 and r // 2 + 2)
@@ -69,7 +73,7 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-CONFIGS = {"pp_dp_validate": "titan_debug_cpu_validate"}  # layout -> its --config, where not titan_debug_cpu
+CONFIGS = {"pp_dp_validate": "titan_debug_cpu_validate", "moe_ep": "titan_moe_cpu"}  # layout -> its --config, where not titan_debug_cpu
 
 
 def _run(work: Path, assets: Path, launcher: str, layout: str, config: str = "",
@@ -221,14 +225,16 @@ def test_a_rank_lost_in_a_checkpoint_save_has_it_redone(tmp_path: Path, assets: 
 # test_hsdp_layout_rank_killed_mid_step_is_replaced_in_place (HSDP at random moments by default:
 # tests/e2e/test_mesh.py)
 @pytest.mark.parametrize("layout, seed", [pytest.param("ddp", 21, marks=pytest.mark.variant),
-                                          pytest.param("hsdp", 22, marks=pytest.mark.variant), ("tp_dp", 23)])
+                                          pytest.param("hsdp", 22, marks=pytest.mark.variant), ("tp_dp", 23),
+                                          pytest.param("moe_ep", 24, marks=pytest.mark.variant)])
 def test_rank_killed_at_a_random_moment_is_replaced_in_place(tmp_path: Path, assets: Path,
                                                              references: Callable[[str], dict], layout: str,
                                                              seed: int) -> None:
     """Rank 1 SIGKILLed from outside at a random moment of a step (after its third step): not at a
     fixed point of torchtitan's step (forward, the chunked loss's backward, the optimizer step,
     its metrics all-reduce after the optimizer step can all be hit), in the DDP-like, HSDP 2 x 2
-    and TP x DP layouts. HSDP's blocks are compiled (``--compile.enable``: torchtitan compiles each
+    and TP x DP layouts, and (under ``--variants``) DeepSeek-V3's mixture of experts with experts
+    parallel over HSDP, where the kill can land in an all-to-all. HSDP's blocks are compiled (``--compile.enable``: torchtitan compiles each
     block whole, fullgraph): a survivor doomed inside one used to die of dynamo's
     ``Unsupported: Observed exception`` (tmrun's check, traced into the block, raised there)."""
     import random

@@ -164,9 +164,10 @@ def _write_final(trainer: Trainer, path: Path) -> None:
     path.with_name(path.name + ".tensors").write_text("\n".join(each) + "\n")
 
 
-def _small_cpu_config() -> Trainer.Config:
-    """llama3's debug model, small and on CPU: SDPA, float32, 128 tokens x 2 per rank, 8 steps, a seed."""
-    config = llama3_debugmodel()
+def _small_cpu_config(base: Any = llama3_debugmodel) -> Trainer.Config:
+    """llama3's debug model (or ``base``'s), small and on CPU: SDPA, float32, 128 tokens x 2 per rank,
+    8 steps, a seed."""
+    config = base()
     assert config.model_spec is not None
     cpu_shim.sdpa_everywhere(config.model_spec.model)
     assets = Path(os.environ["TITAN_TEST_ASSETS"])
@@ -185,6 +186,23 @@ def _small_cpu_config() -> Trainer.Config:
 def titan_debug_cpu() -> ProbedTrainer.Config:
     """The small CPU config on tmrun's integration (``--config titan_debug_cpu``)."""
     return tmrun_config(_small_cpu_config(), ProbedTrainer)
+
+
+def titan_moe_cpu() -> ProbedTrainer.Config:
+    """DeepSeek-V3's debug model (mixture of experts: a router, routed and shared experts, the
+    load-balancing expert bias torchtitan updates outside the optimizer) on the same small CPU
+    set-up (``--config titan_moe_cpu``)."""
+    from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
+
+    return tmrun_config(_small_cpu_config(deepseek_v3_debugmodel), ProbedTrainer)
+
+
+def titan_moe_cpu_plain() -> PlainTrainer.Config:
+    """The same on torchtitan's own trainer (``--config titan_moe_cpu_plain``)."""
+    from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
+
+    config = _small_cpu_config(deepseek_v3_debugmodel)
+    return PlainTrainer.Config(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init})
 
 
 def titan_debug_cpu_validate() -> ProbedTrainer.Config:
