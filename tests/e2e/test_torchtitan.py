@@ -299,6 +299,33 @@ def test_tp_dp_layout_rank_killed_mid_step_is_replaced_in_place(tmp_path: Path, 
     _check_in_place(code, log, got, reference, killed=1)
 
 
+@pytest.mark.variant  # CI time: the planned join runs the same reset as the unplanned one (tmrun.worker.standby)
+def test_a_planned_migration_of_a_compiled_tp_rank_is_torchruns_bits(tmp_path: Path, assets: Path,
+                                                                      references: Callable[[str], dict]) -> None:
+    """``tmrun-ctl migrate 1`` once the standby is warm, TP x DP compiled: the joiner, whose
+    rehearsal traced the compiled loss as TP rank 0 (dynamo folds the rank in), drops those
+    graphs when it takes rank 1 and builds before the switch; no step is redone and every rank
+    ends with torchrun's bits."""
+    import threading
+
+    from tests.helpers import ctl_when_logged
+
+    reference = references("tp_dp")
+    work = tmp_path / "tmrun"
+    requested: list[str] = []
+    request = threading.Thread(target=ctl_when_logged, daemon=True,
+                               args=(work / "log", ["warm after"], ["migrate", "1", "--reason", "drill"],
+                                     work / "state", requested, JOB_TIMEOUT))
+    request.start()
+    code, log, got = _run(work, assets, "tmrun", "tp_dp")
+    request.join(timeout=10)
+    assert requested and "migration of rank 1 requested" in requested[0], (requested, log)
+    assert code == 0 and got["finals"] == reference["finals"], log
+    assert "planned migration, generation 1: rank 1" in log and "(1 planned), 0 steps recomputed" in log, log
+    assert re.search(r"rank 1: \d+ graph\(s\) compiled before this process had its rank dropped", log), log
+    assert "Traceback" not in log, log
+
+
 @pytest.mark.parametrize("layout, killed", [pytest.param("pp_dp", 3, marks=pytest.mark.variant),
                                             ("pp_dp_interleaved", 1),
                                             pytest.param("pp_dp_zbv", 0, marks=pytest.mark.variant)])
