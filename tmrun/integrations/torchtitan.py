@@ -50,7 +50,14 @@ What :class:`TmrunTrainer` changes in torchtitan's ``Trainer``:
   1F1B over ``pipeline_parallel_degree`` 2 x ``data_parallel_replicate_degree`` 2 (and, by
   hand, with ``data_parallel_shard_degree`` 2 too).
 
-Not covered yet: zero-bubble pipeline schedules, ``torch.compile``, CUDA graphs (untested on tmrun).
+* ``--compile.enable`` (tested with HSDP and TP x DP): tmrun's checks are empty inside compiled
+  blocks, and a joiner compiles again for its rank (dynamo folds the rank into its graphs:
+  :mod:`tmrun.worker.compiled_code`). Also tested: the zero-bubble schedule ZBV and DeepSeek-V3's
+  mixture of experts with experts parallel (both under ``--variants``).
+
+Not covered: CUDA graphs, context parallelism (torchtitan requires FlexAttention for it, which
+the CPU tests replace), asynchronous checkpointing (``--checkpoint.async_mode``: its gloo group
+makes every failure take the group restart, said in one line).
 """
 
 from __future__ import annotations
