@@ -59,6 +59,7 @@ SCRIPT = textwrap.dedent("""
     assert tm.voided_step == 3  # the last step's tail: after the loop
     ctx.void_tail, ctx.loop_finished = None, False
     assert tm.voided_step is None
+    tm.refuse_in_place("a set-up tmrun cannot follow")  # under plain torchrun: nothing to refuse, no error
     # tm.tolerate_void: an Exception in its block is swallowed while the step is void, else raised
     ctx.aborted_by = 1
     with tm.tolerate_void("the save"):

@@ -200,8 +200,9 @@ class Context:
     def refuse_in_place(self, why: str) -> None:
         """This job's failures take the group restart (``why``: what makes an in-place replacement
         impossible or unverified): rank 0 says so in one line, every rank records it for the
-        controller (which falls back at once, and refuses planned migrations). Not in a standby."""
-        if self.env.mode is Mode.STANDBY:
+        controller (which falls back at once, and refuses planned migrations). Not in a standby;
+        nothing under plain torchrun, where every failure is a group restart already."""
+        if self.env.mode in (Mode.STANDBY, Mode.PLAIN):
             return
         if self.rank == 0:
             log(f"rank 0: {why}: a failure of this job takes the group restart, not an in-place replacement")
