@@ -129,7 +129,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3, help="runs per launcher, interleaved (default 3)")
     parser.add_argument("--layout", default="ddp",
-                        help="ddp (2 processes, default), hsdp (2 x 2, 4 processes) or tp_dp (TP 2 x DP 2, 4 processes)")
+                        help="ddp (2 processes, default), hsdp (2 x 2, 4 processes) "
+                             "or tp_dp (TP 2 x DP 2, 4 processes)")
     parser.add_argument("--compile", action="store_true",
                         help="torchtitan's --compile.enable (blocks and loss compiled) under both launchers")
     parser.add_argument("--steps", type=int, default=20, help="torchtitan steps per run (default 20)")

@@ -73,7 +73,8 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-CONFIGS = {"pp_dp_validate": "titan_debug_cpu_validate", "moe_ep": "titan_moe_cpu"}  # layout -> its --config, where not titan_debug_cpu
+# layout -> its --config, where not titan_debug_cpu
+CONFIGS = {"pp_dp_validate": "titan_debug_cpu_validate", "moe_ep": "titan_moe_cpu"}
 
 
 def _run(work: Path, assets: Path, launcher: str, layout: str, config: str = "",
@@ -234,9 +235,10 @@ def test_rank_killed_at_a_random_moment_is_replaced_in_place(tmp_path: Path, ass
     fixed point of torchtitan's step (forward, the chunked loss's backward, the optimizer step,
     its metrics all-reduce after the optimizer step can all be hit), in the DDP-like, HSDP 2 x 2
     and TP x DP layouts, and (under ``--variants``) DeepSeek-V3's mixture of experts with experts
-    parallel over HSDP, where the kill can land in an all-to-all. HSDP's blocks are compiled (``--compile.enable``: torchtitan compiles each
-    block whole, fullgraph): a survivor doomed inside one used to die of dynamo's
-    ``Unsupported: Observed exception`` (tmrun's check, traced into the block, raised there)."""
+    parallel over HSDP, where the kill can land in an all-to-all. HSDP's blocks are compiled
+    (``--compile.enable``: torchtitan compiles each block whole, fullgraph): a survivor doomed
+    inside one used to die of dynamo's ``Unsupported: Observed exception`` (tmrun's check, traced
+    into the block, raised there)."""
     import random
     import signal
     import threading

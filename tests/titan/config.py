@@ -28,6 +28,7 @@ import dataclasses
 import hashlib
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -164,7 +165,7 @@ def _write_final(trainer: Trainer, path: Path) -> None:
     path.with_name(path.name + ".tensors").write_text("\n".join(each) + "\n")
 
 
-def _small_cpu_config(base: Any = llama3_debugmodel) -> Trainer.Config:
+def _small_cpu_config(base: Callable[[], Trainer.Config] = llama3_debugmodel) -> Trainer.Config:
     """llama3's debug model (or ``base``'s), small and on CPU: SDPA, float32, 128 tokens x 2 per rank,
     8 steps, a seed."""
     config = base()
@@ -195,14 +196,6 @@ def titan_moe_cpu() -> ProbedTrainer.Config:
     from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
 
     return tmrun_config(_small_cpu_config(deepseek_v3_debugmodel), ProbedTrainer)
-
-
-def titan_moe_cpu_plain() -> PlainTrainer.Config:
-    """The same on torchtitan's own trainer (``--config titan_moe_cpu_plain``)."""
-    from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
-
-    config = _small_cpu_config(deepseek_v3_debugmodel)
-    return PlainTrainer.Config(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init})
 
 
 def titan_debug_cpu_validate() -> ProbedTrainer.Config:

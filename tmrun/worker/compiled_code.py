@@ -9,7 +9,8 @@ vocabulary-parallel loss, compiled, reads its tensor-parallel rank so: a joiner 
 rehearsal's graph took its peer's vocabulary shard, and the job trained on with wrong values on
 every rank alike (tmrun's tests, 2026-12-07: the redone step's loss 12.15 against torchrun's
 8.08). Taking a rank therefore resets dynamo's caches: the joiner's first step compiles again,
-for its rank (inductor's on-disk caches still serve the graphs that did not change).
+for its rank (inductor's on-disk cache can serve the graphs that did not change; how much that
+saves was not measured).
 """
 
 from __future__ import annotations
