@@ -133,6 +133,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "or tp_dp (TP 2 x DP 2, 4 processes)")
     parser.add_argument("--compile", action="store_true",
                         help="torchtitan's --compile.enable (blocks and loss compiled) under both launchers")
+    parser.add_argument("--async-checkpoint", action="store_true",
+                        help="both launchers save torchtitan's checkpoint every --checkpoint-every steps with "
+                             "--checkpoint.async_mode async (tmrun: heals in place all the same)")
     parser.add_argument("--steps", type=int, default=20, help="torchtitan steps per run (default 20)")
     parser.add_argument("--checkpoint-every", type=int, default=5,
                         help="torchrun's torchtitan --checkpoint.interval (default 5)")
@@ -210,13 +213,15 @@ def command(args: argparse.Namespace, launcher: str, work: Path, assets: Path) -
     env = dict(base_env(), TITAN_TEST_ASSETS=str(assets), TITAN_TEST_OUT=str(work), HF_HUB_OFFLINE="1",
                HF_DATASETS_OFFLINE="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    checkpoint = ["--checkpoint.enable", "--checkpoint.interval", str(args.checkpoint_every),
+                  "--checkpoint.folder", str(work / "checkpoint"),
+                  *(["--checkpoint.async_mode", "async"] if args.async_checkpoint else [])]
     if launcher == "tmrun":
         cmd = [sys.executable, "-m", "tmrun.cli.main", "--standalone", "--nproc-per-node", str(nproc),
-               "--standby", "1", "--console", "plain", *titan]
+               "--standby", "1", "--console", "plain", *titan, *(checkpoint if args.async_checkpoint else [])]
         return cmd, dict(env, TMRUN_STATE_DIR=str(work / "state"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "--max-restarts", "3", *titan, "--checkpoint.enable", "--checkpoint.interval", str(args.checkpoint_every),
-           "--checkpoint.folder", str(work / "checkpoint")]
+           "--max-restarts", "3", *titan, *checkpoint]
     return cmd, dict(env, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
 
 
@@ -277,9 +282,11 @@ def report(args: argparse.Namespace, runs: list[Run], total: float) -> None:
           f"rank {KILL_RANK} SIGKILLed from outside at a random moment (seed {args.seed}; per run: step + "
           f"fraction of a steady step after rank {KILL_RANK} completed the step before: {kills}). torchrun: "
           "`--max-restarts 3`, `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`, torchtitan's Trainer with "
-          f"`--checkpoint.enable --checkpoint.interval {args.checkpoint_every}`; tmrun: `--standby 1` "
-          "(warm at the kill), tmrun.integrations.torchtitan, no checkpoint. Seconds, min / median / max over "
-          "the recovered runs.")
+          f"`--checkpoint.enable --checkpoint.interval {args.checkpoint_every}`"
+          f"{' --checkpoint.async_mode async' if args.async_checkpoint else ''}; tmrun: `--standby 1` "
+          "(warm at the kill), tmrun.integrations.torchtitan, "
+          f"{'the same asynchronous checkpoint' if args.async_checkpoint else 'no checkpoint'}. Seconds, "
+          "min / median / max over the recovered runs.")
     print_tables(args.launchers, runs)
     agree = digests_agree([r.finals for r in runs if r.ok])
     print()

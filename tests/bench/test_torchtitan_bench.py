@@ -38,6 +38,17 @@ def test_compile_adds_torchtitans_flag_under_both_launchers(tmp_path: Path) -> N
         assert "--parallelism.tensor_parallel_degree" in compiled
 
 
+def test_async_checkpoint_saves_asynchronously_under_both_launchers(tmp_path: Path) -> None:
+    bench = _bench()
+    tmrun, _ = bench.command(bench.parse_args([]), "tmrun", tmp_path, tmp_path)
+    assert "--checkpoint.enable" not in tmrun  # by default tmrun saves nothing (it heals from the ranks)
+    for launcher in ("torchrun", "tmrun"):
+        cmd, _ = bench.command(bench.parse_args(["--async-checkpoint", "--checkpoint-every", "4"]), launcher,
+                               tmp_path, tmp_path)
+        assert cmd.count("--checkpoint.enable") == 1 and cmd[cmd.index("--checkpoint.interval") + 1] == "4"
+        assert cmd[cmd.index("--checkpoint.async_mode") + 1] == "async"
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [

@@ -1356,3 +1356,75 @@ def test_a_local_receive_fills_a_buffer_that_requires_grad() -> None:
     buffer = torch.ones(3, requires_grad=True)
     assert pg.recv([buffer], 1, 0).wait(1)
     assert torch.equal(buffer.detach(), torch.zeros(3)) and buffer.requires_grad
+
+
+# -------------------------------------------------------------- background groups (a gloo group's stand-in)
+def test_a_background_groups_thread_that_began_before_a_change_fails_and_a_new_one_works(groups) -> None:
+    """``set_background``: a thread whose first operation on the group came before a change
+    (the group aborted and repaired since) fails on each later one with BackgroundInterrupted,
+    not served locally and not on the new membership (its peer's thread of the same save is
+    gone); a thread that begins after the change uses the group as any."""
+    pgs = groups(2)
+    for pg in pgs:
+        pg.set_background()
+        assert pg.background and pg._device_types == [torch.device("cpu")]  # DCP's asynchronous save asks
+    assert tb.TmrunProcessGroup(0, 1, local=True)._device_types == []  # (any other group: torch's answer)
+    began, changed = threading.Barrier(3), threading.Event()
+
+    def save_thread(r: int) -> str:
+        t = torch.ones(4)
+        pgs[r].allreduce([t], ar_opts(async_op=False)).wait()
+        assert torch.equal(t, torch.full((4,), 2.0))
+        began.wait(10)
+        assert changed.wait(10)
+        t = torch.ones(4)
+        with pytest.raises(tb.BackgroundInterrupted, match="membership changed"):
+            pgs[r].allreduce([t], ar_opts(async_op=False)).wait()
+        assert torch.equal(t, torch.ones(4))  # untouched: no value made up
+        return "cut"
+
+    threads = [threading.Thread(target=lambda r=r: results.append(save_thread(r)), daemon=True) for r in range(2)]
+    results: list = []
+    for thread in threads:
+        thread.start()
+    began.wait(10)
+    for pg in pgs:  # a change the runtime went through: aborted, then repaired
+        pg.abort_collectives()
+        pg.clear_aborted()
+    changed.set()
+    for thread in threads:
+        thread.join(10)
+    assert results == ["cut", "cut"]
+    sums = run_threads(2, lambda r: _summed(pgs[r], r))  # new threads: the group as any
+    assert sums == [3.0, 3.0] and all(pg.stats()["raised_errors"] == 1 for pg in pgs)  # 1 + 2 on each
+
+
+def test_a_background_groups_thread_is_never_absorbed_and_the_main_threads_are(groups) -> None:
+    """A peer lost under a background thread's operation: the failure handler still learns of
+    it (the runtime starts the change from there) and the group enters the aborted state, but
+    the operation fails (BackgroundInterrupted, the lost peer's error as its cause), as does
+    the thread's next one; the main thread's operations on the aborted group are served
+    locally as on any group (the step protocol)."""
+    n = 3
+    pgs = groups(n, timeout=2.0)
+    run_threads(n, lambda r: pgs[r].allreduce([torch.ones(10)], ar_opts()).wait())
+    calls: list = []
+    for pg in pgs[:2]:
+        pg.set_background()
+        pg.set_failure_handler(lambda exc: calls.append(exc) or True)
+    pgs[2].comm.close()
+
+    def survivor(r: int) -> BaseException:
+        with pytest.raises(tb.BackgroundInterrupted) as info:
+            pgs[r].allreduce([torch.ones(300000)], ar_opts()).wait()
+        with pytest.raises(tb.BackgroundInterrupted):  # the group is aborted now: at once
+            pgs[r].allreduce([torch.ones(3)], ar_opts()).wait()
+        return info.value
+
+    errors = run_threads(2, survivor)
+    assert all(isinstance(e.__cause__, tn.PeerLostError) for e in errors), errors
+    assert calls and all(isinstance(c, tn.PeerLostError) for c in calls)
+    assert pgs[0].aborted and pgs[1].aborted
+    t = torch.full((5,), 3.0)
+    work = pgs[0].allreduce([t], ar_opts())  # this test's main thread: served locally
+    assert work.is_completed() and torch.equal(t, torch.full((5,), 3.0))

@@ -143,6 +143,24 @@ def test_rank_0_killed_at_a_random_moment_is_replaced_with_its_own_per_rank_stat
     _check_in_place(code, log, got, torchrun_reference, killed=0)
 
 
+@pytest.mark.variant  # the decision itself: tests/worker/test_ddp_with_subgroups.py
+def test_a_ddp_model_in_a_job_with_subgroups_takes_the_group_restart_said_at_once(
+        tmp_path: Path, torchrun_reference: dict) -> None:
+    """The script makes a subgroup (``--mesh-group``) beside its DDP model: its standby
+    rehearses and its joiner builds after its promotion. That joiner's DDP construction
+    all-gathered on the default group in the middle of the survivors' healing (the job fell back
+    to its group restart after the waits); built locally, it bucketed its gradients unlike the
+    survivors' in its first step: every later value wrong, the replicas apart. Now rank 0 says
+    at its first step that a failure takes the group restart, which follows at once, and the
+    restarted job ends with torchrun's bits."""
+    code, log, got = _run(tmp_path / "mesh", "tmrun", "--kill-at", "4:0.25", "--kill-rank", "0", "--mesh-group")
+    assert code == 0, log
+    assert "rank 0: the script trains a DistributedDataParallel model in a job with subgroups" in log, log
+    assert "waiting up to" not in log and "in-place replacement, generation" not in log, log
+    assert "falling back to restarting the worker group" in log, log
+    assert got["finals"] == torchrun_reference["finals"], log
+
+
 def test_a_rank_killed_after_the_commit_vote_leaves_the_step_committed_and_flagged(
         tmp_path: Path, torchrun_reference: dict) -> None:
     """Rank 1 dies inside its optimizer step (the "optimizer" drill: after every rank voted to
@@ -198,19 +216,25 @@ def test_replicas_that_disagree_after_a_change_stop_the_job_in_one_line(tmp_path
     assert len(diverged) == 1 and "head.weight" in json.dumps(diverged[0]), events
 
 
-def test_a_gloo_group_is_said_at_once_and_a_failure_takes_the_group_restart_at_once(
+def test_a_gloo_group_follows_the_replacement_and_its_threads_never_get_made_up_values(
         tmp_path: Path, torchrun_reference: dict) -> None:
     """The script makes a CPU side group with ``dist.new_group(backend="gloo")`` (torchtitan's
-    asynchronous checkpoint does): no standby can join a gloo group (its sandbox waited in gloo's
-    rendezvous, never warm), so before, a failure waited out ``--standby-wait`` (60 s) for a warm
-    standby, then took the group restart, and nothing said why. Now rank 0 says so in one line
-    as the group is made, a failure takes the group restart at once (no wait), and the restarted
-    job ends with torchrun's bits."""
-    code, log, got = _run(tmp_path / "gloo", "tmrun", "--gloo-group", "--kill-at", "3:0.1")
+    asynchronous checkpoint does), and a thread of each step all-reduces on it (a background
+    save's collectives). A gloo group cannot follow a replacement: a failure took the group
+    restart (after waiting out ``--standby-wait`` before the ninth session). Now it is a tmrun
+    background group: rank 0 says so in one line, rank 1 killed in step 3 is replaced in place,
+    the survivor's thread of step 3 has its all-reduces after the loss fail
+    (``BackgroundInterrupted``: served locally, they would have given 1, not 2), every other one
+    gives 2, the joiner's too, and the job ends with torchrun's bits."""
+    side = str(tmp_path / "gloo" / "side-{rank}")
+    code, log, got = _run(tmp_path / "gloo", "tmrun", "--gloo-group", "--side-log", side, "--kill-at", "3:0.1")
     assert code == 0, log
-    said = "rank 0: the script made a gloo group (dist.new_group(backend='gloo')"
-    assert log.count(said) == 2, log  # once per start of the group: the first and the restarted one
-    assert re.search(r"rank 1 failed and the script made a gloo group .* falling back to restarting the worker "
-                     r"group", log), log
-    assert "waiting up to" not in log and "in-place replacement, generation" not in log, log
+    assert log.count("rank 0: the script made a gloo group (dist.new_group(backend='gloo')") == 1, log
+    assert "in-place replacement, generation 1" in log and "falling back to restarting" not in log, log
     assert got["finals"] == torchrun_reference["finals"], log
+    outcomes = {r: [line.split() for line in Path(side.format(rank=r)).read_text().splitlines()] for r in range(2)}
+    assert not [o for lines in outcomes.values() for o in lines if o[1] not in ("ok", "cut")], outcomes
+    cut = [int(s) for s, o in outcomes[0] if o == "cut"]
+    assert cut and set(cut) == {3}, outcomes  # the survivor's thread of the step the loss hit, only
+    for rank, lines in outcomes.items():  # every step's thread completed whole after the change
+        assert {int(s) for s, o in lines if o == "ok"} >= set(range(4, STEPS)), (rank, outcomes)

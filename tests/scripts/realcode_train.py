@@ -172,8 +172,16 @@ def main() -> None:
     parser.add_argument("--step-log", default="", help="per rank ({rank}): 'step pid' per completed step")
     parser.add_argument("--aborted-log", default="", help="per rank ({rank}): 'step aborted committed void' per step run")
     parser.add_argument("--gloo-group", action="store_true",
-                        help="a CPU side group (dist.new_group(backend='gloo')) counts the steps, as torchtitan's "
-                             "asynchronous checkpoint makes one")
+                        help="a CPU side group (dist.new_group(backend='gloo')), as torchtitan's asynchronous "
+                             "checkpoint makes one: a thread of each step all-reduces on it (a background save's "
+                             "collectives), each outcome written to --side-log; every rank all-reduces on it at "
+                             "the end")
+    parser.add_argument("--mesh-group", action="store_true",
+                        help="a tmrun subgroup of every rank (dist.new_group()) sums each step's loss: the job has "
+                             "subgroups, so its standby rehearses and its joiner builds the DDP model after its "
+                             "promotion")
+    parser.add_argument("--side-log", default="",
+                        help="with --gloo-group: 'step ok|cut|wrong' per background all-reduce")
     parser.add_argument("--compiled-rank", action="store_true",
                         help="each step checks dist.get_rank() read inside a compiled function (dynamo folds it in)")
     parser.add_argument("--corrupt-on-heal", action="store_true",
@@ -181,8 +189,9 @@ def main() -> None:
     args = parser.parse_args()
     try:  # a framework's catch-all around its training: a standby's exit must not stop here
         train(args)
-    except BaseException:  # noqa: BLE001
-        if _RUNTIME and _RUNTIME[0].is_standby:
+    except BaseException as leaving:  # noqa: BLE001
+        # (a rehearsal's end passes through here by design: re-raised, the script runs again)
+        if _RUNTIME and _RUNTIME[0].is_standby and type(leaving).__name__ != "Rehearsed":
             with open(args.final + f".ran-on-{os.getpid()}", "w") as out:
                 out.write("a standby's exit was swallowed and the script ran on\n")
         raise
@@ -197,6 +206,7 @@ def train(args: argparse.Namespace) -> None:
     head = torch.nn.Linear(WIDTH, VOCAB, bias=False)
     # the script's own "checkpoint": a resumed run starts from the state of `start` earlier steps
     # (here simply a deterministic state: every run with the same --start starts alike)
+    mesh_group = dist.new_group() if args.mesh_group else None  # (before the model, as a mesh is made)
     model = tm.ddp(body)
     opt = torch.optim.AdamW([*model.parameters(), *head.parameters()], lr=3e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
@@ -230,7 +240,13 @@ def train(args: argparse.Namespace) -> None:
     compiled_rank = torch.compile(lambda x: x + dist.get_rank(), backend="eager", fullgraph=True) \
         if args.compiled_rank else None
     kill_step, _, kill_after = args.kill_at.partition(":")
+    side_thread: threading.Thread | None = None
     for step in tm.steps(args.steps, start=args.resume_step):
+        if side_group is not None and not tm.is_shadow:  # the last step's "save" done, the next one begins
+            if side_thread is not None:
+                side_thread.join()
+            side_thread = threading.Thread(target=side_work, args=(side_group, step, tm.world_size, args.side_log))
+            side_thread.start()
         if args.end_eval_log and tm.voided_step is not None:  # the last step's tail was void: redo it first
             end_eval(tm.voided_step, "redo")
         if args.kill_at and step == int(kill_step) and tm.rank == args.kill_rank and not tm.is_shadow \
@@ -264,7 +280,7 @@ def train(args: argparse.Namespace) -> None:
         opt.step()
         sched.step()
         opt.zero_grad()
-        dist.all_reduce(step_loss)  # a metrics all-reduce after the optimizer step
+        dist.all_reduce(step_loss, group=mesh_group)  # a metrics all-reduce after the optimizer step
         if args.end_eval_log:
             end_eval(step, "end")
         if args.aborted_log and not tm.is_shadow:
@@ -275,6 +291,8 @@ def train(args: argparse.Namespace) -> None:
                 log.write(f"{step} {os.getpid()}\n")
     if args.end_eval_log and not tm.is_standby and tm.voided_step is not None:  # the last step's tail was void
         end_eval(tm.voided_step, "redo")
+    if side_thread is not None:
+        side_thread.join()
     if side_group is not None and not tm.is_standby:
         done = torch.ones(1)
         dist.all_reduce(done, group=side_group)  # the CPU side group in use: every rank finished
@@ -285,6 +303,27 @@ def train(args: argparse.Namespace) -> None:
     if not tm.is_standby:
         with open(args.final.format(rank=tm.rank), "w") as out:
             out.write(digest(torch.nn.ModuleList([body, head]), opt) + "\n")
+
+
+def side_work(group: Any, step: int, world_size: int, side_log: str) -> None:
+    """A background thread's collectives on the side group, spread over the step (a save's plans
+    and results): each all-reduce of ones gives the world size, or fails when a change cut it
+    off (tmrun's BackgroundInterrupted), never another value."""
+    from tmrun.comm.backend import BackgroundInterrupted
+
+    outcomes = []
+    for _ in range(8):
+        time.sleep(0.025)
+        value = torch.ones(1)
+        try:
+            dist.all_reduce(value, group=group)
+        except BackgroundInterrupted:
+            outcomes.append("cut")
+            continue
+        outcomes.append("ok" if value.item() == world_size else f"wrong:{value.item()}")
+    if side_log:
+        with open(side_log.format(rank=dist.get_rank()), "a") as log:
+            log.writelines(f"{step} {outcome}\n" for outcome in outcomes)
 
 
 class Best:

@@ -12,7 +12,9 @@ once per job: a marker file in TITAN_TEST_OUT keeps its joiner from doing it aga
 ``RANK:STEP:validate``: in that forward of the step's validation, after its update;
 ``RANK:STEP:forward=N``: in the step's Nth forward of that layer, a later microbatch of a
 gradient accumulation; ``RANK:STEP:save``: as the step's checkpoint save begins, after its
-update; under ``--compile.enable`` the kill is at the token embedding, before the compiled blocks).
+update; ``RANK:STEP:background``: in an asynchronous save of the step's checkpoint, as its
+thread writes the rank's files (``--checkpoint.async_mode async``); under ``--compile.enable``
+the kill is at the token embedding, before the compiled blocks).
 
 Probes, in TITAN_TEST_OUT: ``steps-{rank}`` (``step pid`` per step started, shadow steps
 excepted), ``final-{rank}`` (SHA-256 of the rank's local model shards, buffers, optimizer state
@@ -28,6 +30,7 @@ import dataclasses
 import hashlib
 import os
 import signal
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -88,6 +91,19 @@ class ProbedTrainer(TmrunTrainer):
                 return save(*args, **kwargs)
 
             self.checkpointer.save = killed_in_save  # type: ignore[method-assign]
+            return
+        if where == ["background"]:  # in the step's asynchronous save, on DCP's thread, as it writes
+            from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+            write = FileSystemWriter.write_data
+
+            def killed_in_write(writer: Any, *args: Any, **kwargs: Any) -> Any:
+                if f"step-{step}" in str(writer.path) and threading.current_thread() is not threading.main_thread():
+                    marker.write_text(f"{os.getpid()} {step}\n")
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return write(writer, *args, **kwargs)
+
+            FileSystemWriter.write_data = killed_in_write  # type: ignore[method-assign]
             return
         in_validation = where == ["validate"]  # in the step's validation, after its update
         validating = [False]

@@ -89,6 +89,7 @@ __all__ = [
     "Options",
     "TmrunProcessGroup",
     "TmrunWork",
+    "BackgroundInterrupted",
     "UnsupportedError",
     "create_process_group",
     "get_group",
@@ -105,6 +106,7 @@ _NATIVE_OPS = {} if tn is None else {
     _RED.PRODUCT: tn.ReduceOp.PRODUCT,
 }
 PLANE_LOSS_GRACE = 3.0  # s: how long a failed device operation waits for the TCP side to name a lost peer
+_DEVICE_TYPES = dist.ProcessGroup.__dict__["_device_types"]  # torch's own property (TmrunProcessGroup's answers first)
 _REDUCIBLE = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8)
 
 
@@ -334,7 +336,7 @@ class _Op:
     """One operation: native works, what to run after them, and everything it keeps alive."""
 
     __slots__ = ("name", "result", "keep", "native", "finish", "future", "_outcome", "done", "error", "abort_seq",
-                 "local", "source_rank", "clocked", "on_plane")
+                 "local", "source_rank", "clocked", "on_plane", "background", "epoch")
 
     def __init__(self, name: str, result: list, local: Optional[Callable[[], None]] = None) -> None:
         self.name = name
@@ -356,6 +358,8 @@ class _Op:
         self.source_rank = -1
         self.clocked = True
         self.on_plane = False  # launched on the device plane: its failures go to _plane_fail
+        self.background = False  # launched by a thread of its own on a background group: never absorbed
+        self.epoch = -1  # the communicator's epoch at the launch (background operations)
         COMM_CLOCK.begin()
 
     def complete(self, error: Optional[BaseException] = None) -> None:
@@ -550,6 +554,8 @@ class TmrunProcessGroup(dist.ProcessGroup):
         self._group_name = ""
         self._group_desc = ""
         self.joined_in: Optional[int] = None  # the generation whose join created this group (set_joining)
+        self._background = False  # set_background(): a group for the script's own threads
+        self._sessions = threading.local()  # per thread: (abort count, epoch) at its first operation
         self._batch: Optional[list] = None  # the open P2P batch's items (start_coalescing)
         self._batch_works: list = []  # other operations launched while the batch is open
         if comm is not None:
@@ -600,6 +606,14 @@ class TmrunProcessGroup(dist.ProcessGroup):
 
     def supports_tensor_alloc(self, device: Any = None) -> bool:
         return False
+
+    @property
+    def _device_types(self) -> list:  # type: ignore[override]
+        """A background group says it serves the CPU (torch's asynchronous DCP save asserts it);
+        any other answers as torch's own group does (no backend registered: none)."""
+        if self._background:
+            return [torch.device("cpu")]
+        return _DEVICE_TYPES.__get__(self, type(self))
 
     def __repr__(self) -> str:
         mode = "local" if self._local else ("aborted" if self._aborted else "network")
@@ -654,6 +668,47 @@ class TmrunProcessGroup(dist.ProcessGroup):
     @property
     def local(self) -> bool:
         return self._local
+
+    def set_background(self) -> None:
+        """Make this a *background* group: one the script's own threads use beside the training
+        (a gloo group in its place: torchtitan's asynchronous checkpoint saves through one).
+        Operations issued on the main thread follow the step protocol as on any group. Those of
+        any other thread never get a value no peer made: one in flight when the job's
+        membership changes (a loss, a replacement, a migration's switch), or issued by a thread
+        that began using the group before such a change, fails with
+        :class:`BackgroundInterrupted` (a background checkpoint save is then not finished,
+        rather than finished with made-up plans); a thread that begins after the change
+        uses the new membership. A sandbox (local mode) serves them locally, as every group."""
+        self._background = True
+
+    @property
+    def background(self) -> bool:
+        return self._background
+
+    def _background_check(self, op: "_Op") -> None:
+        """``op`` from a thread other than the main one on a background group: mark it, and
+        raise :class:`BackgroundInterrupted` if the membership changed since the thread's first
+        operation here (or is changing now)."""
+        if not self._background or self._local or threading.current_thread() is threading.main_thread():
+            return
+        comm = self._comm
+        epoch = -1 if comm is None else int(comm.epoch)
+        session = getattr(self._sessions, "began", None)
+        if session is None:
+            session = self._sessions.began = (self._abort_seq, epoch)
+        if self._aborted or session != (self._abort_seq, epoch):
+            self._stats["raised_errors"] += 1
+            error = BackgroundInterrupted(self._interrupted(op.name))
+            op.complete(error)
+            raise error
+        op.background = True
+        op.epoch = epoch
+
+    def _interrupted(self, what: str) -> str:
+        return (f"tmrun {what} on group {self._group_name!r} from thread {threading.current_thread().name!r}: the "
+                "job's membership changed while this thread used the group (a rank lost or replaced); its "
+                "operations cannot complete (a background checkpoint save is not finished, never finished with "
+                "values no peer made)")
 
     def set_failure_handler(self, fn: Optional[Callable[[BaseException], bool]]) -> None:
         """``fn(exc) -> bool`` is called when a native operation fails with a
@@ -778,6 +833,7 @@ class TmrunProcessGroup(dist.ProcessGroup):
                 "parallelize_module(..., src_data_rank=None), not distribute_tensor's scatter from rank 0)")
         if self._closed and self._local:  # served locally, it would return values no peer made
             raise RuntimeError(f"tmrun: {op.name} on group {self._group_name!r}, which was shut down")
+        self._background_check(op)
         if self._serve_locally():
             if device is not None and not self._plane_wanted:
                 self._on_plane(device[1])  # a sandbox learns whether its groups will need the plane
@@ -829,6 +885,9 @@ class TmrunProcessGroup(dist.ProcessGroup):
             self._fail(op, error)
 
     def _fail(self, op: _Op, error: BaseException) -> None:
+        if op.background:
+            self._fail_background(op, error)
+            return
         if isinstance(error, tn.CommError) and self._absorb(error, op.abort_seq):
             self._stats["absorbed_errors"] += 1
             if op.name in _RECEIVES and op.local is not None:
@@ -841,6 +900,19 @@ class TmrunProcessGroup(dist.ProcessGroup):
             return
         self._stats["raised_errors"] += 1
         op.complete(_annotate(error, op.name))
+
+    def _fail_background(self, op: _Op, error: BaseException) -> None:
+        """A background thread's operation failed: never absorbed. A loss it saw first (the
+        membership unchanged since its launch) still goes to the failure handler, which starts
+        the change (the group then enters the aborted state); the operation fails either way."""
+        comm = self._comm
+        unchanged = comm is not None and int(comm.epoch) == op.epoch
+        if isinstance(error, tn.CommError) and unchanged:
+            self._absorb(error, op.abort_seq)
+        self._stats["raised_errors"] += 1
+        interrupted = BackgroundInterrupted(f"{self._interrupted(op.name)}: {error}")
+        interrupted.__cause__ = error
+        op.complete(interrupted)
 
     # ------------------------------------------------------------------ the device plane
     def _on_plane(self, args: tuple) -> bool:
@@ -1775,11 +1847,26 @@ def join_later(pg: TmrunProcessGroup, generation: int) -> None:
     switch step, docs/mesh.md): take this rank's link in the survivors' communicator of the same
     group for ``generation`` (they call :meth:`TmrunProcessGroup.prepare_replacement`), then
     leave local mode. Returns once the survivors committed."""
+    join_as(pg, pg.store, pg.rank(), generation)
+
+
+def join_as(pg: TmrunProcessGroup, store: Any, rank: int, generation: int) -> None:
+    """A group created in local mode takes group rank ``rank``'s link in the survivors'
+    communicator of the same group for ``generation``, through ``store`` (the job's store for
+    this group, as torch handed it to the survivors), then leaves local mode. Returns once the
+    survivors committed. (A warm standby's background group of the whole world: it was made in
+    the sandbox as rank 0.)"""
     timeout, native = getattr(pg, "join_options", (None, {}))
-    comm = join_via_store(pg.store, pg.rank(), pg.size(), pg.job_id, generation,
+    comm = join_via_store(store, int(rank), pg.size(), pg.job_id, generation,
                           options=_native_options(timeout, native), prefix=REPLACE_PREFIX)
+    pg.store = store
     pg.attach(comm)
     pg.set_local(False)
+
+
+class BackgroundInterrupted(RuntimeError):
+    """An operation of a script's own thread on a background group (a gloo group's stand-in) that
+    the job's membership change cut off: :meth:`TmrunProcessGroup.set_background`."""
 
 
 class JoiningCollectiveError(RuntimeError):

@@ -55,9 +55,16 @@ What :class:`TmrunTrainer` changes in torchtitan's ``Trainer``:
   :mod:`tmrun.worker.compiled_code`). Also tested: the zero-bubble schedule ZBV and DeepSeek-V3's
   mixture of experts with experts parallel (both under ``--variants``).
 
+* ``--checkpoint.async_mode async``: torchtitan's gloo group for its background saves is a tmrun
+  group here (:mod:`tmrun.worker.gloo_groups`), so a failure is replaced in place. A background
+  save that a change cuts off is not finished (DCP writes no ``.metadata``: torchtitan never
+  loads it) and is said in one line when torchtitan next waits for it; the saves after it are
+  whole. Its values are never made up: the save's collectives fail rather than being served
+  locally.
+
 Not covered: CUDA graphs, context parallelism (torchtitan requires FlexAttention for it, which
-the CPU tests replace), asynchronous checkpointing (``--checkpoint.async_mode``: its gloo group
-makes every failure take the group restart, said in one line).
+the CPU tests replace), ``--checkpoint.async_mode async_with_pinned_mem`` (a saving process of
+DCP's own; not tried).
 """
 
 from __future__ import annotations
@@ -118,6 +125,7 @@ class TmrunTrainer(Trainer):
     tm: Any  # tmrun's runtime (tmrun.init())
     _tail_done: int = 0  # the last step whose checkpoint and validation this process ran, not void
     _muted: bool = False  # metrics logging off (a redone validation this process had logged)
+    _saved_step: int = 0  # the step of the last checkpoint save this process began
 
     @record
     def __init__(self, config: Config) -> None:
@@ -210,12 +218,36 @@ class TmrunTrainer(Trainer):
         # a rank lost during the save (its plans gathered and broadcast) fails DCP on every
         # survivor: void, the save is done again through tm.voided_step
         with self.tm.tolerate_void(f"step {step}'s checkpoint save"):
-            self.checkpointer.save(step, last_step=(step == config.training.steps))
+            if self.checkpointer.save(step, last_step=(step == config.training.steps)):
+                self._saved_step = step
         if not self._quiet and config.validator.enable and self.validator.should_validate(step):
             with self.tm.tolerate_void(f"step {step}'s validation"):
                 self._validate(step)
         if not self._quiet:
             self._tail_done = step
+
+    def _guard_background_saves(self) -> None:
+        """torchtitan waits for its last asynchronous save before the next one (and the last
+        step's): a save a change cut off (:class:`tmrun.comm.backend.BackgroundInterrupted` in
+        its future: ``tm.cut_by_a_change``) is said in one line there, not raised: it is not finished (no ``.metadata``,
+        so never loaded), the saves after it are whole. Any other failure of a save is raised."""
+        checkpointer = self.checkpointer
+        if not getattr(checkpointer, "enable", False) or getattr(checkpointer, "pg", None) is None:
+            return
+        wait = checkpointer.maybe_wait_for_saving
+
+        def wait_or_say() -> None:
+            try:
+                wait()
+            except Exception as error:  # noqa: BLE001 (one kind is said; the others raised)
+                if not self.tm.cut_by_a_change(error):
+                    raise
+                checkpointer.save_future = None
+                logger.warning(f"tmrun: the asynchronous checkpoint save of step {self._saved_step} was cut off by a "
+                               "change of the job's members (a rank lost and replaced): not finished, its folder has "
+                               "no .metadata and is never loaded; the later saves are whole")
+
+        checkpointer.maybe_wait_for_saving = wait_or_say  # type: ignore[method-assign]
 
     def _is_healed(self) -> bool:
         """A standby (sandbox) or a promoted standby that still has to be healed."""
@@ -270,6 +302,7 @@ class TmrunTrainer(Trainer):
         loaded_step = self.step  # 0, or the step torchtitan's checkpoint resumed at
         position = self._track()
         self._guard_metrics()
+        self._guard_background_saves()
         logger.info(f"Training starts at step {self.step + 1} (tmrun: in place {tm.in_place})")
 
         with config.profiler.build(global_step=self.step, base_folder=config.dump_folder) as profiler:

@@ -71,6 +71,12 @@ def log(message: str) -> None:
     say(message, worker=True)
 
 
+# why a job that trains a DDP model and made subgroups is not replaced in place (refuse_in_place)
+DDP_WITH_SUBGROUPS = ("the script trains a DistributedDataParallel model in a job with subgroups (a device mesh, "
+                      "dist.new_group): its standby builds after its promotion, and a DDP model built then would "
+                      "bucket its gradients unlike the survivors' in its first step")
+
+
 class Context:
     def __init__(self, env: LaunchEnv) -> None:
         standby = env.mode is Mode.STANDBY
@@ -161,8 +167,10 @@ class Context:
             # a drill fires once per job: in the first start of the group (no store to claim it in)
             self.drills.claim = lambda index: os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
             return
-        # a gloo (or other non-tmrun) group the script makes cannot follow a replacement
-        gloo_groups.watch(lambda asked: self.refuse_in_place(gloo_groups.why(asked)), group.BACKEND)
+        # a gloo group the script makes is a tmrun background group; another backend's cannot
+        # follow a replacement
+        gloo_groups.watch(lambda asked: self.refuse_in_place(gloo_groups.why(asked)), group.BACKEND,
+                          on_gloo=self._say_gloo_replaced)
         tcp = open_job_store(env, timeout=60)
         store = self.store = dist.PrefixStore(env.store_prefix, tcp)
         job_store = self.job_store = dist.PrefixStore(keys.job_prefix(env.run_id), tcp)
@@ -187,7 +195,7 @@ class Context:
                     return
                 self.join_at_init = True  # no sandbox: the runtime waits for the assignment in init()
                 return
-            group.init_local(env.world_size)
+            group.init_local(env.world_size, dist.PrefixStore(keys.PG_PREFIX, store))
             return
         self.gen = proto.read_gen(store)
         group.init_active(dist.PrefixStore(keys.PG_PREFIX, store), env.rank, env.world_size, env.comm_timeout)
@@ -207,6 +215,11 @@ class Context:
         if self.rank == 0:
             log(f"rank 0: {why}: a failure of this job takes the group restart, not an in-place replacement")
         self.require_store().set(keys.UNHEALABLE, why)
+
+    def _say_gloo_replaced(self, asked: str) -> None:
+        """Rank 0 (not a standby) says once that the script's gloo group is a tmrun group here."""
+        if self.env.mode is not Mode.STANDBY and self.rank == 0:
+            log(f"rank 0: {gloo_groups.replaced(asked)}")
 
     def _job_has_subgroups(self) -> bool:
         """A standby: whether the job's ranks made subgroups (a device mesh, ``new_group``),
@@ -250,6 +263,8 @@ class Context:
         if not self.subgroups_published:
             self.subgroups_published = True
             self.require_store().set(keys.SUBGROUPS, "1" if has_subgroups else "0")
+            if has_subgroups and self.ddp_used:
+                self.refuse_in_place(DDP_WITH_SUBGROUPS)
 
     # -- the recovery's instants (docs/events.md; one clock: time.time()) ----------------------------
 

@@ -56,11 +56,15 @@ def init_local_as(store: dist.Store, rank: int, world_size: int) -> None:
         del os.environ[tmrun_backend.ENV_LOCAL]
 
 
-def init_local(world_size: int) -> None:
-    """A standby: the same world size, every collective served locally (no network)."""
+def init_local(world_size: int, store: dist.Store | None = None) -> None:
+    """A standby: the same world size, every collective served locally (no network). ``store``:
+    the job's group store, which no group touches in local mode; torch hands each group made
+    over it the store the active ranks' same group has (a background group of the whole world
+    joins theirs through it at the promotion: :func:`tmrun.worker.subgroups.join_background`)."""
     os.environ[tmrun_backend.ENV_LOCAL] = "1"
     try:
-        dist.init_process_group(BACKEND, store=dist.HashStore(), rank=0, world_size=world_size)
+        dist.init_process_group(BACKEND, store=store if store is not None else dist.HashStore(), rank=0,
+                                world_size=world_size)
     finally:
         del os.environ[tmrun_backend.ENV_LOCAL]
 

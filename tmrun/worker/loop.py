@@ -123,7 +123,7 @@ class StepLoop:
                 ctx.void_tail = None  # the step after it committed: its tail was redone there
             if ctx.in_place and not ctx.life.is_(Role.STANDBY):
                 self._warm_imports.after_commit(ctx.require_store(), ctx.rank, step,
-                                                lambda: bool(subgroups.subgroups()))
+                                                lambda: bool(subgroups.mesh_subgroups()))
             self._progress(step)
             if ctx.first_step_due is not None:
                 ctx.publish_first_step()  # the recovery's last phase (docs/events.md)
@@ -179,7 +179,7 @@ class StepLoop:
             # the script made its groups by now: each gets the failure handler and a loss watcher,
             # and the standbys learn whether to wait in tmrun.init() (docs/mesh.md, section 1)
             self._recovery.adopt_groups()
-            has_subgroups = bool(subgroups.subgroups())
+            has_subgroups = bool(subgroups.mesh_subgroups())  # (a standby keeps a background group of all)
             self._warm_imports.at_step_start(ctx.require_store(), ctx.rank, has_subgroups)
             if self._startup_recorder is not None and not self._startup_recorder.active:
                 if ctx.rank == 0 and has_subgroups and not ctx.subgroups_published:

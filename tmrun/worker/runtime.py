@@ -35,7 +35,7 @@ import torch.distributed as dist
 from tmrun.comm import backend as tmrun_backend, ddp as tmrun_ddp
 from tmrun.protocol import messages as proto, orphan_guard
 from tmrun.protocol.environment import LaunchEnv
-from tmrun.worker import drills, group, optimizer as guarded, pipeline
+from tmrun.worker import drills, gloo_groups, group, optimizer as guarded, pipeline
 from tmrun.worker.context import Context, RecoveryError, log
 from tmrun.worker.loop import StepLoop
 from tmrun.worker.loss_watch import LossWatcher
@@ -161,6 +161,13 @@ class Runtime:
             first = (str(error).splitlines() or [""])[0][:200]
             log(f"rank {self._ctx.rank}: {what} failed in a void step ({type(error).__name__}: {first}); "
                 "its result is void: nothing raised")
+
+    def cut_by_a_change(self, error: BaseException) -> bool:
+        """Whether ``error`` (an asynchronous checkpoint save's future raised it, say) comes from
+        an operation of a script's thread on its gloo group's stand-in that a change of the job's
+        members cut off: that save is not finished (DCP wrote no ``.metadata``; nothing loads it)
+        and the job goes on; any other error is the script's (:mod:`tmrun.worker.gloo_groups`)."""
+        return gloo_groups.cut_by_a_change(error)
 
     @property
     def committed_step(self) -> int:

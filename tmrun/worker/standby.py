@@ -189,6 +189,10 @@ class Standby:
         group.init_joined(dist.PrefixStore(keys.PG_PREFIX, store), comm, ctx.env.comm_timeout)
         group.set_failure_handler(self._recovery.on_comm_failure)
         tmrun_backend.set_joining(assignment.gen, *self._join_waits(assignment))
+        # the survivors are recovering, not building: a collective of the script's set-up on the
+        # default group would reach them in the middle of their healing (DDP's construction
+        # all-gathered there and read garbage); refused like the subgroups' (JoiningCollectiveError)
+        group.backend().joined_in = assignment.gen
         ctx.rank = assignment.rank
         ctx.gen = assignment.gen
         ctx.life.to(Role.JOINING)
@@ -400,6 +404,8 @@ class Standby:
         log(f"promoted to rank {ctx.rank} (generation {ctx.gen}); LOCAL_RANK {ctx.env.local_rank}")
         ctx.fire("promotion")
         try:
+            if subgroups.join_background(ctx.rank, ctx.gen):
+                log(f"rank {ctx.rank}: the script's background group(s) made in the sandbox joined the survivors'")
             if assignment.planned:
                 self._migration.take_over(assignment.gen)
             return heal(ctx, started=started, aborted_step=-1, connected=connected)

@@ -34,6 +34,34 @@ def subgroups() -> list[TmrunProcessGroup]:
     return [pg for pg in tmrun_backend.created_groups() if pg is not default]
 
 
+def whole_world_background(pg: TmrunProcessGroup) -> bool:
+    """A background group (a gloo group's stand-in, :mod:`tmrun.worker.gloo_groups`) of every
+    rank: the same group whatever a process's rank, which a warm standby makes in its sandbox
+    and joins at its promotion (:func:`join_background`)."""
+    return pg.background and members(pg) == list(range(dist.get_world_size()))
+
+
+def mesh_subgroups() -> list[TmrunProcessGroup]:
+    """The subgroups whose membership depends on a process's rank (a device mesh's, a
+    ``new_group`` of some ranks): a standby cannot keep them from its sandbox, so a job with
+    one rehearses (docs/mesh.md, section 1b). Background groups of the whole world are not."""
+    return [pg for pg in subgroups() if not whole_world_background(pg)]
+
+
+def join_background(rank: int, gen: int) -> int:
+    """A warm standby promoted to ``rank`` in generation ``gen``: each background group of the
+    whole world it made in its sandbox (local mode) takes its link in the survivors' same group,
+    in creation order (the survivors repair them after the default group, in that order),
+    through the store torch handed it (the sandbox's default group was made over the job's
+    group store: :func:`tmrun.worker.group.init_local`). Returns how many."""
+    joined = 0
+    for pg in subgroups():
+        if pg.local and whole_world_background(pg):
+            tmrun_backend.join_as(pg, pg.store, rank, gen)
+            joined += 1
+    return joined
+
+
 def operations() -> int:
     """Collectives issued so far on every tmrun group of this process (served or sent)."""
     total = 0
