@@ -95,6 +95,16 @@ def test_waits_for_a_warm_standby_node_then_falls_back(store: dist.Store) -> Non
     assert coordinator.decide(_membership(), [0], set(), now)[0] is Decision.FALLBACK
 
 
+def test_every_node_failed_falls_back_at_once(store: dist.Store) -> None:
+    """Both active nodes failed (a standby node waits, warm): no rank holds the training state,
+    so no plan of new members only is published; the group restarts at once, said."""
+    _api_job(store)
+    coordinator = NodeReplacement(store, _job(store), RUN, standby_wait=30)
+    decision, swapped, why = coordinator.decide(_membership(), [0, 1], {0, 1}, time.monotonic())
+    assert (decision, swapped) == (Decision.FALLBACK, None) and "no rank holds the training state" in why
+    assert not _epoch(store).check([keys.plan(1)])
+
+
 def test_a_plain_script_restarts_the_group(store: dist.Store) -> None:
     coordinator = NodeReplacement(store, _job(store), RUN, standby_wait=30)
     decision, swapped, why = coordinator.decide(_membership(), [1], {1}, time.monotonic())

@@ -322,3 +322,62 @@ def test_a_loss_before_a_migrations_switch_cancels_it(tmp_path: Path, procs) -> 
     assert b.poll() is None and controller.slots.leavers == []
     events = [job.get(keys.event(i)).decode() for i in range(job.add(keys.EVENT_SEQ, 0))]
     assert any("migrate-cancelled" in e for e in events), events
+
+
+def test_every_rank_failed_falls_back_at_once_without_a_plan_of_new_members(tmp_path: Path, procs) -> None:  # type: ignore[no-untyped-def]
+    """Both ranks failed (a script's error in its first step on every rank): no rank holds the
+    training state, so no plan is published (its joiners all failed their healing, "no member
+    holds the training state (every member is new)", with a traceback each, after the standby
+    wait); the group restarts at once, said in one line, though warm standbys wait."""
+    a, b, s1, s2 = child("raise SystemExit(1)"), child("raise SystemExit(1)"), *(child("import time; time.sleep(60)")
+                                                                               for _ in range(2))
+    procs += [a, b, s1, s2]
+    pool = FakePool([FakeMember(4, s1), FakeMember(5, s2)])
+    store, controller = make(tmp_path, pool, wait=30.0)
+    controller.adopt({0: a, 1: b})
+    store.set(keys.standby_ready(4), "{}")
+    store.set(keys.standby_ready(5), "{}")
+    wait_exit(a)
+    wait_exit(b)
+    outcome = controller.step()
+    assert outcome.failed == {0: 1, 1: 1} and not outcome.final
+    assert "no rank holds the training state" in proto.AbortNotice.decode("a", store.get(keys.ABORT)).reason
+    assert not store.check([keys.plan(1)]) and len(pool.members) == 2
+
+
+def test_the_last_holder_failing_while_a_joiner_is_not_healed_falls_back(tmp_path: Path, procs) -> None:  # type: ignore[no-untyped-def]
+    """Rank 1 is replaced (generation 1); rank 0, the only rank holding the state, fails before
+    rank 1's joiner recovered: a generation 2 of new members only would fail its healing; the
+    group restarts at once instead."""
+    a, b, joiner, spare = child("import time; time.sleep(60)"), child("raise SystemExit(1)"), \
+        *(child("import time; time.sleep(60)") for _ in range(2))
+    procs += [a, b, joiner, spare]
+    pool = FakePool([FakeMember(4, joiner), FakeMember(5, spare)])
+    store, controller = make(tmp_path, pool, wait=30.0)
+    controller.adopt({0: a, 1: b})
+    store.set(keys.standby_ready(4), "{}")
+    store.set(keys.standby_ready(5), "{}")
+    wait_exit(b)
+    controller.step()
+    assert proto.ReplacementPlan.decode("p", store.get(keys.plan(1))).replaced == {1: 4}
+    a.kill()
+    wait_exit(a)
+    outcome = controller.step()
+    assert 0 in outcome.failed and not outcome.final, outcome
+    assert "no rank holds the training state" in proto.AbortNotice.decode("a", store.get(keys.ABORT)).reason
+    assert not store.check([keys.plan(2)])
+
+
+def test_the_last_rank_failing_during_the_standby_wait_ends_the_wait(tmp_path: Path, procs) -> None:  # type: ignore[no-untyped-def]
+    """Rank 1 failed, no standby warm yet: the controller waits; rank 0 fails meanwhile: no rank
+    holds the state any more, so the wait ends at once (it lasted the whole --standby-wait)."""
+    a, b = child("import time; time.sleep(1.0); raise SystemExit(1)"), child("raise SystemExit(1)")
+    procs += [a, b]
+    store, controller = make(tmp_path, FakePool(), wait=30.0)
+    controller.adopt({0: a, 1: b})
+    wait_exit(b)
+    started = time.monotonic()
+    outcome = controller.step()
+    assert time.monotonic() - started < 10.0  # not the 30 s standby wait
+    assert outcome.failed == {0: 1, 1: 1} and not outcome.final
+    assert "no rank holds the training state" in proto.AbortNotice.decode("a", store.get(keys.ABORT)).reason

@@ -64,7 +64,8 @@ What :class:`TmrunTrainer` changes in torchtitan's ``Trainer``:
 
 Not covered: CUDA graphs, context parallelism (torchtitan requires FlexAttention for it, which
 the CPU tests replace), ``--checkpoint.async_mode async_with_pinned_mem`` (a saving process of
-DCP's own; not tried).
+DCP's own, with pinned staging: it needs an accelerator, "Non-blocking copy requires that the
+current accelerator is available" on the CPU under torchrun too; not run).
 """
 
 from __future__ import annotations

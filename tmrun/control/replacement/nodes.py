@@ -123,6 +123,10 @@ class NodeReplacement:
         others = [r for node_ranks in ranks for r in node_ranks if r not in failed_ranks]
         if failed and core.others_done(store, others):
             return Decision.FINAL, None, "a node failed after every other rank had finished its steps"
+        if failed and not others:  # every node failed: a plan of new members only has nobody to heal from
+            why = "no rank holds the training state any more (every node failed)"
+            generations.abandon(why)
+            return Decision.FALLBACK, None, why
         size = len(ranks[membership.active.index(failed[0])]) if failed else 0
         if not failed or any(len(ranks[membership.active.index(c)]) != size for c in failed):
             return Decision.FALLBACK, None, "failed nodes of different sizes"

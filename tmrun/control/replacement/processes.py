@@ -242,6 +242,8 @@ class ProcessReplacement:
             return self._abandon(failed, core.unhealable(self._store))
         if self._replacements_left < len(failed):
             return self._abandon(failed, "no in-place replacements left (--max-restarts)")
+        if not self._holder_left(failed):
+            return self._abandon(failed, NO_HOLDER)
         started = time.monotonic()
         reserved: dict[int, StandbyProcess] = {}  # rank -> warm standby, published together below
 
@@ -270,11 +272,15 @@ class ProcessReplacement:
                 if rank not in failed:
                     say(f"rank {rank} failed too ({core.how_it_ended(code)}); it joins the same plan")
                     failed[rank] = code
+            if not self._holder_left(failed):  # no use waiting for standbys
+                return self._abandon(failed, NO_HOLDER)
             reserve()
         if self._replacements_left < len(failed):
             return self._abandon(failed, "no in-place replacements left (--max-restarts)")
         if len(reserved) < len(failed):
             return self._abandon(failed, f"no standby ready within {self._standby_wait:.0f}s")
+        if not self._holder_left(failed):  # (the ranks that failed while it waited)
+            return self._abandon(failed, NO_HOLDER)
         self._replacements_left -= len(failed)
         self.replacements += len(failed)
         details = "; ".join(
@@ -285,6 +291,21 @@ class ProcessReplacement:
         say(f"in-place replacement, generation {self.gen}: {details}")
         record_event(self._events, "replace", self.gen, details)
         return None
+
+    def _holder_left(self, failed: Collection[int]) -> bool:
+        """Whether a rank outside ``failed`` still holds the training state: not a joiner that
+        had not recovered yet (it holds nothing until it is healed) unless it is a migration's
+        whose leaver still runs (the leaver keeps the rank and its state). With none, a plan
+        would have every member new: its healing fails on every one of them ("no member holds
+        the training state"), after the wait for standbys."""
+        new: set[int] = set()
+        if self._recoveries:
+            for rank, member in self._joining.items():
+                migration = self._migrating.get(rank)
+                leaver_runs = migration is not None and migration[1].poll() is None
+                if member.process.poll() is None and self._plays(rank, member) and not leaver_runs:
+                    new.add(rank)
+        return any(rank not in failed and rank not in new for rank in range(self._world_size))
 
     def _promote(self, rank: int, member: StandbyProcess, started: float, reason: str, planned: bool,
                  asked: float = 0.0) -> None:
@@ -350,6 +371,9 @@ class ProcessReplacement:
     def stop_promoted(self, timeout: float = 5.0) -> None:
         """Stop every promoted standby still running (the group is being stopped)."""
         self.slots.stop_promoted(timeout)
+
+
+NO_HOLDER = "no rank holds the training state any more (every rank failed, or joined and was not healed yet)"
 
 
 def _code(code: int) -> str:
