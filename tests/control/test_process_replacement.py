@@ -324,19 +324,26 @@ def test_a_loss_before_a_migrations_switch_cancels_it(tmp_path: Path, procs) -> 
     assert any("migrate-cancelled" in e for e in events), events
 
 
+def _two_ranks_and_two_warm_standbys(tmp_path: Path, procs, a: subprocess.Popen[bytes],  # type: ignore[no-untyped-def]
+                                     b: subprocess.Popen[bytes]) -> tuple:
+    """Ranks 0 and 1 played by ``a`` and ``b``, standbys 4 and 5 warm; a 30 s standby wait."""
+    standbys = [child("import time; time.sleep(60)") for _ in range(2)]
+    procs += [a, b, *standbys]
+    pool = FakePool([FakeMember(4, standbys[0]), FakeMember(5, standbys[1])])
+    store, controller = make(tmp_path, pool, wait=30.0)
+    controller.adopt({0: a, 1: b})
+    store.set(keys.standby_ready(4), "{}")
+    store.set(keys.standby_ready(5), "{}")
+    return store, controller, pool
+
+
 def test_every_rank_failed_falls_back_at_once_without_a_plan_of_new_members(tmp_path: Path, procs) -> None:  # type: ignore[no-untyped-def]
     """Both ranks failed (a script's error in its first step on every rank): no rank holds the
     training state, so no plan is published (its joiners all failed their healing, "no member
     holds the training state (every member is new)", with a traceback each, after the standby
     wait); the group restarts at once, said in one line, though warm standbys wait."""
-    a, b, s1, s2 = child("raise SystemExit(1)"), child("raise SystemExit(1)"), *(child("import time; time.sleep(60)")
-                                                                               for _ in range(2))
-    procs += [a, b, s1, s2]
-    pool = FakePool([FakeMember(4, s1), FakeMember(5, s2)])
-    store, controller = make(tmp_path, pool, wait=30.0)
-    controller.adopt({0: a, 1: b})
-    store.set(keys.standby_ready(4), "{}")
-    store.set(keys.standby_ready(5), "{}")
+    a, b = child("raise SystemExit(1)"), child("raise SystemExit(1)")
+    store, controller, pool = _two_ranks_and_two_warm_standbys(tmp_path, procs, a, b)
     wait_exit(a)
     wait_exit(b)
     outcome = controller.step()
@@ -349,14 +356,8 @@ def test_the_last_holder_failing_while_a_joiner_is_not_healed_falls_back(tmp_pat
     """Rank 1 is replaced (generation 1); rank 0, the only rank holding the state, fails before
     rank 1's joiner recovered: a generation 2 of new members only would fail its healing; the
     group restarts at once instead."""
-    a, b, joiner, spare = child("import time; time.sleep(60)"), child("raise SystemExit(1)"), \
-        *(child("import time; time.sleep(60)") for _ in range(2))
-    procs += [a, b, joiner, spare]
-    pool = FakePool([FakeMember(4, joiner), FakeMember(5, spare)])
-    store, controller = make(tmp_path, pool, wait=30.0)
-    controller.adopt({0: a, 1: b})
-    store.set(keys.standby_ready(4), "{}")
-    store.set(keys.standby_ready(5), "{}")
+    a, b = child("import time; time.sleep(60)"), child("raise SystemExit(1)")
+    store, controller, _ = _two_ranks_and_two_warm_standbys(tmp_path, procs, a, b)
     wait_exit(b)
     controller.step()
     assert proto.ReplacementPlan.decode("p", store.get(keys.plan(1))).replaced == {1: 4}
