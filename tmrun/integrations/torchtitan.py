@@ -229,9 +229,10 @@ class TmrunTrainer(Trainer):
 
     def _guard_background_saves(self) -> None:
         """torchtitan waits for its last asynchronous save before the next one (and the last
-        step's): a save a change cut off (:class:`tmrun.comm.backend.BackgroundInterrupted` in
-        its future: ``tm.cut_by_a_change``) is said in one line there, not raised: it is not finished (no ``.metadata``,
-        so never loaded), the saves after it are whole. Any other failure of a save is raised."""
+        step's): a save a change cut off (``BackgroundInterrupted`` in its future:
+        ``tm.cut_by_a_change``) is said in one line there, not raised: it is not finished (no
+        ``.metadata``, so never loaded), the saves after it are whole. Any other failure of a save
+        is raised."""
         checkpointer = self.checkpointer
         if not getattr(checkpointer, "enable", False) or getattr(checkpointer, "pg", None) is None:
             return

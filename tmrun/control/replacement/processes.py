@@ -279,8 +279,6 @@ class ProcessReplacement:
             return self._abandon(failed, "no in-place replacements left (--max-restarts)")
         if len(reserved) < len(failed):
             return self._abandon(failed, f"no standby ready within {self._standby_wait:.0f}s")
-        if not self._holder_left(failed):  # (the ranks that failed while it waited)
-            return self._abandon(failed, NO_HOLDER)
         self._replacements_left -= len(failed)
         self.replacements += len(failed)
         details = "; ".join(
