@@ -52,6 +52,16 @@ _OWN_ERROR = re.compile(r"exit code -?\d+: ")  # a report that carries the worke
 FAILED_STARTS = 2  # starts in a row that failed at start: the job ends (a crash loop, not bad luck)
 
 
+def failed_at_start(reports: list[FailureReport], since_start: float, api_in_epoch: Callable[[], bool]) -> bool:
+    """Whether the failure ``reports`` say is one at start: no node lost, seen within
+    :data:`START_WINDOW` of the epoch's start (``since_start`` s), and no rank reached
+    tmrun.init(), neither by the epoch's keys (``api_in_epoch``) nor by a node's own (one node
+    with ``--standby N`` keeps them under its group's prefix: its report says so, and a node whose
+    in-place controller ran had every rank there)."""
+    return (not any(r.node_dead or r.reached_api or r.node_fallback for r in reports)
+            and since_start < START_WINDOW and not api_in_epoch())
+
+
 @dataclass
 class _Pending:
     first_seen: float
@@ -353,9 +363,8 @@ class Leader:
         lost) within :data:`START_WINDOW` of the epoch's start with no rank in tmrun.init(), as in
         the epoch before. A crash loop (a bad argument) then ends after two starts, not after
         every restart the job allows."""
-        at_start = (not any(r.node_dead for r in pending.reports)
-                    and pending.first_seen - self._epoch_since < START_WINDOW
-                    and not self._inplace.reached_api(self._membership))
+        at_start = failed_at_start(pending.reports, pending.first_seen - self._epoch_since,
+                                   lambda: self._inplace.reached_api(self._membership))
         self._failed_starts = self._failed_starts + 1 if at_start else 0
         return self._failed_starts >= FAILED_STARTS
 

@@ -18,6 +18,7 @@ import select
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +77,9 @@ class TmrunAgent(LocalElasticAgent):
         spec.monitor_interval = 0.0
         self._pidfds: dict[int, int] = {}
         self.failures_reported = 0
+        # whether a worker of the current start reached tmrun.init(), by the node's own keys (the
+        # one-node in-place role keeps them under its group's prefix): said in failure reports
+        self.api_reached: Callable[[], bool] = lambda: False
         self._role: AgentRole = choose_role(self, settings)
 
     @property
@@ -192,7 +196,8 @@ class TmrunAgent(LocalElasticAgent):
         say(f"worker failure on this node: {detail}")
         self.failures_reported += 1
         if handler is not None:
-            handler.report_failure(by_signal=by_signal, detail=detail, node_fallback=node_fallback)
+            handler.report_failure(by_signal=by_signal, detail=detail, node_fallback=node_fallback,
+                                   reached_api=bool(node_fallback) or self.api_reached())
 
     def publish(self, worker_group: WorkerGroup, pids: dict[int, int], standby: list[dict[str, object]]) -> None:
         """Tell ``tmrun-ctl status`` which processes this node runs."""

@@ -264,6 +264,9 @@ class FailureReport(_Json):
     # the node's own in-place controller (one node, --standby N) was in charge of this failure and
     # gave up: why ('' when it was not: a plain script, or standby nodes)
     node_fallback: str = ""
+    # a worker of the node reached tmrun.init() in this start of its group (one node with --standby N
+    # keeps the worker API's keys under its group's prefix, which the leader does not read)
+    reached_api: bool = False
     # when the agent saw its worker's exit (Unix time; its pidfd wakes it at the exit): the
     # earliest evidence of the failure, where a group restart's downtime starts. 0: not said
     at: float = 0.0
@@ -274,7 +277,7 @@ class FailureReport(_Json):
         return cls(node_id=_int(key, data, "node_id"), epoch=_int(key, data, "epoch"),
                    by_signal=bool(data.get("by_signal")), node_dead=bool(data.get("node_dead")),
                    detail=str(data.get("detail", "")), node_fallback=str(data.get("node_fallback", "")),
-                   at=_number(key, data, "at") if "at" in data else 0.0)
+                   reached_api=bool(data.get("reached_api")), at=_number(key, data, "at") if "at" in data else 0.0)
 
 
 @dataclass(frozen=True)

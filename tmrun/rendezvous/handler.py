@@ -303,13 +303,14 @@ class TmrunRendezvousHandler(RendezvousHandler):
             raise NodeRetiredError(f"node {self.node_id} was declared lost and its ranks were taken over in place "
                                    f"({membership.reason})")
 
-    def report_failure(self, by_signal: bool, detail: str, node_fallback: str = "") -> None:
+    def report_failure(self, by_signal: bool, detail: str, node_fallback: str = "", reached_api: bool = False) -> None:
         """Tell the leader that a worker of this node failed in the current epoch
-        (``node_fallback``: why the node's own in-place controller gave up on it, if it ran)."""
+        (``node_fallback``: why the node's own in-place controller gave up on it, if it ran;
+        ``reached_api``: a worker of the node reached tmrun.init(), by the node's own keys)."""
         assert self.node_id is not None
         seq = self.store.add(keys.FAIL_SEQ, 1) - 1
         report = FailureReport(node_id=self.node_id, epoch=self.epoch, by_signal=by_signal, detail=detail,
-                               node_fallback=node_fallback, at=time.time())
+                               node_fallback=node_fallback, reached_api=reached_api, at=time.time())
         self.store.set(keys.failure(seq), report.encode())
 
     def publish_workers(self, info: WorkersInfo) -> None:

@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from typing import TYPE_CHECKING, Any
 
-from torch.distributed import PrefixStore
+from torch.distributed import PrefixStore, Store
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
@@ -70,8 +70,10 @@ class LocalStandbyRole(AgentRole):
         detection = Detection(replace(self._settings.detection, progress_dir=progress_dir), handler.store,
                               worker_group.group_rank or 0,
                               {w.global_rank: w.global_rank - first for w in worker_group.workers}, epoch=handler.epoch)
+        group_store = PrefixStore(prefix, handler.raw_store)
+        self.agent.api_reached = lambda: _api_reached(group_store)
         self._controller = ProcessReplacement(
-            PrefixStore(prefix, handler.raw_store), self._pool, world_size, self._settings.standby_wait,
+            group_store, self._pool, world_size, self._settings.standby_wait,
             max(spec.max_restarts, 0), handler.store, gen_file, self._settings.refill_delay, detection)
         env = in_place_env(self.agent, handler, prefix, gen_file, progress_dir)
         os.environ.update(worker_environ(env))  # the workers torch starts inherit these
@@ -157,3 +159,12 @@ class LocalStandbyRole(AgentRole):
             if member["index"] in self._warm and member["state"] == "ready":
                 member["state"] = "warm"
         return members
+
+
+def _api_reached(store: Store) -> bool:
+    """Whether a worker of this start of the group reached tmrun.init() (False where the store
+    cannot say: the failure report goes on without it)."""
+    try:
+        return bool(store.check([keys.API]))
+    except Exception:  # noqa: BLE001 (the store host may be gone with the failure)
+        return False
