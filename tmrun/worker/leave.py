@@ -55,8 +55,8 @@ def exit_now(status: int) -> NoReturn:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (OSError, ValueError):
-            pass  # closed or broken: nothing left to save
+        except (OSError, ValueError, RuntimeError):
+            pass  # closed or broken (or the signal came inside a write to it): nothing left to save
     try:
         import logging
 

@@ -18,6 +18,7 @@ import time
 from tmrun.console import say
 from tmrun.protocol import keys, orphan_guard
 from tmrun.protocol.environment import LaunchEnv, Mode
+from tmrun.worker.leave import exit_now
 
 
 def _python_target(argv: list[str]) -> tuple[str, str] | None:
@@ -91,7 +92,7 @@ def main() -> int:
         store = dist.PrefixStore(env.store_prefix, tcp)
     while not stop:
         if orphan_guard.orphaned(env.agent_pid):
-            return 0  # orphaned: the agent died without stopping us
+            exit_now(0)  # orphaned: the agent died without stopping us
         if store is not None and target is not None and store.check([keys.API]):
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -99,9 +100,9 @@ def main() -> int:
             if kind == "path":
                 sys.path.insert(0, os.path.dirname(os.path.abspath(name)))
             _run_with_rehearsal(kind, name, _script_argv(argv))
-            return 0
+            return 0  # it ran the script (as a rank, once promoted): the interpreter's own exit
         time.sleep(0.05)
-    return 0
+    exit_now(0)  # stopped before any script ran: nothing to tear down (torch's teardown: 0.5 s)
 
 
 if __name__ == "__main__":
