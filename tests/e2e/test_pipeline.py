@@ -461,6 +461,7 @@ def test_a_drained_node_of_a_3d_job_moves_to_the_standby_node(tmp_path: Path) ->
     assert _three_d_finals(work) == reference
 
 
+@pytest.mark.variant  # CI time: the 3-D job's lost node (above, PP x TP x DP) takes the same path with more roles
 def test_a_lost_node_of_a_pp_job_is_replaced_by_a_standby_node(tmp_path: Path,
                                                                reference: dict[str, dict[int, str]]) -> None:
     """Three agents (``--nnodes 2 --standby 1 --nproc-per-node 2``): node 0 runs ranks 0 and 1 (the
