@@ -6,10 +6,27 @@ default run is CI's (its time budget); ``pytest --variants`` is the whole suite.
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
+
+_REAL_EXIT = os._exit
+_PYTEST_PID = os.getpid()
+
+
+def _exit_refused_in_pytest(status: int) -> NoReturn:
+    """``os._exit`` in pytest's own process (tmrun's workers and launcher leave that way) would end
+    the run with that code, the tests after it never run: with 0, a CI run that passes. Refused
+    there; a forked child's exit is its own."""
+    if os.getpid() == _PYTEST_PID:
+        raise RuntimeError(f"os._exit({status}) called in pytest's own process: it would end the test run")
+    _REAL_EXIT(status)
+
+
+os._exit = _exit_refused_in_pytest
 
 E2E_DIR = Path(__file__).resolve().parent / "e2e"
 
