@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 import random
 import re
+import threading
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import SCRIPTS, run_job, tmrun_cmd, torchrun_cmd
+from tests.helpers import SCRIPTS, ctl_when_logged, run_job, tmrun_cmd, torchrun_cmd
 
 SCRIPT = SCRIPTS / "realcode_train.py"
 STEPS = 8
@@ -143,22 +144,41 @@ def test_rank_0_killed_at_a_random_moment_is_replaced_with_its_own_per_rank_stat
     _check_in_place(code, log, got, torchrun_reference, killed=0)
 
 
-@pytest.mark.variant  # the decision itself: tests/worker/test_ddp_with_subgroups.py
-def test_a_ddp_model_in_a_job_with_subgroups_takes_the_group_restart_said_at_once(
+def test_a_ddp_model_in_a_job_with_subgroups_takes_the_survivors_gradient_buckets_in_place(
         tmp_path: Path, torchrun_reference: dict) -> None:
     """The script makes a subgroup (``--mesh-group``) beside its DDP model: its standby
     rehearses and its joiner builds after its promotion. That joiner's DDP construction
     all-gathered on the default group in the middle of the survivors' healing (the job fell back
     to its group restart after the waits); built locally, it bucketed its gradients unlike the
-    survivors' in its first step: every later value wrong, the replicas apart. Now rank 0 says
-    at its first step that a failure takes the group restart, which follows at once, and the
-    restarted job ends with torchrun's bits."""
+    survivors' in its first step: every later value wrong, the replicas apart (eleventh session;
+    such jobs then took the group restart). Now its DDP construction is served locally and the
+    joiner takes the survivor's gradient buckets before its first step (tmrun.worker.ddp_buckets):
+    rank 0 is replaced in place and every value is torchrun's."""
     code, log, got = _run(tmp_path / "mesh", "tmrun", "--kill-at", "4:0.25", "--kill-rank", "0", "--mesh-group")
-    assert code == 0, log
-    assert "rank 0: the script trains a DistributedDataParallel model in a job with subgroups" in log, log
-    assert "waiting up to" not in log and "in-place replacement, generation" not in log, log
-    assert "falling back to restarting the worker group" in log, log
+    _check_in_place(code, log, got, torchrun_reference, killed=0)
+    assert "rank 0: 1 of its 1 DDP model(s) took rank 1's gradient buckets" in log, log
+    assert "a failure of this job takes the group restart" not in log, log
+
+
+def test_a_planned_migration_of_a_ddp_rank_in_a_job_with_subgroups_hands_over_its_buckets(
+        tmp_path: Path, torchrun_reference: dict) -> None:
+    """``tmrun-ctl migrate 1`` in the same job: the joiner builds its DDP model before the switch
+    and takes the leaver's gradient buckets with its state (a joiner that kept DDP's first
+    assignment trained on with other values than torchrun's, nothing flagged: tried on the code
+    without it). Nothing is recomputed; every value is torchrun's."""
+    work = tmp_path / "migrate"
+    asked: list[str] = []
+    asker = threading.Thread(target=ctl_when_logged, daemon=True,
+                             args=(work / "log", ["warm after"], ["migrate", "1", "--reason", "drill"], work / "state",
+                                   asked, JOB_TIMEOUT))
+    asker.start()
+    code, log, got = _run(work, "tmrun", "--mesh-group")
+    asker.join(timeout=10)
+    assert code == 0 and asked and "migration of rank 1 requested" in asked[0], (asked, log)
     assert got["finals"] == torchrun_reference["finals"], log
+    assert got["evals"] == torchrun_reference["evals"], log
+    assert "rank 1: 1 of its 1 DDP model(s) took the leaver's gradient buckets" in log, log
+    assert "1 in-place recoveries (1 planned), 0 steps recomputed" in log and "Traceback" not in log, log
 
 
 def test_a_rank_killed_after_the_commit_vote_leaves_the_step_committed_and_flagged(

@@ -219,6 +219,24 @@ def test_every_member_learns_whether_the_agreed_steps_tail_was_void(tails, commi
         close_all(comms)
 
 
+def test_every_member_learns_who_must_take_its_donors_ddp_buckets():
+    """A joiner whose DDP models were built after its promotion says so in the agreement
+    (tmrun.worker.ddp_buckets): every member learns the same list."""
+    comms = make_group(3, job="buckets")
+    try:
+        members = {r: make_member(1, 4) for r in range(3)}
+
+        def body(comm):
+            fresh = comm.rank == 1
+            return agree(comm, -1 if fresh else 4, members[comm.rank][0].layout_digest(), fresh, adopt_buckets=fresh)
+
+        results, _ = run_ranks(comms, body, timeout=60)
+        assert [plan.adopt_buckets for plan in results] == [[1]] * 3, results
+        assert [plan.donors_of(1) for plan in results] == [[0, 2]] * 3
+    finally:
+        close_all(comms)
+
+
 def test_nobody_holding_the_state_is_an_error():
     comms = make_group(2, job="nobody")
     try:

@@ -37,6 +37,7 @@ Creating a group in local mode (a standby's sandbox; no store traffic, no commun
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import os
 import queue
@@ -45,7 +46,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -804,6 +805,16 @@ class TmrunProcessGroup(dist.ProcessGroup):
     def _serve_locally(self) -> bool:
         return self._local or self._aborted
 
+    def _serve_here(self, op: _Op, device: Optional[tuple[str, tuple]]) -> TmrunWork:
+        """Complete ``op`` with the result it has when served locally (a sandbox's), on no link."""
+        if device is not None and not self._plane_wanted:
+            self._on_plane(device[1])
+        self._stats["local_ops"] += 1
+        if op.local is not None:
+            _fill_locally(op)
+        op.complete()
+        return TmrunWork(op)
+
     def _comm_or_raise(self) -> Any:
         comm = self._comm
         if comm is None:
@@ -825,6 +836,8 @@ class TmrunProcessGroup(dist.ProcessGroup):
         """Serve ``op`` locally, or launch it on the communicator and complete it (here when the
         caller waits right away, else on the completer thread). ``device``: the inner group's
         method and arguments, when the operation's tensors belong on the device plane."""
+        if _SERVED_HERE.depth:  # tmrun's own set-up of a module (served_locally): no peer takes part
+            return self._serve_here(op, device)
         if self.joined_in is not None and _JOINING is not None:
             raise JoiningCollectiveError(
                 f"tmrun {op.name} on group {self._group_name!r} while this process joins generation {_JOINING} "
@@ -1939,6 +1952,28 @@ def finish_joins() -> int:
     """Wait until every group created in join mode joined the survivors' communicator (the
     first join's error is raised); returns how many did (``set_joining(None)`` calls it)."""
     return _JOINS.finish()
+
+
+class _ServedHere(threading.local):
+    depth = 0
+
+
+_SERVED_HERE = _ServedHere()
+
+
+@contextlib.contextmanager
+def served_locally() -> Iterator[None]:
+    """Every operation this thread launches on a tmrun group inside the block is served locally
+    (the sandbox's results: an all-gather gives this member's input, a broadcast leaves its own
+    tensor), whatever the group's mode, and reaches no peer: for tmrun's own set-up of a module
+    whose collectives no other member issues (a joiner's DDP construction, whose parameters the
+    healing then overwrites, and its adoption of the survivors' gradient buckets,
+    :mod:`tmrun.worker.ddp_buckets`). Other threads' operations are untouched."""
+    _SERVED_HERE.depth += 1
+    try:
+        yield
+    finally:
+        _SERVED_HERE.depth -= 1
 
 
 _JOINING: Optional[int] = None

@@ -189,6 +189,13 @@ def heal_done(gen: int, rank: int) -> str:
     return f"heal-done/{gen}/{rank}"
 
 
+def ddp_buckets(gen: int, donor: int) -> str:
+    """JSON: a donor's gradient buckets of each of its DDP models (reducer parameter indices per
+    bucket), for the members healed into ``gen`` that built theirs after their promotion
+    (tmrun.worker.ddp_buckets)."""
+    return f"ddp-buckets/{gen}/{donor}"
+
+
 def heal_crc(gen: int, donor: int, needy: int) -> str:
     """CRC-32C (decimal) of the optimizer state's stripe ``donor`` lets ``needy`` read after
     healing it into ``gen`` (tmrun.worker.transfer: deferred healing)."""

@@ -26,7 +26,7 @@ from tmrun.console import say
 from tmrun.protocol import keys, messages as proto, orphan_guard
 from tmrun.protocol.environment import LaunchEnv, Mode
 from tmrun.protocol.stores import open_job_store
-from tmrun.worker import gloo_groups, group, pipeline_startup, rehearsal, startup_replay, store_pace, warm_imports
+from tmrun.worker import ddp_buckets, gloo_groups, group, pipeline_startup, rehearsal, startup_replay, store_pace, warm_imports
 from tmrun.worker.drills import DrillRunner
 from tmrun.worker.interrupt import StepInterrupter
 from tmrun.worker.leave import exit_now
@@ -71,10 +71,11 @@ def log(message: str) -> None:
     say(message, worker=True)
 
 
-# why a job that trains a DDP model and made subgroups is not replaced in place (refuse_in_place)
+# why a job that trains a DDP model and made subgroups is not replaced in place where its model
+# cannot take the survivors' gradient buckets (refuse_in_place; tmrun.worker.ddp_buckets)
 DDP_WITH_SUBGROUPS = ("the script trains a DistributedDataParallel model in a job with subgroups (a device mesh, "
-                      "dist.new_group): its standby builds after its promotion, and a DDP model built then would "
-                      "bucket its gradients unlike the survivors' in its first step")
+                      "dist.new_group): its standby builds after its promotion and must then take the survivors' "
+                      "gradient buckets, which it cannot: {why}")
 
 
 class Context:
@@ -264,7 +265,9 @@ class Context:
             self.subgroups_published = True
             self.require_store().set(keys.SUBGROUPS, "1" if has_subgroups else "0")
             if has_subgroups and self.ddp_used:
-                self.refuse_in_place(DDP_WITH_SUBGROUPS)
+                why = next(filter(None, map(ddp_buckets.refusal, self.interrupter.ddp_models)), "")
+                if why:
+                    self.refuse_in_place(DDP_WITH_SUBGROUPS.format(why=why))
 
     # -- the recovery's instants (docs/events.md; one clock: time.time()) ----------------------------
 

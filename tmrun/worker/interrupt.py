@@ -145,6 +145,11 @@ class StepInterrupter:
         if self._armed and self._doomed():
             raise StepInterrupted()
 
+    @property
+    def ddp_models(self) -> list[torch.nn.parallel.DistributedDataParallel]:
+        """The DDP models installed, in the order the script gave them."""
+        return list(self._models)
+
     def install(self, model: torch.nn.parallel.DistributedDataParallel) -> None:
         """Checks at every submodule's forward and every parameter's gradient of ``model``."""
         for module in model.module.modules():

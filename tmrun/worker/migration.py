@@ -27,9 +27,9 @@ from typing import Any, NoReturn
 
 from tmrun.comm import native
 from tmrun.protocol import keys, messages as proto
-from tmrun.worker import cpu_budget, group, rng, subgroups
+from tmrun.worker import cpu_budget, ddp_buckets, group, rng, subgroups
 from tmrun.worker.context import Context, RecoveryError, Rejoin, Superseded, log
-from tmrun.worker.leave import leave
+from tmrun.worker.leave import exit_now, leave
 from tmrun.worker.recovery import Recovery, heal, settle_heal
 from tmrun.worker.roles import Role
 from tmrun.worker.transfer import PendingPart, TransferError, hand_over, take_over
@@ -174,6 +174,8 @@ class Migration:
             meta = {"committed_step": switch_at, "rng": rng_state}
             if ctx.tracked.per_rank:
                 meta["per_rank"] = ctx.tracked.per_rank_blob()  # this rank's own (tm.track_per_rank)
+            if ctx.interrupter.ddp_models:  # a joiner that built its DDP models takes their buckets
+                meta["ddp_buckets"] = [ddp_buckets.layout(model) for model in ctx.interrupter.ddp_models]
             moved = hand_over(handoff, ctx.tracked, meta, same_host_reads=ctx.env.same_host_reads)
         finally:
             handoff.close()
@@ -215,12 +217,32 @@ class Migration:
         rng.restore(meta["rng"])  # type: ignore[arg-type]
         if ctx.tracked.per_rank and "per_rank" in meta:
             ctx.tracked.apply_per_rank(meta["per_rank"])  # type: ignore[arg-type]
+        self._take_leavers_buckets(meta.get("ddp_buckets"))
         ctx.fresh = False
         log(f"rank {ctx.rank}: received the model ({received} bytes) in {model_took:.3f}s ({pending.path}); "
             f"{pending.nbytes} bytes of optimizer state "
             + ("follow in the background" if overlap else f"read before resuming: {because}"))
         if not overlap:
             self._log_complete(pending.nbytes, started)
+
+    def _take_leavers_buckets(self, targets: Any) -> None:
+        """This joiner's DDP models, built before the switch, take the leaver's gradient buckets
+        (:mod:`tmrun.worker.ddp_buckets`); the survivors keep theirs, as at any migration. One that
+        cannot would pair other gradients with theirs in its first step: this joiner fails then
+        (a failure of its rank, replaced like any), never trains on."""
+        models = self._ctx.interrupter.ddp_models
+        if not models or not ddp_buckets.needs_buckets(models):
+            return
+        try:
+            if targets is None or len(targets) != len(models):
+                raise ddp_buckets.BucketLayoutError(f"the leaver handed over buckets for {len(targets or [])} "
+                                                    f"DDP model(s), this joiner trains {len(models)}")
+            changed = sum(ddp_buckets.adopt(model, target) for model, target in zip(models, targets))
+        except ddp_buckets.BucketLayoutError as exc:
+            log(f"rank {self._ctx.rank}: its DDP model cannot take the leaver's gradient buckets ({exc}); this "
+                "joiner leaves, and its rank is replaced as a lost one")
+            exit_now(1)
+        log(f"rank {self._ctx.rank}: {changed} of its {len(models)} DDP model(s) took the leaver's gradient buckets")
 
     def finish_handover(self) -> None:
         """Wait for the rest of a migration's state (nothing to do unless a handover is pending)."""

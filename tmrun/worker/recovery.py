@@ -17,6 +17,7 @@ socket), and the rank resumes ACTIVE at the first step not committed everywhere.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Collection
@@ -27,13 +28,13 @@ import torch.distributed as dist
 from tmrun.comm import native
 from tmrun.comm.backend import TmrunProcessGroup
 from tmrun.protocol import keys, messages as proto
-from tmrun.worker import (cpu_budget, group, per_rank_records, pipeline, pipeline_startup, replica_check, rng,
-                          rng_records, step_records, subgroups, vote)
+from tmrun.worker import (cpu_budget, ddp_buckets, group, per_rank_records, pipeline, pipeline_startup,
+                          replica_check, rng, rng_records, step_records, subgroups, vote)
 from tmrun.worker.buffers import unsynchronised_buffers
 from tmrun.worker.context import FAST_POLL, Abandoned, Context, GenerationFile, RecoveryError, Superseded, log
 from tmrun.worker.device_transfer import device_link
 from tmrun.worker.roles import Role
-from tmrun.worker.transfer import (MISPLACED, READ_TIMEOUT, NoReplicaError, TransferError, agree,
+from tmrun.worker.transfer import (MISPLACED, READ_TIMEOUT, HealPlan, NoReplicaError, TransferError, agree,
                                    heal as transfer_state)
 
 
@@ -315,7 +316,8 @@ def _heal(ctx: Context, started: float, aborted_step: int, connected: float, rep
         plan = agree(comm, ctx.committed_step, ctx.tracked.layout_digest(), ctx.fresh, ctx.env.heal_reads,
                      state_tensors=None if link is not None else ctx.tracked.tensors(), shard_key=shard_key,
                      overlap=overlap, reset_models=ctx.interrupter.reducers_need_reset(),
-                     void_tail=-1 if ctx.void_tail is None else ctx.void_tail)
+                     void_tail=-1 if ctx.void_tail is None else ctx.void_tail,
+                     adopt_buckets=ctx.fresh and ddp_buckets.needs_buckets(ctx.interrupter.ddp_models))
         ctx.void_tail = plan.target_step if plan.void_tail else None  # every member, joiners too
         if ctx.tracked.per_rank:
             per_rank_records.check(records, plan.fresh, plan.target_step + 1)
@@ -336,6 +338,8 @@ def _heal(ctx: Context, started: float, aborted_step: int, connected: float, rep
     if healed.served:
         ctx.heal_served = (ctx.gen, list(healed.served))
     checked = _check_replicas(ctx, comm, shard_key, plan.defer)
+    if plan.adopt_buckets:  # before the reset: a joiner's DDP models take their donors' buckets
+        _take_donors_buckets(ctx, comm, store, plan)
     if plan.reset_models:  # every member alike: DDP rebuilds its buckets on all of them in one step
         ctx.interrupter.reset_models()
     if ctx.tracked.pipelines:
@@ -372,6 +376,41 @@ def _heal(ctx: Context, started: float, aborted_step: int, connected: float, rep
         f"resume at step {resume} (donors {plan.donors}, healed {plan.needy}, {healed.describe()}{rest})"
     )
     return resume
+
+
+def _take_donors_buckets(ctx: Context, comm: Any, store: dist.Store, plan: HealPlan) -> None:
+    """Members that built their DDP models after their promotion take the gradient buckets of
+    a donor of their shard (:mod:`tmrun.worker.ddp_buckets`); each such donor publishes its own
+    once. Every member then learns whether every one of them could: where one could not, all
+    fall back to the group restart at once, in one line each (a joiner that trained on would
+    pair other gradients with the survivors' in its first step)."""
+    models = ctx.interrupter.ddp_models
+    me = comm.rank
+    if me in {plan.donors_of(member)[0] for member in plan.adopt_buckets if plan.donors_of(member)}:
+        store.set(keys.ddp_buckets(ctx.gen, me), json.dumps([ddp_buckets.layout(model) for model in models]))
+    why = ""
+    if me in plan.adopt_buckets:
+        donor = plan.donors_of(me)[0]
+        raw = ctx.await_key(keys.ddp_buckets(ctx.gen, donor), time.monotonic() + ctx.env.recovery_timeout,
+                            poll=FAST_POLL)
+        targets = json.loads(raw)
+        try:
+            if len(targets) != len(models):
+                raise ddp_buckets.BucketLayoutError(f"rank {donor} trains {len(targets)} DDP model(s), this "
+                                                    f"member {len(models)}")
+            changed = sum(ddp_buckets.adopt(model, target) for model, target in zip(models, targets))
+        except ddp_buckets.BucketLayoutError as exc:
+            why = f"rank {ctx.rank}'s DDP model cannot take rank {donor}'s gradient buckets: {exc}"
+        else:
+            log(f"rank {ctx.rank}: {changed} of its {len(models)} DDP model(s) took rank {donor}'s gradient buckets "
+                "(built after its promotion, they held DDP's first assignment)")
+    refused = [member for member, (ok,) in enumerate(replica_check.allgather_ints(comm, [0 if why else 1])) if not ok]
+    if refused:
+        if why:
+            store.set(keys.UNHEALABLE, why)
+        log(f"rank {ctx.rank}: " + (why if why else f"rank(s) {refused} could not take their donors' DDP gradient "
+                                    "buckets") + "; falling back to the group restart")
+        raise SystemExit(1)
 
 
 def _say_buffers_lost(ctx: Context, donors: list[int]) -> None:

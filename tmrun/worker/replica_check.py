@@ -54,7 +54,8 @@ def _digest(crcs: list[int]) -> int:
     return int.from_bytes(hashlib.sha256(repr(crcs).encode()).digest()[:8], "little") >> 1
 
 
-def _allgather(comm: tmrun_native.Communicator, values: list[int]) -> list[list[int]]:
+def allgather_ints(comm: tmrun_native.Communicator, values: list[int]) -> list[list[int]]:
+    """Every member's ``values`` (as many on each), by member."""
     mine = torch.tensor(values, dtype=torch.int64)
     every = torch.zeros(comm.world_size * len(values), dtype=torch.int64)
     out, dtype = as_buffer(every)
@@ -97,7 +98,7 @@ def check(comm: tmrun_native.Communicator, shard_key: int, named: list[tuple[str
     names = [name for name, _ in named]
     crcs = fingerprints([tensor for _, tensor in named])
     ready = [crc for name, crc in zip(names, crcs) if name.partition(".")[0] not in later]
-    rows = _allgather(comm, [shard_key, _digest(crcs), len(crcs), _digest(ready), int(arriving)])
+    rows = allgather_ints(comm, [shard_key, _digest(crcs), len(crcs), _digest(ready), int(arriving)])
     keys = [row[0] for row in rows]
     partial = {key for key, row in zip(keys, rows) if row[4]}  # groups that compare what arrived only
     digests = [row[3] if key in partial else row[1] for key, row in zip(keys, rows)]
@@ -106,7 +107,7 @@ def check(comm: tmrun_native.Communicator, shard_key: int, named: list[tuple[str
     if diverged:
         # every member takes part in the second exchange (the same sequence of operations everywhere)
         longest = max(row[2] for row in rows)
-        padded = _allgather(comm, crcs + [0] * (longest - len(crcs)))
+        padded = allgather_ints(comm, crcs + [0] * (longest - len(crcs)))
         group = diverged[0]
         by_member = {m: padded[m][: rows[m][2]] for m in group}
         if keys[group[0]] in partial:  # what some member still receives is not compared

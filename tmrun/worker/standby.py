@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from tmrun.comm import backend as tmrun_backend, native
 from tmrun.protocol import keys, messages as proto
-from tmrun.worker import compiled_code, drills, group, rehearsal, subgroups, warm_imports
+from tmrun.worker import compiled_code, ddp_buckets, drills, group, rehearsal, subgroups, warm_imports
 from tmrun.worker.context import Context, Rejoin, Superseded, log
 from tmrun.worker.leave import exit_now
 from tmrun.worker.mesh_slices import SliceMemo
@@ -46,6 +46,7 @@ class Standby:
         self.shadow = False  # inside a shadow step
         self.shadow_done = 0
         self._slices = SliceMemo()  # a promoted joiner's set-up slices each mesh once (tmrun.worker.mesh_slices)
+        self._ddp_built = ddp_buckets.LocalConstructions()  # and builds its DDP models without its peers
 
     def on_term(self, signum: int, frame: object) -> None:
         """SIGTERM: a standby leaves at once (it holds nothing to save: waiting, warming up or
@@ -206,6 +207,7 @@ class Standby:
         log(f"promoted to rank {ctx.rank} (generation {ctx.gen}) in tmrun.init(); the script builds its groups "
             f"and model as rank {ctx.rank}")
         self._slices.start()  # until its first steps(): the set-up is on the survivors' critical path
+        self._ddp_built.start()  # its DDP models' construction-time collectives: no peer issues them now
         ctx.fire("promotion")
 
     def _join_waits(self, assignment: proto.Assignment) -> tuple[Callable[[Any, str], str], Callable[[], None]]:
@@ -324,6 +326,7 @@ class Standby:
         # _JoinQueue; a join's error is raised here); groups created from now on are new groups
         # of every rank
         reused = self._slices.stop()
+        self._ddp_built.stop()
         waiting = time.monotonic()
         joined = tmrun_backend.finish_joins()
         tmrun_backend.set_joining(None)

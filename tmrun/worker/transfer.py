@@ -44,7 +44,7 @@ PATH_SOCKET = "socket"  # how a part reaches the member that needs it
 PATH_MEMORY = "memory"
 PATH_DEVICE = "device"  # over the device plane (tmrun.worker.device_transfer)
 READ_TIMEOUT = 120.0  # seconds for copying a part out of a peer's memory (GB/s: never near)
-AGREED = 9  # values per member in agree()'s allgather
+AGREED = 10  # values per member in agree()'s allgather
 
 
 class TransferError(RuntimeError):
@@ -75,6 +75,9 @@ class HealPlan:
     # a member's tail of target_step (after its update) was void (tm.voided_step): every member
     # redoes it in the next step, joiners included
     void_tail: bool = False
+    # members whose DDP models must take their donors' gradient buckets (tmrun.worker.ddp_buckets:
+    # a joiner that built them after its promotion)
+    adopt_buckets: list[int] = field(default_factory=list)
 
     def donors_of(self, member: int) -> list[int]:
         """The donors that hold ``member``'s shard (every donor when nothing is sharded)."""
@@ -122,22 +125,24 @@ def _megabytes(nbytes: int) -> str:
 
 def agree(comm: tmrun_native.Communicator, committed_step: int, digest: int, fresh: bool,
           same_host_reads: bool = True, state_tensors: list[tuple[str, torch.Tensor]] | None = None,
-          shard_key: int = 0, overlap: bool = True, reset_models: bool = False, void_tail: int = -1) -> HealPlan:
+          shard_key: int = 0, overlap: bool = True, reset_models: bool = False, void_tail: int = -1,
+          adopt_buckets: bool = False) -> HealPlan:
     """Allgather (committed step, layout digest, fresh, host key, pid, host memory, shard key,
-    reset models, void tail) and derive the same plan on every member. ``same_host_reads=False``: no member reads this
+    reset models, void tail, adopt buckets) and derive the same plan on every member. ``same_host_reads=False``: no member reads this
     one's memory, nor it theirs. ``shard_key``: which shard this member holds (0: nothing is
     sharded); a member is healed only by donors with its key (:func:`replica_donors`).
     ``overlap=False``: this member has no CPU core to spare for a background read
     (:mod:`tmrun.worker.cpu_budget`), so nothing is deferred. ``reset_models``: this member's
     DDP reducers need a reset (:meth:`StepInterrupter.reducers_need_reset`). ``void_tail``: the
     committed step whose tail was void here (-1: none); the plan's ``void_tail`` is whether any
-    member's is the agreed step."""
+    member's is the agreed step. ``adopt_buckets``: this member's DDP models must take their
+    donors' gradient buckets (:mod:`tmrun.worker.ddp_buckets`)."""
     host = peer_read.host_key() if same_host_reads else 0
     host_memory = all(t.device.type == "cpu" for _, t in state_tensors) if state_tensors is not None else False
     # host memory: 0 no (device tensors, or not said), 1 yes, 2 yes but read it before resuming
     memory = (1 if overlap else 2) if host_memory else 0
     mine = torch.tensor([committed_step, digest, 1 if fresh else 0, host, os.getpid(), memory, shard_key,
-                         1 if reset_models else 0, void_tail], dtype=torch.int64)
+                         1 if reset_models else 0, void_tail, 1 if adopt_buckets else 0], dtype=torch.int64)
     every = torch.zeros(comm.world_size * AGREED, dtype=torch.int64)
     out, dtype = as_buffer(every)
     inp, _ = as_buffer(mine)
@@ -157,7 +162,8 @@ def agree(comm: tmrun_native.Communicator, committed_step: int, digest: int, fre
     plan = HealPlan(target, donors, needy, hosts=[row[3] for row in rows], pids=[row[4] for row in rows],
                     keys=keys if any(keys) else [], reset_models=any(row[7] for row in rows),
                     fresh=[r for r, row in enumerate(rows) if row[2]],
-                    void_tail=target >= 0 and any(row[8] == target for row in rows))
+                    void_tail=target >= 0 and any(row[8] == target for row in rows),
+                    adopt_buckets=[r for r, row in enumerate(rows) if row[9]])
     # Deferred healing: every pair on one host, every member's state in host memory (given
     # ``state_tensors``): the healed member returns once the model arrived and reads the
     # optimizer state meanwhile, unless a member has no core to spare for that read.
