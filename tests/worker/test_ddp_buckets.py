@@ -8,6 +8,8 @@ trained together give; without it the first joint step's all-reduces pair other 
 
 from __future__ import annotations
 
+import datetime
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -155,3 +157,49 @@ def test_a_joiners_ddp_construction_is_served_locally_only_while_started(pair, m
         assert built.stop() == 1
     with pytest.raises(tb.JoiningCollectiveError):
         DistributedDataParallel(_module(), process_group=pair[1])
+
+
+def test_a_joiner_that_cannot_take_them_makes_every_member_fall_back_in_one_line(pair, capsys) -> None:  # type: ignore[no-untyped-def]
+    """The healing's step (tmrun.worker.recovery): rank 1's model runs a static graph built
+    after its promotion (a comm hook registered after the first step is the same case: the
+    first step's check did not see it), so it cannot rebuild its buckets as rank 0's. Both
+    members leave for the group restart at once (SystemExit(1)), each in one line, and the
+    controller learns why; neither trains on."""
+    import types
+
+    from tests.native.conftest import close_all, make_group
+    from tmrun.protocol import keys
+    from tmrun.worker import recovery
+    from tmrun.worker.transfer import HealPlan
+
+    donor_model = _trained_pair(pair)[0]
+    joiner_model = _ddp(pair[1], static_graph=True)
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=20))
+    comms = make_group(2, job="buckets-refused")
+    plan = HealPlan(target_step=4, donors=[0], needy=[1], fresh=[1], adopt_buckets=[1])
+
+    def await_key(key: str, deadline: float, poll: float) -> bytes:
+        store.wait([key])  # the HashStore's own wait (its timeout bounds it)
+        return store.get(key)
+
+    def member(rank: int) -> BaseException | None:
+        ctx = types.SimpleNamespace(
+            rank=rank, gen=3, env=types.SimpleNamespace(recovery_timeout=20.0), await_key=await_key,
+            interrupter=types.SimpleNamespace(ddp_models=[donor_model if rank == 0 else joiner_model]))
+        try:
+            recovery._take_donors_buckets(ctx, comms[rank], store, plan)  # type: ignore[arg-type]
+        except SystemExit as exc:
+            return exc
+        return None
+
+    try:
+        left = run_threads(2, member)
+    finally:
+        close_all(comms)
+    assert [exc is not None and exc.code == 1 for exc in left] == [True, True]
+    why = store.get(keys.UNHEALABLE).decode()
+    assert why.startswith("rank 1's DDP model cannot take rank 0's gradient buckets: ") and "static_graph" in why, why
+    said = capsys.readouterr().err
+    assert "rank 0: rank(s) [1] could not take their donors' DDP gradient buckets; falling back" in said, said
+    assert "rank 1: rank 1's DDP model cannot take rank 0's gradient buckets" in said, said

@@ -386,15 +386,22 @@ def _take_donors_buckets(ctx: Context, comm: Any, store: dist.Store, plan: HealP
     pair other gradients with the survivors' in its first step)."""
     models = ctx.interrupter.ddp_models
     me = comm.rank
-    if me in {plan.donors_of(member)[0] for member in plan.adopt_buckets if plan.donors_of(member)}:
-        store.set(keys.ddp_buckets(ctx.gen, me), json.dumps([ddp_buckets.layout(model) for model in models]))
     why = ""
+    if me in {plan.donors_of(member)[0] for member in plan.adopt_buckets if plan.donors_of(member)}:
+        try:
+            published: object = [ddp_buckets.layout(model) for model in models]
+        except ddp_buckets.BucketLayoutError as exc:
+            why = f"rank {ctx.rank} cannot read its DDP model's gradient buckets: {exc}"
+            published = {"error": why}
+        store.set(keys.ddp_buckets(ctx.gen, me), json.dumps(published))
     if me in plan.adopt_buckets:
         donor = plan.donors_of(me)[0]
         raw = ctx.await_key(keys.ddp_buckets(ctx.gen, donor), time.monotonic() + ctx.env.recovery_timeout,
                             poll=FAST_POLL)
         targets = json.loads(raw)
         try:
+            if isinstance(targets, dict):
+                raise ddp_buckets.BucketLayoutError(str(targets.get("error", "no buckets published")))
             if len(targets) != len(models):
                 raise ddp_buckets.BucketLayoutError(f"rank {donor} trains {len(targets)} DDP model(s), this "
                                                     f"member {len(models)}")
