@@ -5,6 +5,9 @@ examples), on 4 ranks (3-D: 8, the smallest (2, 2, 2) mesh), ``OMP_NUM_THREADS=1
 
 * ``ddp``: examples/train_inplace.py, an MLP under DistributedDataParallel (the baseline: its
   standby runs the script in its sandbox, warm);
+* ``ddp_sub``: the same with ``--subgroup`` (a ``dist.new_group`` of every rank beside the DDP
+  model): a job with subgroups, whose standby rehearses and builds its DDP model once promoted,
+  then takes a survivor's gradient buckets (tmrun.worker.ddp_buckets); not in the default set;
 * ``hsdp``: examples/train_hsdp.py, a GPT under FSDP2 on a 2 x 2 ("replicate", "shard") mesh;
 * ``tp``: examples/train_dp_tp.py, a GPT whose MLPs are split over "tp" (2 x 2 "dp", "tp");
 * ``pp``: examples/train_pp.py, an MLP stack in 2 stages x 2 replicas (1F1B);
@@ -107,6 +110,9 @@ def layouts(params: int) -> dict[str, Layout]:
     return {
         "ddp": Layout("ddp", "train_inplace.py", 4, ("--width", str(mlp), "--depth", str(mlp_depth)),
                       mlp_parameters(mlp, mlp_depth) + mlp + 1, False),
+        "ddp_sub": Layout("ddp_sub", "train_inplace.py", 4, ("--width", str(mlp), "--depth", str(mlp_depth),
+                                                             "--subgroup"), mlp_parameters(mlp, mlp_depth) + mlp + 1,
+                          True),
         "hsdp": Layout("hsdp", "train_hsdp.py", 4, ("--dim", str(gpt), "--layers", str(gpt_layers)),
                        gpt_parameters(gpt, gpt_layers), True),
         "tp": Layout("tp", "train_dp_tp.py", 4, ("--dim", str(gpt), "--layers", str(gpt_layers)),
@@ -146,7 +152,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         (not args.layouts, "--layouts names none"),
         (args.timeout <= 0, "--timeout must be positive"),
     ]
-    problems += [(name not in known, f"unknown layout {name!r} (ddp, hsdp, tp, pp, 3d)") for name in args.layouts]
+    problems += [(name not in known, f"unknown layout {name!r} ({', '.join(known)})") for name in args.layouts]
     for bad, message in problems:
         if bad:
             parser.error(message)

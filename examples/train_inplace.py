@@ -116,9 +116,14 @@ def main() -> None:
     parser.add_argument("--lr-schedule", choices=("none", "tracked", "untracked"), default="none",
                         help="an LR scheduler (StepLR, x0.9 every step), given to tm.track or not "
                              "(then tmrun tracks it for the script)")
+    parser.add_argument("--subgroup", action="store_true",
+                        help="also make a group of every rank (dist.new_group), as a job with a device mesh does: "
+                             "its standby rehearses and builds its DDP model once promoted (docs/user-guide.md)")
     args = parser.parse_args()
 
     tm = tmrun.init()  # on a standby: runs in the sandbox until promoted
+    if args.subgroup:
+        torch.distributed.new_group()
     if args.deterministic:
         torch.use_deterministic_algorithms(True)
     device = torch.device("cpu")

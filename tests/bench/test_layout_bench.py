@@ -64,6 +64,16 @@ def test_parameter_counts_match_the_models() -> None:
     assert count(blocks_of(0, 1, 16, 3)) == bench.block_parameters(16, 3)
 
 
+def test_ddp_with_a_subgroup_is_ddps_model_in_a_job_with_subgroups() -> None:
+    bench = _bench()
+    every = bench.layouts(1_600_000)
+    ddp, sub = every["ddp"], every["ddp_sub"]
+    assert sub.script == ddp.script and sub.parameters == ddp.parameters and sub.subgroups and not ddp.subgroups
+    assert sub.size_args == (*ddp.size_args, "--subgroup")
+    assert "ddp_sub" not in bench.parse_args([]).layouts  # not in the default set
+    assert bench.parse_args(["--layouts", "ddp,ddp_sub"]).layouts == ["ddp", "ddp_sub"]
+
+
 def test_the_kill_waits_for_what_says_the_standby_is_warm() -> None:
     bench = _bench()
     ddp, hsdp = bench.layouts(1_600_000)["ddp"], bench.layouts(1_600_000)["hsdp"]
