@@ -470,30 +470,17 @@ def entry() -> NoReturn:
     """The ``tmrun`` command: :func:`main`, then out without tearing the interpreter down. The
     launcher's work is done by then (workers and standbys stopped and waited for, the store
     closed, the totals said); Python's own teardown of torch's modules took 0.4-0.7 s on the
-    2-core machine after every job. The exit handlers still run, and the streams are flushed."""
+    2-core machine after every job (:mod:`tmrun.protocol.process_exit`). The exit handlers still
+    run, and the streams are flushed."""
+    from tmrun.protocol.process_exit import exit_after_handlers
+
     try:
         main()
     except SystemExit as done:
         code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
         if done.code is not None and not isinstance(done.code, int):
             print(done.code, file=sys.stderr)
-    leave_at_once(code)
-
-
-def leave_at_once(code: int) -> NoReturn:
-    """Run the exit handlers (logging's among them), flush the standard streams, then end the
-    process without the interpreter's teardown."""
-    import atexit
-
-    try:
-        atexit._run_exitfuncs()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass  # closed or broken: nothing left to write
-        os._exit(code)
+    exit_after_handlers(code)
 
 
 if __name__ == "__main__":

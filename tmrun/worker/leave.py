@@ -16,6 +16,8 @@ import sys
 from types import TracebackType
 from typing import NoReturn
 
+from tmrun.protocol.process_exit import exit_after_handlers, flush_standard_streams
+
 _status = 0
 
 
@@ -27,15 +29,7 @@ def _on_uncaught(kind: type[BaseException], value: BaseException, tb: TracebackT
 
 def _finish() -> None:
     atexit.unregister(_finish)  # the handlers below must not call this one again
-    try:
-        atexit._run_exitfuncs()  # the handlers registered before the leave, newest first
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass  # closed or broken: nothing left to save
-        os._exit(_status)
+    exit_after_handlers(_status)  # the handlers registered before the leave, newest first
 
 
 def leave() -> NoReturn:
@@ -52,11 +46,7 @@ def exit_now(status: int) -> NoReturn:
     ``@record`` (which returns on ``SystemExit(0)``) could catch it and run on with a half-built
     trainer. The standard streams are flushed and logging shut down first (its last lines
     reach the log); the script has no state worth unwinding for: a standby holds none yet."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError, RuntimeError):
-            pass  # closed or broken (or the signal came inside a write to it): nothing left to save
+    flush_standard_streams()
     try:
         import logging
 
