@@ -58,10 +58,10 @@ def pair():  # type: ignore[no-untyped-def]
     DistributedDataParallel._active_ddp_module = None
 
 
-def _trained_pair(pgs: list, cap_mb: float = CAP_MB) -> list[DistributedDataParallel]:
+def _trained_pair(pgs: list, cap_mb: float = CAP_MB, **kwargs: object) -> list[DistributedDataParallel]:
     """Two ranks' models after two iterations together (rebuilt in the second). Built one after
     the other here (the seeded initialisation draws from torch's one global generator)."""
-    models = [_ddp(pgs[r], cap_mb) for r in range(2)]
+    models = [_ddp(pgs[r], cap_mb, **kwargs) for r in range(2)]
     run_threads(2, lambda r: [_train(models[r], r, step) for step in range(2)])
     return models
 
@@ -73,11 +73,13 @@ def _reset(*models: DistributedDataParallel) -> None:
         model._has_rebuilt_buckets = False
 
 
-def test_a_fresh_model_takes_the_donors_buckets_and_then_reduces_as_they_do(pair) -> None:  # type: ignore[no-untyped-def]
-    reference, survivor = _trained_pair(pair), _trained_pair(pair)  # two pairs in the same state
+@pytest.mark.parametrize("as_view", [False, True], ids=["grads", "gradient_as_bucket_view"])
+def test_a_fresh_model_takes_the_donors_buckets_and_then_reduces_as_they_do(pair, as_view: bool) -> None:  # type: ignore[no-untyped-def]
+    options = {"gradient_as_bucket_view": as_view}
+    reference, survivor = _trained_pair(pair, **options), _trained_pair(pair, **options)  # two pairs, one state
     donor = ddp_buckets.layout(survivor[0])
     assert survivor[0]._has_rebuilt_buckets and ddp_buckets.layout(survivor[1]) == donor
-    joiner = _ddp(pair[1])
+    joiner = _ddp(pair[1], **options)
     assert ddp_buckets.layout(joiner) != donor and ddp_buckets.needs_buckets([joiner])  # DDP's first assignment
     before = pair[1].stats()["network_ops"]
     assert ddp_buckets.adopt(joiner, donor) is True
