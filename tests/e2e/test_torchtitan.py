@@ -409,7 +409,8 @@ def test_pp_layout_with_validation_is_replaced_in_place(tmp_path: Path, assets: 
 # CI time: both under --variants; by default the void tail's redo runs end to end with a checkpoint
 # save (test_a_rank_lost_in_a_checkpoint_save_has_it_redone), the validation's in
 # tests/titan/test_integration.py, and a validation in a doomed step in the PP layout's test above
-@pytest.mark.parametrize("killed", [pytest.param(3, marks=pytest.mark.variant), pytest.param(0, marks=pytest.mark.variant)])
+@pytest.mark.parametrize("killed", [pytest.param(3, marks=pytest.mark.variant),
+                                    pytest.param(0, marks=pytest.mark.variant)])
 def test_a_rank_lost_in_a_validation_after_its_update_has_it_redone(tmp_path: Path, assets: Path,
                                                                    references: Callable[[str], dict],
                                                                    killed: int) -> None:

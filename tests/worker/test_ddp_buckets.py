@@ -74,7 +74,8 @@ def _reset(*models: DistributedDataParallel) -> None:
 
 
 @pytest.mark.parametrize("as_view", [False, True], ids=["grads", "gradient_as_bucket_view"])
-def test_a_fresh_model_takes_the_donors_buckets_and_then_reduces_as_they_do(pair, as_view: bool) -> None:  # type: ignore[no-untyped-def]
+def test_a_fresh_model_takes_the_donors_buckets_and_then_reduces_as_they_do(  # type: ignore[no-untyped-def]
+        pair, as_view: bool) -> None:
     options = {"gradient_as_bucket_view": as_view}
     reference, survivor = _trained_pair(pair, **options), _trained_pair(pair, **options)  # two pairs, one state
     donor = ddp_buckets.layout(survivor[0])
@@ -99,7 +100,8 @@ def test_a_fresh_model_takes_the_donors_buckets_and_then_reduces_as_they_do(pair
     assert ddp_buckets.layout(joiner) == ddp_buckets.layout(survivor[0]) == ddp_buckets.layout(reference[1])
 
 
-def test_without_the_donors_buckets_the_first_joint_step_pairs_other_gradients(pair) -> None:  # type: ignore[no-untyped-def]
+def test_without_the_donors_buckets_the_first_joint_step_pairs_other_gradients(  # type: ignore[no-untyped-def]
+        pair) -> None:
     """What the adoption prevents. With DDP's default bucket size this model has one bucket,
     first in parameter order, rebuilt in the gradients' ready order: the same length, so the
     fresh model's first step beside a rebuilt one all-reduces other gradients together and
@@ -144,7 +146,8 @@ def test_buckets_of_another_model_are_refused(pair) -> None:  # type: ignore[no-
         ddp_buckets.adopt(model, [[0, 1], [2]])
 
 
-def test_a_joiners_ddp_construction_is_served_locally_only_while_started(pair, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_joiners_ddp_construction_is_served_locally_only_while_started(  # type: ignore[no-untyped-def]
+        pair, monkeypatch) -> None:
     """A joining process (join mode) refuses its set-up's collectives on the job's groups; DDP's
     own construction-time ones are served locally between start() and stop()."""
     monkeypatch.setattr(tb, "_JOINING", 3)
@@ -161,7 +164,8 @@ def test_a_joiners_ddp_construction_is_served_locally_only_while_started(pair, m
         DistributedDataParallel(_module(), process_group=pair[1])
 
 
-def test_a_joiner_that_cannot_take_them_makes_every_member_fall_back_in_one_line(pair, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_a_joiner_that_cannot_take_them_makes_every_member_fall_back_in_one_line(  # type: ignore[no-untyped-def]
+        pair, capsys) -> None:
     """The healing's step (tmrun.worker.recovery): rank 1's model runs a static graph built
     after its promotion (a comm hook registered after the first step is the same case: the
     first step's check did not see it), so it cannot rebuild its buckets as rank 0's. Both

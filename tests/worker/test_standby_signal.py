@@ -1,6 +1,7 @@
 """SIGTERM to a standby worker: a waiting standby leaves at once (``exit_now``: it holds nothing
-to save; it used to finish the module it was importing ahead first); a promoted one exits once, and a second SIGTERM while it exits (SLURM signals every process of a step and the agent
-its workers) does nothing (it used to raise again inside atexit handlers: a traceback)."""
+to save; it used to finish the module it was importing ahead first); a promoted one exits once,
+and a second SIGTERM while it exits (SLURM signals every process of a step and the agent its
+workers) does nothing (it used to raise again inside atexit handlers: a traceback)."""
 
 from __future__ import annotations
 

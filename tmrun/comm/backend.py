@@ -808,7 +808,7 @@ class TmrunProcessGroup(dist.ProcessGroup):
     def _serve_here(self, op: _Op, device: Optional[tuple[str, tuple]]) -> TmrunWork:
         """Complete ``op`` with the result it has when served locally (a sandbox's), on no link."""
         if device is not None and not self._plane_wanted:
-            self._on_plane(device[1])
+            self._on_plane(device[1])  # a sandbox learns whether its groups will need the plane
         self._stats["local_ops"] += 1
         if op.local is not None:
             _fill_locally(op)
@@ -848,13 +848,7 @@ class TmrunProcessGroup(dist.ProcessGroup):
             raise RuntimeError(f"tmrun: {op.name} on group {self._group_name!r}, which was shut down")
         self._background_check(op)
         if self._serve_locally():
-            if device is not None and not self._plane_wanted:
-                self._on_plane(device[1])  # a sandbox learns whether its groups will need the plane
-            self._stats["local_ops"] += 1
-            if op.local is not None:
-                _fill_locally(op)
-            op.complete()
-            return TmrunWork(op)
+            return self._serve_here(op, device)
         comm = self._comm_or_raise()
         if device is not None and self._on_plane(device[1]) and not self._gloo_refuses(opts):
             return self._run_on_plane(op, comm, *device)

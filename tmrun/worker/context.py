@@ -26,7 +26,8 @@ from tmrun.console import say
 from tmrun.protocol import keys, messages as proto, orphan_guard
 from tmrun.protocol.environment import LaunchEnv, Mode
 from tmrun.protocol.stores import open_job_store
-from tmrun.worker import ddp_buckets, gloo_groups, group, pipeline_startup, rehearsal, startup_replay, store_pace, warm_imports
+from tmrun.worker import (ddp_buckets, gloo_groups, group, pipeline_startup, rehearsal, startup_replay, store_pace,
+                          warm_imports)
 from tmrun.worker.drills import DrillRunner
 from tmrun.worker.interrupt import StepInterrupter
 from tmrun.worker.leave import exit_now

@@ -43,17 +43,10 @@ class BucketLayoutError(RuntimeError):
 
 
 def reducer_parameters(model: DistributedDataParallel) -> list[torch.nn.Parameter]:
-    """The parameters DDP's reducer indexes, in its order: each module's own parameters that
-    require a gradient and are not ignored, module by module, shared ones once."""
-    ignored = set(getattr(model, "parameters_to_ignore", ()) or ())
-    seen: set[int] = set()
-    params = []
-    for module_name, module in model.module.named_modules():
-        for name, param in module.named_parameters(recurse=False):
-            if param.requires_grad and f"{module_name}.{name}" not in ignored and id(param) not in seen:
-                seen.add(id(param))
-                params.append(param)
-    return params
+    """The parameters DDP's reducer indexes, in its order: DDP's own list, the one it built its
+    reducer from (each module's own parameters that require a gradient and are not ignored,
+    shared ones once; it also re-reads the module's buffers, as DDP does before each sync)."""
+    return list(model._build_params_for_reducer()[0])
 
 
 def layout(model: DistributedDataParallel) -> list[list[int]]:

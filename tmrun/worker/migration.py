@@ -174,7 +174,10 @@ class Migration:
             meta = {"committed_step": switch_at, "rng": rng_state}
             if ctx.tracked.per_rank:
                 meta["per_rank"] = ctx.tracked.per_rank_blob()  # this rank's own (tm.track_per_rank)
-            if ctx.interrupter.ddp_models:  # a joiner that built its DDP models takes their buckets
+            if ctx.interrupter.ddp_models and subgroups.mesh_subgroups():
+                # the joiner of a job with subgroups built its DDP models before the switch: it
+                # takes their buckets (a DDP job's standby rebuilt its own in its shadow steps;
+                # reading them costs a gradient-sized allocation, not spent where not needed)
                 meta["ddp_buckets"] = [ddp_buckets.layout(model) for model in ctx.interrupter.ddp_models]
             moved = hand_over(handoff, ctx.tracked, meta, same_host_reads=ctx.env.same_host_reads)
         finally:

@@ -128,9 +128,10 @@ def agree(comm: tmrun_native.Communicator, committed_step: int, digest: int, fre
           shard_key: int = 0, overlap: bool = True, reset_models: bool = False, void_tail: int = -1,
           adopt_buckets: bool = False) -> HealPlan:
     """Allgather (committed step, layout digest, fresh, host key, pid, host memory, shard key,
-    reset models, void tail, adopt buckets) and derive the same plan on every member. ``same_host_reads=False``: no member reads this
-    one's memory, nor it theirs. ``shard_key``: which shard this member holds (0: nothing is
-    sharded); a member is healed only by donors with its key (:func:`replica_donors`).
+    reset models, void tail, adopt buckets) and derive the same plan on every member.
+    ``same_host_reads=False``: no member reads this one's memory, nor it theirs. ``shard_key``:
+    which shard this member holds (0: nothing is sharded); a member is healed only by donors
+    with its key (:func:`replica_donors`).
     ``overlap=False``: this member has no CPU core to spare for a background read
     (:mod:`tmrun.worker.cpu_budget`), so nothing is deferred. ``reset_models``: this member's
     DDP reducers need a reset (:meth:`StepInterrupter.reducers_need_reset`). ``void_tail``: the
