@@ -35,6 +35,9 @@ LAYOUTS = {
     "ddp_async": (2, ["--parallelism.data_parallel_replicate_degree", "2", "--training.global_batch_size", "8",
                       "--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.folder", "ckpt",
                       "--checkpoint.async_mode", "async"]),
+    # the DDP-like layout saving every step: the reference for a save taken out of the interval
+    "ddp_each_step": (2, ["--parallelism.data_parallel_replicate_degree", "2", "--training.global_batch_size", "8",
+                          "--checkpoint.enable", "--checkpoint.interval", "1", "--checkpoint.folder", "ckpt"]),
     # compiled as torchtitan compiles (each transformer block whole, fullgraph; inductor on the CPU)
     "hsdp": (4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
                  "--compile.enable"]),
@@ -227,19 +230,27 @@ def test_a_rank_lost_in_a_checkpoint_save_has_it_redone(tmp_path: Path, assets: 
     assert re.search(r"1 in-place recoveries \(0 planned\), 0 steps recomputed", log), log
 
 
-def test_an_asynchronous_save_cut_off_by_a_failure_is_said_and_the_job_goes_on_in_place(
-        tmp_path: Path, assets: Path, ddp_reference: dict) -> None:
+def test_an_asynchronous_save_cut_off_by_a_failure_is_said_and_taken_again_at_the_next_step(
+        tmp_path: Path, assets: Path, ddp_reference: dict, references: Callable[[str], dict]) -> None:
     """``--checkpoint.async_mode async``: torchtitan saves on a thread of its own through
     ``dist.new_group(backend="gloo")``. A gloo group cannot follow a replacement, so every failure
     took the group restart (75 s of waiting before the ninth session, at once since). Now it is a
     tmrun background group. Rank 1 SIGKILLed in step 4's background save as it writes its files:
     rank 0's save thread waits for it in DCP's gather of the results. Its operations fail rather
     than being served locally: step 4's save is not finished (no ``.metadata``, so torchtitan
-    never loads it; a save finished with plans no peer made would be loaded), said in one line
-    when torchtitan waits for it at step 6; the job is replaced in place, the checkpoints of steps
-    2, 6 and 8 and every rank's final state are torchrun's (whose saves are synchronous)."""
+    never loads it; a save finished with plans no peer made would be loaded), said in one line.
+    The job is replaced in place and, since the thirteenth session, the ranks agree after the
+    change that a save was cut and save the next step's state at once, out of the interval
+    (before, the job's newest checkpoint stayed step 2's until step 6). Every checkpoint written
+    is torchrun's for its step (a torchrun run saving every step), as is every rank's final state."""
     code, log, got = _run(tmp_path / "tmrun", assets, "tmrun", "ddp_async", kill="1:4:background")
-    expected = {step: digest for step, digest in ddp_reference["checkpoints"].items() if step != "step-4"}
+    each_step = references("ddp_each_step")["checkpoints"]
+    said = re.search(r"tmrun: saving step (\d+)'s checkpoint now, out of the interval", log)
+    assert said, log
+    taken = f"step-{said.group(1)}"
+    assert sorted(got["checkpoints"]) == sorted({"step-2", "step-6", "step-8", taken}), (got["checkpoints"], log)
+    assert taken in ("step-5", "step-6"), log  # the first step whose tail follows the change
+    expected = {name: each_step[name] for name in got["checkpoints"]}
     _check_in_place(code, log, got, {**ddp_reference, "checkpoints": expected}, killed=1)
     assert "rank 0: the script made a gloo group (dist.new_group(backend='gloo')" in log, log
     assert "the asynchronous checkpoint save of step 4 was cut off by a change" in log, log
@@ -296,11 +307,12 @@ def test_rank_killed_at_a_random_moment_is_replaced_in_place(tmp_path: Path, ass
     code, log, got = _run(work, assets, "tmrun", layout)
     killer.join(timeout=10)
     assert killed, log
-    if layout == "ddp_async":  # a background save the kill cut off is not finished (said); the others torchrun's
+    if layout == "ddp_async":  # a background save the kill cut off is not finished (said), the next step saved
         missing = set(reference["checkpoints"]) - set(got["checkpoints"])
         assert len(missing) <= 1 and (not missing or "was cut off by a change" in log), (missing, log)
-        reference = {**reference, "checkpoints": {step: digest for step, digest in reference["checkpoints"].items()
-                                                  if step not in missing}}
+        assert not missing or "out of the interval" in log, log
+        each_step = references("ddp_each_step")["checkpoints"]
+        reference = {**reference, "checkpoints": {step: each_step[step] for step in got["checkpoints"]}}
     _check_in_place(code, log, got, reference, killed=1)
 
 

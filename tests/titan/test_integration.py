@@ -189,3 +189,121 @@ def test_a_checkpoint_save_failing_in_a_void_step_is_redone_not_raised(capsys: p
     with pytest.raises(OSError, match="disk full"):  # not void: the script's own error
         trainer._step_tail(6)
 
+
+
+def _async_trainer(news_of_peers: list[int], seen: list[int]) -> Any:
+    """A TmrunTrainer with background saves guarded, a fake checkpointer (interval 2, each save
+    recorded with the interval it ran under) and a fake all-reduce (MAX with ``news_of_peers``,
+    the value this rank gave appended to ``seen``)."""
+    from types import SimpleNamespace
+
+    from tmrun.integrations.torchtitan import TmrunTrainer
+
+    trainer = object.__new__(TmrunTrainer)
+    trainer.tm = _fake_tm()
+    trainer.tm.recoveries = []
+    trainer.tm.cut_by_a_change = lambda error: "cut" in str(error)
+    trainer.config = SimpleNamespace(training=SimpleNamespace(steps=10), validator=SimpleNamespace(enable=False))
+    saves: list[tuple[int, int]] = []
+
+    def save(step: int, last_step: bool) -> bool:  # as torchtitan's: it waits only for a save it makes
+        if step % trainer.checkpointer.interval and not last_step:
+            return False
+        trainer.checkpointer.maybe_wait_for_saving()
+        saves.append((step, trainer.checkpointer.interval))
+        return True
+
+    def wait() -> None:
+        future, trainer.checkpointer.save_future = trainer.checkpointer.save_future, None
+        if future is not None:
+            future.result()
+
+    trainer.checkpointer = SimpleNamespace(enable=True, pg=object(), interval=2, save_future=None, save=save,
+                                           maybe_wait_for_saving=wait)
+    trainer.saves = saves
+    trainer.model_parts = []
+    trainer._guard_background_saves()
+
+    def all_reduce(tensor: Any, op: Any = None) -> None:
+        seen.append(int(tensor.item()))
+        tensor.fill_(max([int(tensor.item()), *news_of_peers]))
+
+    trainer.all_reduce = all_reduce
+    return trainer
+
+
+def test_a_background_save_cut_off_by_a_change_is_taken_again_at_the_next_step(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """``--checkpoint.async_mode async``: a background save that a change cut off is never
+    finished; before, the job's next checkpoint came at torchtitan's next interval. Now every
+    rank, after a change, agrees (one all-reduce at each step's tail until the saves in flight
+    at the change settled) whether any rank's save was cut, and if so saves the step now, out
+    of the interval (the interval put back after); the joiner, with no save of its own, joins."""
+    from concurrent.futures import Future
+
+    import torch
+
+    seen: list[int] = []
+    peers: list[int] = []
+    trainer = _async_trainer(peers, seen)
+    monkeypatch.setattr(torch.distributed, "all_reduce", trainer.all_reduce)
+    trainer._step_tail(3)  # no change: no all-reduce, no save out of the interval
+    trainer._step_tail(4)
+    assert trainer.saves == [(4, 2)] and seen == []
+
+    cut: Future = Future()
+    cut.set_exception(RuntimeError("cut off by a change"))
+    trainer.checkpointer.save_future = cut  # step 4's save, then a change
+    trainer.tm.recoveries = [{"gen": 1}]
+    trainer._step_tail(5)
+    assert seen == [2] and trainer.saves == [(4, 2), (5, 1)] and trainer.checkpointer.interval == 2
+    assert trainer._saved_step == 5
+    trainer._step_tail(6)  # settled: no more all-reduces for that change
+    assert seen == [2] and trainer.saves[-1] == (6, 2)
+
+    joiner_seen: list[int] = []
+    joiner = _async_trainer([2], joiner_seen)  # a peer's save was cut; the joiner has none in flight
+    monkeypatch.setattr(torch.distributed, "all_reduce", joiner.all_reduce)
+    joiner.tm.recoveries = [{"gen": 1}]
+    joiner._step_tail(5)
+    assert joiner_seen == [0] and joiner.saves == [(5, 1)]
+    assert "saving step 5's checkpoint now, out of the interval" in caplog.text
+
+
+def test_a_background_save_still_running_after_a_change_is_asked_about_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save still writing when the change ended (news 1): no rank waits for it; the ranks ask
+    again at the next step's tail, and once it finished whole nothing is saved out of the
+    interval. A peer lost in the all-reduce (tm.void) leaves the question open too."""
+    from concurrent.futures import Future
+
+    import torch
+
+    seen: list[int] = []
+    peers: list[int] = []
+    trainer = _async_trainer(peers, seen)
+    monkeypatch.setattr(torch.distributed, "all_reduce", trainer.all_reduce)
+    running: Future = Future()
+    trainer.checkpointer.save_future = running
+    trainer.tm.recoveries = [{"gen": 3}]
+    trainer._step_tail(5)
+    assert seen == [1] and trainer.saves == []
+    running.set_result(None)  # it finished whole
+    trainer._step_tail(7)
+    assert seen == [1, 0] and trainer.saves == []
+    trainer._step_tail(8)
+    assert seen == [1, 0] and trainer.saves == [(8, 2)]
+
+    trainer.tm.recoveries.append({"gen": 4})
+    peers.append(2)
+
+    def lost_peer(tensor: Any, op: Any = None) -> None:
+        seen.append(int(tensor.item()))
+        trainer.tm.void = True  # served locally: its value is void
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", lost_peer)
+    trainer._step_tail(9)
+    assert trainer._change_seen == 3 and trainer.saves == [(8, 2)]
+    trainer.tm.void = False
+    monkeypatch.setattr(torch.distributed, "all_reduce", trainer.all_reduce)
+    trainer._step_tail(9)  # the redo of the void tail: asked again, a peer's save was cut
+    assert trainer.saves == [(8, 2), (9, 1)] and trainer._change_seen == 4

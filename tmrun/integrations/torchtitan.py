@@ -58,9 +58,10 @@ What :class:`TmrunTrainer` changes in torchtitan's ``Trainer``:
 * ``--checkpoint.async_mode async``: torchtitan's gloo group for its background saves is a tmrun
   group here (:mod:`tmrun.worker.gloo_groups`), so a failure is replaced in place. A background
   save that a change cuts off is not finished (DCP writes no ``.metadata``: torchtitan never
-  loads it) and is said in one line when torchtitan next waits for it; the saves after it are
-  whole. Its values are never made up: the save's collectives fail rather than being served
-  locally.
+  loads it) and is said in one line; after the change every rank agrees whether a save was cut
+  and, if so, saves the next step at once, out of torchtitan's interval
+  (:meth:`TmrunTrainer._save_again_after_a_cut`). Its values are never made up: the save's
+  collectives fail rather than being served locally.
 
 Not covered: CUDA graphs, context parallelism (torchtitan requires FlexAttention for it, which
 the CPU tests replace), ``--checkpoint.async_mode async_with_pinned_mem`` (a saving process of
@@ -127,6 +128,9 @@ class TmrunTrainer(Trainer):
     _tail_done: int = 0  # the last step whose checkpoint and validation this process ran, not void
     _muted: bool = False  # metrics logging off (a redone validation this process had logged)
     _saved_step: int = 0  # the step of the last checkpoint save this process began
+    _background_saves: bool = False  # torchtitan saves in the background (--checkpoint.async_mode async)
+    _change_seen: int = -1  # the generation of the last change whose cut saves this process settled
+    _cut_seen: bool = False  # this process's pending background save was cut off by a change
 
     @record
     def __init__(self, config: Config) -> None:
@@ -219,13 +223,55 @@ class TmrunTrainer(Trainer):
         # a rank lost during the save (its plans gathered and broadcast) fails DCP on every
         # survivor: void, the save is done again through tm.voided_step
         with self.tm.tolerate_void(f"step {step}'s checkpoint save"):
-            if self.checkpointer.save(step, last_step=(step == config.training.steps)):
+            again = self._save_again_after_a_cut(step)
+            if self._save(step, last_step=(step == config.training.steps), out_of_interval=again):
                 self._saved_step = step
         if not self._quiet and config.validator.enable and self.validator.should_validate(step):
             with self.tm.tolerate_void(f"step {step}'s validation"):
                 self._validate(step)
         if not self._quiet:
             self._tail_done = step
+
+    def _save(self, step: int, last_step: bool, out_of_interval: bool) -> bool:
+        """torchtitan's save of ``step`` (at its interval, or the last step's), or
+        ``out_of_interval``: this step's state now, whatever the interval."""
+        checkpointer = self.checkpointer
+        if not out_of_interval:
+            return bool(checkpointer.save(step, last_step=last_step))
+        interval, checkpointer.interval = checkpointer.interval, 1  # torchtitan saves the steps the interval divides
+        try:
+            return bool(checkpointer.save(step, last_step=last_step))
+        finally:
+            checkpointer.interval = interval
+
+    def _save_again_after_a_cut(self, step: int) -> bool:
+        """After a change of the job's members, with background saves: whether a save the change
+        cut off is to be taken again now, as ``step``'s (out of torchtitan's interval: the state
+        the cut save held is gone; waiting for the next interval would leave the job's newest
+        checkpoint an interval older than the user asked for). Every rank must save alike (DCP's
+        collectives), the joiner too (it has no save of its own in flight) and ranks whose save
+        is still running, so they agree: one all-reduce (MAX) of this rank's news at each step's
+        tail until the saves in flight at the change are settled (cut: 2, still running: 1,
+        finished or none: 0). Never waits for a save; no collective without a change."""
+        recoveries = self.tm.recoveries if self._background_saves else []
+        if not recoveries or recoveries[-1]["gen"] == self._change_seen:
+            return False
+        future = getattr(self.checkpointer, "save_future", None)
+        if future is not None and future.done():
+            self.checkpointer.maybe_wait_for_saving()  # raises at once: the guard notes and says a cut
+        news = 2 if self._cut_seen else (1 if future is not None and not future.done() else 0)
+        agreed = torch.tensor([news], dtype=torch.int64)
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
+        if self.tm.void:  # a peer lost in the all-reduce: its value is void, asked again at the redo
+            return False
+        settled = int(agreed.item())
+        if settled == 1:
+            return False  # a save still runs somewhere: asked again at the next step's tail
+        self._change_seen, self._cut_seen = recoveries[-1]["gen"], False
+        if settled == 2:
+            logger.warning(f"tmrun: saving step {step}'s checkpoint now, out of the interval: a change of the job's "
+                           "members cut off an earlier asynchronous save")
+        return settled == 2
 
     def _guard_background_saves(self) -> None:
         """torchtitan waits for its last asynchronous save before the next one (and the last
@@ -245,11 +291,13 @@ class TmrunTrainer(Trainer):
                 if not self.tm.cut_by_a_change(error):
                     raise
                 checkpointer.save_future = None
+                self._cut_seen = True
                 logger.warning(f"tmrun: the asynchronous checkpoint save of step {self._saved_step} was cut off by a "
                                "change of the job's members (a rank lost and replaced): not finished, its folder has "
-                               "no .metadata and is never loaded; the later saves are whole")
+                               "no .metadata and is never loaded; a later step's checkpoint takes its place")
 
         checkpointer.maybe_wait_for_saving = wait_or_say  # type: ignore[method-assign]
+        self._background_saves = True
 
     def _is_healed(self) -> bool:
         """A standby (sandbox) or a promoted standby that still has to be healed."""
