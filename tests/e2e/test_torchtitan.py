@@ -239,8 +239,8 @@ def test_an_asynchronous_save_cut_off_by_a_failure_is_said_and_taken_again_at_th
     rank 0's save thread waits for it in DCP's gather of the results. Its operations fail rather
     than being served locally: step 4's save is not finished (no ``.metadata``, so torchtitan
     never loads it; a save finished with plans no peer made would be loaded), said in one line.
-    The job is replaced in place and, since the thirteenth session, the ranks agree after the
-    change that a save was cut and save the next step's state at once, out of the interval
+    The job is replaced in place and, since the thirteenth session, the ranks agree at the first
+    step after the recovery that a save was cut and save that step's state at once, out of the interval
     (before, the job's newest checkpoint stayed step 2's until step 6). Every checkpoint written
     is torchrun's for its step (a torchrun run saving every step), as is every rank's final state."""
     code, log, got = _run(tmp_path / "tmrun", assets, "tmrun", "ddp_async", kill="1:4:background")

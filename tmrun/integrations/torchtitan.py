@@ -58,8 +58,8 @@ What :class:`TmrunTrainer` changes in torchtitan's ``Trainer``:
 * ``--checkpoint.async_mode async``: torchtitan's gloo group for its background saves is a tmrun
   group here (:mod:`tmrun.worker.gloo_groups`), so a failure is replaced in place. A background
   save that a change cuts off is not finished (DCP writes no ``.metadata``: torchtitan never
-  loads it) and is said in one line; after the change every rank agrees whether a save was cut
-  and, if so, saves the next step at once, out of torchtitan's interval
+  loads it) and is said in one line; at the first step after a recovery every rank agrees
+  whether a save was cut and, if so, saves that step at once, out of torchtitan's interval
   (:meth:`TmrunTrainer._save_again_after_a_cut`). Its values are never made up: the save's
   collectives fail rather than being served locally.
 
@@ -129,7 +129,7 @@ class TmrunTrainer(Trainer):
     _muted: bool = False  # metrics logging off (a redone validation this process had logged)
     _saved_step: int = 0  # the step of the last checkpoint save this process began
     _background_saves: bool = False  # torchtitan saves in the background (--checkpoint.async_mode async)
-    _change_seen: int = -1  # the generation of the last change whose cut saves this process settled
+    _change_seen: int = -1  # the generation of the last recovery whose cut saves this process settled
     _cut_seen: bool = False  # this process's pending background save was cut off by a change
 
     @record
@@ -245,33 +245,30 @@ class TmrunTrainer(Trainer):
             checkpointer.interval = interval
 
     def _save_again_after_a_cut(self, step: int) -> bool:
-        """After a change of the job's members, with background saves: whether a save the change
-        cut off is to be taken again now, as ``step``'s (out of torchtitan's interval: the state
-        the cut save held is gone; waiting for the next interval would leave the job's newest
-        checkpoint an interval older than the user asked for). Every rank must save alike (DCP's
-        collectives), the joiner too (it has no save of its own in flight) and ranks whose save
-        is still running, so they agree: one all-reduce (MAX) of this rank's news at each step's
-        tail until the saves in flight at the change are settled (cut: 2, still running: 1,
-        finished or none: 0). Never waits for a save; no collective without a change."""
+        """At the first step's tail after a recovery, with background saves: whether a save the
+        change cut off is to be taken again now, as ``step``'s (out of torchtitan's interval: the
+        state the cut save held is gone; waiting for the next interval would leave the job's
+        newest checkpoint an interval older than the user asked for). Every rank must save alike
+        (DCP's collectives), the joiner too (it has no save of its own in flight), so they agree
+        in one all-reduce (MAX) of whether their own save was cut. Once per recovery, at the tail
+        of the step every member of that recovery resumed (no planned migration comes between);
+        never waits: a save still writing then is settled by torchtitan's own wait, at its
+        interval, as before (said in one line if it was cut)."""
         recoveries = self.tm.recoveries if self._background_saves else []
         if not recoveries or recoveries[-1]["gen"] == self._change_seen:
             return False
         future = getattr(self.checkpointer, "save_future", None)
         if future is not None and future.done():
-            self.checkpointer.maybe_wait_for_saving()  # raises at once: the guard notes and says a cut
-        news = 2 if self._cut_seen else (1 if future is not None and not future.done() else 0)
-        agreed = torch.tensor([news], dtype=torch.int64)
+            self.checkpointer.maybe_wait_for_saving()  # returns at once: the guard notes and says a cut
+        agreed = torch.tensor([1 if self._cut_seen else 0], dtype=torch.int64)
         torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
         if self.tm.void:  # a peer lost in the all-reduce: its value is void, asked again at the redo
             return False
-        settled = int(agreed.item())
-        if settled == 1:
-            return False  # a save still runs somewhere: asked again at the next step's tail
         self._change_seen, self._cut_seen = recoveries[-1]["gen"], False
-        if settled == 2:
+        if agreed.item():
             logger.warning(f"tmrun: saving step {step}'s checkpoint now, out of the interval: a change of the job's "
                            "members cut off an earlier asynchronous save")
-        return settled == 2
+        return bool(agreed.item())
 
     def _guard_background_saves(self) -> None:
         """torchtitan waits for its last asynchronous save before the next one (and the last
