@@ -271,7 +271,9 @@ def test_store_host_lost_every_other_node_stops_with_one_line(main_nodes: SlurmC
     down with it, with no line (2 of 4 runs on a loaded machine), which no real cluster does.
     The loss itself stops every process of the node before it kills any (SlurmCluster.lose_node):
     killed one by one, the batch step's daemon could see its script die and have slurmctld end
-    the job everywhere at once (a CI run)."""
+    the job everywhere at once (a CI run); and it kills children first: killed after its step
+    daemon, a stopped srun was woken by the kernel (an orphaned process group) and ended the step
+    on the other nodes with SIGKILL (two CI runs, reproduced in 2026-12-07's thirteenth session)."""
     for scenario in background.values():
         scenario.wait()
     slurm, out = main_nodes, tmp_path / "job.out"
