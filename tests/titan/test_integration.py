@@ -274,8 +274,9 @@ def test_a_background_save_still_running_after_a_recovery_is_left_to_torchtitans
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A save still writing at the first tail after a recovery: no rank waits for it and, if no
     rank's save was cut, nothing is saved out of the interval; that save is settled by
-    torchtitan's own wait at its next interval. One all-reduce per recovery. A peer lost in the
-    all-reduce (tm.void) leaves the question to the void tail's redo."""
+    torchtitan's own wait at its next interval (cut: said there, and that interval's save takes
+    its place: not counted as cut at the next recovery). One all-reduce per recovery. A peer lost
+    in the all-reduce (tm.void) leaves the question to the void tail's redo."""
     from concurrent.futures import Future
 
     import torch
@@ -291,11 +292,14 @@ def test_a_background_save_still_running_after_a_recovery_is_left_to_torchtitans
     assert seen == [0] and trainer.saves == [] and trainer.checkpointer.save_future is running
     trainer._step_tail(7)  # settled: no second all-reduce for that recovery
     assert seen == [0] and trainer.saves == []
-    running.set_result(None)  # it finished whole
-    trainer._step_tail(8)
-    assert seen == [0] and trainer.saves == [(8, 2)]
+    running.set_exception(RuntimeError("cut off by a change"))  # the change reached it as it gathered
+    trainer._step_tail(8)  # torchtitan's wait before step 8's save says it; step 8's save takes its place
+    assert seen == [0] and trainer.saves == [(8, 2)] and not trainer._cut_seen
 
     trainer.tm.recoveries.append({"gen": 4})
+    trainer._step_tail(9)  # this rank's news: no cut save (step 8's cut one was replaced)
+    assert seen == [0, 0] and trainer.saves == [(8, 2)]
+    trainer.tm.recoveries.append({"gen": 5})
     peers.append(1)
 
     def lost_peer(tensor: Any, op: Any = None) -> None:
@@ -304,9 +308,9 @@ def test_a_background_save_still_running_after_a_recovery_is_left_to_torchtitans
 
     monkeypatch.setattr(torch.distributed, "all_reduce", lost_peer)
     trainer._step_tail(9)
-    assert trainer._change_seen == 3 and trainer.saves == [(8, 2)]
+    assert trainer._change_seen == 4 and trainer.saves == [(8, 2)]
     trainer.tm.void = False
     monkeypatch.setattr(torch.distributed, "all_reduce", trainer.all_reduce)
     trainer.step = 10
     trainer._redo_void_tail(9)  # the void tail's redo: asked again, a peer's save was cut
-    assert trainer.saves == [(8, 2), (9, 1)] and trainer._change_seen == 4
+    assert trainer.saves == [(8, 2), (9, 1)] and trainer._change_seen == 5

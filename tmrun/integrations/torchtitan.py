@@ -225,7 +225,7 @@ class TmrunTrainer(Trainer):
         with self.tm.tolerate_void(f"step {step}'s checkpoint save"):
             again = self._save_again_after_a_cut(step)
             if self._save(step, last_step=(step == config.training.steps), out_of_interval=again):
-                self._saved_step = step
+                self._saved_step, self._cut_seen = step, False  # a cut save seen before it: this one takes its place
         if not self._quiet and config.validator.enable and self.validator.should_validate(step):
             with self.tm.tolerate_void(f"step {step}'s validation"):
                 self._validate(step)
