@@ -49,6 +49,19 @@ def test_a_rank_outside_the_collective_the_others_wait_in_is_blamed() -> None:
     assert HangDetector(3.0).check(5.0, seen(r0=4, r1=4, r2=4), records, {}, 102.0)[0] == []
 
 
+def test_a_rank_that_just_left_the_collective_the_others_wait_in_is_not_blamed() -> None:
+    """CI (2026-12-07): rank 3 of node 1 stalled; node 1's agent fenced its node; rank 1 on node 0,
+    inside the collective with rank 0 until then, noticed the loss first and left it (its record
+    updated then), rank 0 still inside: node 0's agent blamed rank 1 as stuck in its compute,
+    failed its own node too, and the job took the group restart. A rank outside the collective
+    is blamed only once it has been outside for the timeout; then it is."""
+    records = {0: Rec(step=4, comm_since=100.0, updated=100.0), 1: Rec(step=4, updated=105.5)}
+    hang = HangDetector(3.0)
+    assert hang.check(5.0, seen(r0=4, r1=4), records, {}, 105.6) == ([], [])
+    hung, _ = hang.check(9.0, seen(r0=4, r1=4), records, {}, 108.6)
+    assert [r for r, _ in hung] == [1]
+
+
 def test_a_rank_behind_is_blamed_and_all_inside_collectives_is_undecided() -> None:
     records = {0: Rec(comm_since=1.0), 1: Rec(comm_since=1.0)}
     hung, _ = HangDetector(3.0).check(5.0, seen(r0=4, r1=3), records, {}, 2.0)

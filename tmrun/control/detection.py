@@ -10,8 +10,10 @@ at most every ``read_interval`` seconds and publishes them per node in the store
   (measured by the agent, from the last step it saw completed by the current processes; the clock
   starts once every rank completed a step, and restarts after every change). Data parallel ranks
   wait for each other, so every rank stalls together; the one to blame is a stopped process
-  (``/proc`` state T), else the ranks *not* inside a collective while others have waited inside
-  one for ``hang_timeout`` (stuck in their own compute), else the ranks behind the others' step.
+  (``/proc`` state T), else the ranks *not* inside a collective, and outside any for
+  ``hang_timeout``, while others have waited inside one as long (stuck in their own compute; one
+  that just left a collective noticed a lost peer elsewhere: no verdict yet), else the ranks
+  behind the others' step.
   A rank stalled while others complete later steps hangs; one stalled at the step the others were
   only seen completing later waits for the group's view. It is fenced (SIGKILL) and replaced like
   a failed rank. When every rank waits inside a collective at the same step, nothing tells which
@@ -99,8 +101,13 @@ class HangDetector:
         waiting = {r: wall_now - rec.comm_since for r, rec in records.items() if rec.comm_since > 0}
         outside = [r for r in sorted(seen) if r not in waiting]
         if outside and any(t > self.timeout for t in waiting.values()):
+            # Only a rank outside collectives for hang_timeout is stuck in its own compute. One
+            # that left a collective within it (its record changed since) was in one with the
+            # others: a peer elsewhere was lost and this rank noticed first, so a change is
+            # starting (CI: a node's hung rank fenced, a survivor on this node then blamed too).
+            stuck = [r for r in outside if r not in records or wall_now - records[r].updated > self.timeout]
             return [(r, f"no step completed for {quiet:.1f}s, outside any collective while rank(s) "
-                        f"{', '.join(map(str, sorted(waiting)))} wait in one") for r in outside], []
+                        f"{', '.join(map(str, sorted(waiting)))} wait in one") for r in stuck], []
         steps = {r: s.step for r, s in seen.items()}
         behind = [r for r in sorted(steps) if steps[r] < max(steps.values())]
         if behind:
