@@ -13,16 +13,17 @@ tree is sampled (``psutil``, user + system time) over ``--window`` seconds once 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers of the other benches
+from steady_step import interleaved, launch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_inplace.py"
@@ -70,14 +71,8 @@ def run(kind: str, args: argparse.Namespace, work: Path) -> dict[str, float]:
     log = work / "steps-{rank}.log"
     script = [str(SCRIPT), "--steps", str(args.steps), "--width", "48", "--batch", "16",
               "--step-time", str(args.step_time), "--step-log", str(log)]
-    env = dict(os.environ)
-    if kind == "torchrun+gloo":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc), *script]
-        env["TMRUN_BACKEND"] = "gloo"
-    else:
-        cmd = [sys.executable, "-m", "tmrun.cli.main", "--standalone", "--nproc-per-node", str(args.nproc),
-               "--standby", "1", *script]
-        env["TMRUN_STATE_DIR"] = str(work / "state")
+    cmd, env = launch(kind, args.nproc, script)
+    env["TMRUN_STATE_DIR"] = str(work / "state")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rank0 = Path(str(log).replace("{rank}", "0"))
     try:
@@ -114,13 +109,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--timeout", type=float, default=300)
     args = parser.parse_args()
-    results: dict[str, list[dict[str, float]]] = {"torchrun+gloo": [], "tmrun": []}
-    with tempfile.TemporaryDirectory(prefix="tmrun-idle-") as tmp:
-        for index in range(args.runs):
-            for kind in results:  # interleaved, so drifts of the machine hit both
-                work = Path(tmp) / f"{kind}-{index}"
-                work.mkdir()
-                results[kind].append(run(kind, args, work))
+    results = interleaved(run, args, "tmrun-idle-")
     print(f"{args.nproc} workers, examples/train_inplace.py --step-time {args.step_time} (a sleep per step), "
           f"{args.window:g} s window after step {args.warm_steps}, {args.runs} runs each; cores used "
           "(1.0 = one core busy), median of the runs")

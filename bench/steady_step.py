@@ -17,8 +17,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
+T = TypeVar("T")
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_inplace.py"
 
@@ -29,17 +32,37 @@ def step_time(log: Path) -> float:
     return statistics.median(gaps)
 
 
+def launch(kind: str, nproc: int, script: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The command and environment that run ``script`` under ``kind``: "torchrun+gloo" (the worker
+    API then only wraps DDP over gloo) or "tmrun" (a warm standby beside the workers)."""
+    env = dict(os.environ)
+    if kind == "torchrun+gloo":
+        env["TMRUN_BACKEND"] = "gloo"
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                *script], env
+    return [sys.executable, "-m", "tmrun.cli.main", "--standalone", "--nproc-per-node", str(nproc), "--standby", "1",
+            *script], env
+
+
+def interleaved(run_one: Callable[[str, argparse.Namespace, Path], T], args: argparse.Namespace,
+                prefix: str) -> dict[str, list[T]]:
+    """``args.runs`` runs of each launcher, alternating (drifts of the machine hit both), each in
+    a fresh folder: launcher -> the results of ``run_one(kind, args, folder)``."""
+    results: dict[str, list[T]] = {"torchrun+gloo": [], "tmrun": []}
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        for index in range(args.runs):
+            for kind in results:
+                work = Path(tmp) / f"{kind}-{index}"
+                work.mkdir()
+                results[kind].append(run_one(kind, args, work))
+    return results
+
+
 def run(kind: str, args: argparse.Namespace, work: Path) -> float:
     log = work / f"{kind}-{{rank}}.log"
     script = [str(SCRIPT), "--steps", str(args.steps), "--width", str(args.width), "--depth", str(args.depth),
               "--batch", str(args.batch), "--step-log", str(log)]
-    env = dict(os.environ)
-    if kind == "torchrun+gloo":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc), *script]
-        env["TMRUN_BACKEND"] = "gloo"
-    else:
-        cmd = [sys.executable, "-m", "tmrun.cli.main", "--standalone", "--nproc-per-node", str(args.nproc),
-               "--standby", "1", *script]
+    cmd, env = launch(kind, args.nproc, script)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         if proc.wait(timeout=args.timeout) != 0:
@@ -61,13 +84,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--timeout", type=float, default=600)
     args = parser.parse_args()
-    results: dict[str, list[float]] = {"torchrun+gloo": [], "tmrun": []}
-    with tempfile.TemporaryDirectory(prefix="tmrun-steady-") as tmp:
-        for index in range(args.runs):
-            for kind in results:  # interleaved, so drifts of the machine hit both
-                work = Path(tmp) / f"{kind}-{index}"
-                work.mkdir()
-                results[kind].append(run(kind, args, work))
+    results = interleaved(run, args, "tmrun-steady-")
     params = args.depth * (args.width * args.width + args.width) + args.width + 1
     print(f"{args.nproc} workers, MLP {args.depth}x{args.width} ({params / 1e6:.1f}M parameters), AdamW, "
           f"batch {args.batch}, {args.steps} steps, {args.runs} runs each")
