@@ -24,6 +24,8 @@ from pathlib import Path
 
 import psutil
 
+from tests.helpers import wait_until
+
 NODES = tuple(f"n{i}" for i in range(9))  # three groups of three: scenarios run side by side
 MARKER = "TMRUN_TEST_SLURM"
 _BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel")
@@ -248,14 +250,12 @@ class SlurmCluster:
         victims = [psutil.Process(self.daemons[f"slurmd-{node}"].pid), *self.step_daemons(node), *self.job_processes(node)]
         for victim in victims:
             _signal(victim, signal.SIGSTOP)
-        deadline = time.monotonic() + 10
-        while not all(_stopped_or_gone(victim) for victim in victims):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{node}'s processes did not stop within 10 s")
-            time.sleep(0.01)
+        if not wait_until(lambda: all(_in_state(v, *STOPPED, *DEAD) for v in victims), 10, interval=0.01):
+            raise RuntimeError(f"{node}'s processes did not stop within 10 s")
         for victim in sorted(victims, key=_depth, reverse=True):
             _signal(victim, signal.SIGKILL)
-            _wait_dead(victim, time.monotonic() + 10)
+            if not wait_until(lambda: _in_state(victim, *DEAD), 10, interval=0.002):  # noqa: B023 (called here)
+                raise RuntimeError(f"process {victim.pid} did not die within 10 s of its SIGKILL")
         self.daemons[f"slurmd-{node}"].wait(timeout=10)
         return [victim.pid for victim in victims]
 
@@ -348,20 +348,13 @@ def _depth(process: psutil.Process) -> int:
         return 0
 
 
-def _wait_dead(process: psutil.Process, deadline: float) -> None:
-    """Until ``process`` is a zombie or gone (a SIGKILLed process, stopped or not, dies at once)."""
-    while time.monotonic() < deadline:
-        try:
-            if process.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
-                return
-        except psutil.NoSuchProcess:
-            return
-        time.sleep(0.002)
-    raise RuntimeError(f"process {process.pid} did not die within 10 s of its SIGKILL")
+STOPPED = (psutil.STATUS_STOPPED,)
+DEAD = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
 
 
-def _stopped_or_gone(process: psutil.Process) -> bool:
+def _in_state(process: psutil.Process, *states: str) -> bool:
+    """Whether ``process`` is in one of ``states``, or gone."""
     try:
-        return process.status() in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+        return process.status() in states
     except psutil.NoSuchProcess:
         return True
